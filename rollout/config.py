@@ -1,0 +1,81 @@
+"""Config plumbing shared by every component: frozen dataclasses built from YAML dicts.
+
+Each component defines one frozen dataclass and validates its fields in
+``__post_init__`` by raising :class:`ConfigError` with the field's dotted path and,
+where the field takes a fixed set of values, the allowed values. ``from_dict`` rejects
+unknown keys (typos are the most common config bug) and builds nested dataclasses.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from pathlib import Path
+from typing import Any, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A config value is missing, unknown or out of range; the message names the field."""
+
+    def __init__(self, field: str, message: str, allowed: typing.Iterable[Any] | None = None):
+        self.field = field
+        text = f"config field '{field}': {message}"
+        if allowed is not None:
+            text += f" (allowed: {', '.join(map(str, allowed))})"
+        super().__init__(text)
+
+
+def _nested_dataclass(tp: Any) -> type | None:
+    """The dataclass inside ``tp`` (``X`` or ``X | None``), or None."""
+    if dataclasses.is_dataclass(tp):
+        return tp
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        for arg in typing.get_args(tp):
+            if dataclasses.is_dataclass(arg):
+                return arg
+    return None
+
+
+def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
+    """Build dataclass ``cls`` from ``data``; unknown keys and bad nested values raise ConfigError."""
+    data = {} if data is None else data
+    if not isinstance(data, dict):
+        raise ConfigError(prefix or cls.__name__, f"expected a mapping, got {type(data).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{prefix}.{unknown[0]}" if prefix else unknown[0]
+        raise ConfigError(where, "unknown field", allowed=sorted(fields))
+    hints = typing.get_type_hints(cls)
+    kwargs = {}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        sub = _nested_dataclass(hints[name])
+        if sub is not None and isinstance(value, dict):
+            value = from_dict(sub, value, path)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as err:
+        if prefix and not err.field.startswith(prefix):
+            raise ConfigError(f"{prefix}.{err.field}", str(err).split(": ", 1)[1]) from None
+        raise
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    """Read a YAML mapping; a missing file or a parse error raises ConfigError naming the file."""
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(str(path), "config file not found")
+    try:
+        data = yaml.safe_load(path.read_text())
+    except yaml.YAMLError as err:
+        raise ConfigError(str(path), f"invalid YAML: {err}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(str(path), "the top level must be a mapping")
+    return data

