@@ -29,9 +29,9 @@ test-slow: $(VENV)/.installed
 bench: $(VENV)/.installed
 	$(BIN)/python -m scripts.bench_verifiers
 
+CONFIG ?= configs/default.yaml
 run: $(VENV)/.installed
-	@echo "The training job (make run) arrives with issue 5; nothing to run yet."
-	@exit 1
+	$(BIN)/python -m scripts.train --config $(CONFIG)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

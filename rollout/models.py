@@ -100,6 +100,7 @@ class TargetModel(nn.Module):
         self.hidden_size: int = int(self.config.hidden_size)
         self.vocab_size: int = int(self.config.vocab_size)
         self.aux_layer_ids = self._check_aux(aux_layer_ids)
+        self.train(model.training)
 
     def _check_aux(self, ids: tuple[int, int, int] | None) -> tuple[int, int, int]:
         if ids is None:
@@ -187,7 +188,7 @@ class TargetModel(nn.Module):
 
 
 def load_target(cfg: TargetConfig) -> tuple[TargetModel, Any]:
-    """Load the target named by ``cfg`` and its tokenizer; the model is in eval mode."""
+    """Load the target named by ``cfg`` and its tokenizer (None for a folder without one); eval mode."""
     if cfg.path is None:
         target, tok = load_embedded_target()
         model = target.model
@@ -196,12 +197,18 @@ def load_target(cfg: TargetConfig) -> tuple[TargetModel, Any]:
         if p.suffix == ".gguf":
             model, tok = _load_gguf_clean(p)
         else:
-            from transformers import AutoModelForCausalLM, AutoTokenizer
-
-            model = AutoModelForCausalLM.from_pretrained(str(p), dtype=DTYPES[cfg.dtype])
-            tok = AutoTokenizer.from_pretrained(str(p))
+            model, tok = _load_hf_folder(p, DTYPES[cfg.dtype])
     model = model.to(DTYPES[cfg.dtype]).eval()
     return TargetModel(model, cfg.aux_layer_ids), tok
+
+
+def _load_hf_folder(path: Path, dtype: torch.dtype) -> tuple[nn.Module, Any]:
+    """Model and tokenizer from a Hugging Face folder; the tokenizer is None when the folder has none."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype)
+    has_tok = any((path / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model"))
+    return model, (AutoTokenizer.from_pretrained(str(path)) if has_tok else None)
 
 
 def embedded_gguf_path() -> Path:

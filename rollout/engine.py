@@ -1,0 +1,258 @@
+"""The speculative rollout engine (the ``hf`` backend): a step loop over rounds.
+
+Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and VERIFICATION.md):
+- **round**: draft (chain or tree) for every live row, verify the block in one target
+  forward, emit tokens with the verifier, commit the accepted part of the caches, drop
+  finished rows. ``spec.mode == "off"`` runs the same loop with an empty draft (one token
+  per round), so speedups compare the same engine.
+- **first token**: each row's first completion token is sampled from the prefill's p
+  (a bonus token); from then on every round starts from the row's pending token.
+
+The engine only glues: :class:`rollout.sequences.SequenceTable` does the bookkeeping,
+:class:`rollout.runner.ModelRunner` owns tensors and runs the models, ``rollout.tree``
+builds and walks trees, ``verifiers`` decides what is emitted. No Ray here.
+
+Sampled chains use ``verify_chain`` (draft x ~ q). Greedy chains and trees use the walk
+over deterministic candidates (``verify_candidates`` node by node). Randomness: one
+``torch.Generator`` seeded per call drives the drafts and the verifier, so a call is
+deterministic given its seed (and the batch composition).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from rollout.outputs import DebugRecord, GenerationResult, Timings
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.runner import ModelRunner, sample_draft
+from rollout.sequences import RoundOutput, SequenceTable
+from rollout.tree import Tree, chain_tree, draft_tree, root_tree, walk
+from verifiers import TokenKind, verify_chain
+
+
+def available_cores() -> int:
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
+@dataclass
+class _Call:
+    """State of one generate call shared by the round functions."""
+
+    runner: ModelRunner
+    table: SequenceTable
+    rule: object
+    generator: torch.Generator
+    sampling: SamplingParams
+    spec: SpecConfig
+    timings: Timings
+    debug: list[DebugRecord] | None
+    record: list = field(default_factory=list)
+
+    @property
+    def verify_kw(self) -> dict:
+        s = self.sampling
+        return {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "generator": self.generator}
+
+
+class Engine:
+    """Batched speculative decoding over a ``TargetModel`` and an optional ``Eagle3Head``.
+
+    num_threads: torch CPU threads (default: the cores this process may use).
+    prefill_tokens: rows are prefilled in chunks of about this many tokens (bounds the
+        memory of the prefill's full-vocabulary logits).
+    """
+
+    def __init__(self, target, head=None, *, num_threads: int | None = None, prefill_tokens: int = 1024):
+        if head is not None and head.cfg.vocab_size != target.vocab_size:
+            raise ValueError(f"head vocab_size {head.cfg.vocab_size} != target vocab_size {target.vocab_size}")
+        self.target, self.head = target, head
+        self.prefill_tokens = prefill_tokens
+        if target.device.type == "cpu":
+            torch.set_num_threads(num_threads or available_cores())
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 spec: SpecConfig | None = None, verifier: VerifierConfig | None = None, seed: int = 0,
+                 *, debug: bool = False) -> GenerationResult:
+        """Complete every prompt (token id lists of any lengths); see the module docstring.
+
+        debug: keep, per emitted token, the logits the verifier saw (``result.debug``).
+        """
+        sampling = sampling or SamplingParams()
+        spec = spec or SpecConfig(mode="off")
+        verifier = verifier or VerifierConfig()
+        if spec.speculative and self.head is None:
+            raise ValueError(f"spec.mode={spec.mode!r} needs a draft head; this engine has none (use mode 'off')")
+        if not prompts:
+            return GenerationResult([], Timings(), [] if debug else None)
+        budgets = self._budgets(prompts, sampling.max_new_tokens)
+        start = time.perf_counter()
+        dev = self.target.device
+        call = _Call(runner=ModelRunner(self.target, self.head, self.prefill_tokens),
+                     table=SequenceTable(prompts, budgets, sampling.stop_token_ids), rule=verifier.rule(),
+                     generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
+                     timings=Timings(), debug=[] if debug else None)
+        with torch.inference_mode():
+            self._prefill(call, prompts, max(budgets))
+            while len(call.table):
+                self._round(call)
+        t = call.timings
+        t.total_s = time.perf_counter() - start
+        t.other_s = max(0.0, t.total_s - t.draft_s - t.verify_s)
+        completions = call.table.completions()
+        t.tokens = sum(c.num_tokens for c in completions)
+        return GenerationResult(completions, t, _trim_debug(call.debug, completions))
+
+    def _budgets(self, prompts: list[list[int]], max_new: int) -> list[int]:
+        """Validate the prompts; each row's token budget (capped by the target's context)."""
+        ctx, vocab = self.target.config.max_position_embeddings, self.target.vocab_size
+        budgets = []
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"prompt {i} is empty (every prompt needs at least one token)")
+            if len(p) >= ctx:
+                raise ValueError(f"prompt {i} has {len(p)} tokens but the target's context is {ctx} tokens "
+                                 "(max_position_embeddings): shorten or truncate it")
+            if min(p) < 0 or max(p) >= vocab:
+                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+            budgets.append(min(max_new, ctx - len(p)))
+        return budgets
+
+    # ------------------------------------------------------------------ rounds
+    def _prefill(self, call: _Call, prompts: list[list[int]], max_new: int) -> None:
+        t0 = time.perf_counter()
+        spec = call.spec
+        capacity = max(len(p) for p in prompts) + max_new + spec.block_size + spec.max_emitted + 2
+        logits = call.runner.start(prompts, capacity)  # [B, V]
+        tree = root_tree(torch.zeros(len(prompts), dtype=torch.long, device=logits.device))
+        res = walk(call.rule, tree, logits[:, None], record=self._record(call), **call.verify_kw)
+        call.timings.verify_s += time.perf_counter() - t0
+        call.timings.target_forwards += 1
+        call.runner.set_first_tokens(res.tokens[:, 0])
+        self._finish_round(call, res, None, first=True)
+
+    def _round(self, call: _Call) -> None:
+        spec, runner = call.spec, call.runner
+        t0 = time.perf_counter()
+        if spec.mode == "chain" and spec.draft_sampling == "sampled":
+            return self._chain_round(call, t0)
+        if spec.mode == "off":
+            tree = root_tree(runner.pending)
+        elif spec.mode == "chain":
+            drafts, _ = self._draft_chain(call)
+            tree = chain_tree(runner.pending, runner.draft_ids[drafts])
+        else:
+            tree = draft_tree(runner, runner.pending, spec.depth, spec.top_k, spec.total_tokens)
+            call.timings.draft_forwards += spec.depth
+        t1 = time.perf_counter()
+        logits, feats = runner.verify_forward(tree.tokens, tree.depths, tree.mask)  # [B, T, V], [B, T, 3H]
+        res = walk(call.rule, tree, logits, record=self._record(call), **call.verify_kw)
+        t2 = time.perf_counter()
+        self._tick(call, t1 - t0, t2 - t1)
+        runner.commit(res.counts, res.counts.tolist(), res.tokens.clamp(min=0), feats,
+                      res.path if tree.mask is not None else None)
+        self._finish_round(call, res, tree)
+
+    def _chain_round(self, call: _Call, t0: float) -> None:
+        runner = call.runner
+        drafts, draft_logits = self._draft_chain(call)  # [B, K] draft ids, [B, K, Vd]
+        tokens = runner.draft_ids[drafts]  # [B, K]
+        t1 = time.perf_counter()
+        block = torch.cat([runner.pending[:, None], tokens], dim=1)  # [B, K+1]
+        offsets = torch.arange(block.shape[1], device=block.device)[None]
+        logits, feats = runner.verify_forward(block, offsets, None)  # [B, K+1, V]
+        full_draft = self.head.to_target_logits(draft_logits)  # [B, K, V]
+        res = verify_chain(call.rule, logits, full_draft, tokens, **call.verify_kw)
+        t2 = time.perf_counter()
+        self._tick(call, t1 - t0, t2 - t1)
+        counts = res.num_emitted
+        if call.debug is not None:
+            call.record = [(k, None, logits[:, k], full_draft[:, k] if k < tokens.shape[1] else None)
+                           for k in range(block.shape[1])]
+        runner.commit(counts, counts.tolist(), res.tokens.clamp(min=0), feats, None)
+        self._finish_round(call, res, None)
+
+    def _draft_chain(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft K tokens per row: draft ids ``[B, K]`` and their draft logits ``[B, K, Vd]``."""
+        runner, k = call.runner, call.spec.num_draft_tokens
+        greedy = call.spec.draft_sampling == "greedy"
+        logits, hidden = runner.draft_root()  # [B, Vd], [B, H]
+        ids, all_logits = [], [logits]
+        for s in range(k):
+            ids.append(sample_draft(logits, call.sampling.temperature, greedy, call.generator))
+            if s == k - 1:
+                break
+            seen = torch.ones(len(ids[-1]), 1, s, dtype=torch.bool, device=logits.device) if s else None
+            lg, hd = runner.draft_step(runner.draft_ids[ids[-1]][:, None], hidden[:, None], s + 1, seen)
+            logits, hidden = lg[:, 0], hd[:, 0]
+            all_logits.append(logits)
+        call.timings.draft_forwards += k
+        return torch.stack(ids, 1), torch.stack(all_logits, 1)
+
+    def _tick(self, call: _Call, draft_s: float, verify_s: float) -> None:
+        t = call.timings
+        t.draft_s += draft_s
+        t.verify_s += verify_s
+        t.target_forwards += 1
+        t.rounds += 1
+        t.row_rounds += len(call.table)
+
+    def _finish_round(self, call: _Call, res, tree: Tree | None, first: bool = False) -> None:
+        """Hand the emitted tokens to the bookkeeping; drop finished rows everywhere."""
+        counts = getattr(res, "num_emitted", None)
+        counts = res.counts if counts is None else counts
+        if not first:
+            call.timings.emitted += int(counts.sum())
+        table = call.table
+        before = table.completion_lengths()
+        if call.debug is not None:
+            self._keep_records(call, counts, res.tokens, before)
+        out = RoundOutput(tokens=res.tokens.cpu().numpy(), counts=counts.cpu().numpy(),
+                          behaviour_logprobs=res.behaviour_logprobs.cpu().numpy(),
+                          target_logprobs=res.target_logprobs.cpu().numpy(),
+                          kinds=res.kinds.cpu().numpy(), relaxed=res.relaxed.cpu().numpy())
+        done = table.append(out, first=first)
+        if any(done):
+            rows = [r for r, d in enumerate(done) if not d]
+            if rows:
+                call.runner.keep(rows)
+            table.keep(rows)
+
+    # ------------------------------------------------------------------ debug
+    @staticmethod
+    def _record(call: _Call) -> list | None:
+        if call.debug is None:
+            return None
+        call.record = []
+        return call.record
+
+    @staticmethod
+    def _keep_records(call: _Call, counts: torch.Tensor, tokens: torch.Tensor, before: list[int]) -> None:
+        """Turn this round's raw records into DebugRecords (one per emitted token)."""
+        live = call.table.live
+        counts_h = counts.tolist()
+        for level, rows, logits, extra in call.record:
+            chain = rows is None  # chain entries carry draft logits (None at the bonus position)
+            rows = range(len(live)) if chain else rows.tolist()
+            for i, r in enumerate(rows):
+                if level >= counts_h[r]:
+                    continue
+                call.debug.append(DebugRecord(
+                    row=live[r], index=before[r] + level, token=int(tokens[r, level]),
+                    target_logits=logits[i].clone(),
+                    draft_logits=extra[i].clone() if chain and extra is not None else None,
+                    candidates=None if chain else extra[i].clone()))
+        call.record = []
+
+
+def _trim_debug(debug: list[DebugRecord] | None, completions) -> list[DebugRecord] | None:
+    """Drop records of tokens cut by stop/length truncation."""
+    if debug is None:
+        return None
+    return [d for d in debug if d.index < completions[d.row].num_tokens]

@@ -1,0 +1,159 @@
+"""The three knobs of one ``Engine.generate`` call, as frozen, validated dataclasses.
+
+- :class:`SamplingParams`: how the target distribution p is formed (temperature, top-k,
+  top-p) and when a completion ends (max new tokens, stop tokens).
+- :class:`SpecConfig`: how candidates are drafted. ``off`` is plain autoregressive
+  decoding through the same engine (one target forward per token); ``chain`` drafts
+  ``num_draft_tokens`` (K) tokens in a line, either sampled from the draft distribution q
+  or greedy (the draft's argmax, verified as deterministic candidates); ``tree`` is the
+  EAGLE-2 dynamic tree: ``depth`` draft levels, ``top_k`` children per expanded node and
+  a global top-``top_k`` frontier, the best ``total_tokens`` drafted nodes verified in one
+  target forward.
+- :class:`VerifierConfig`: the verification rule by registry name plus its parameters
+  (see ``verifiers.get_rule``); lossless by default.
+
+Each class validates in ``__post_init__`` and raises :class:`rollout.config.ConfigError`
+naming the field and, where there is a fixed set, the allowed values. They load from YAML
+mappings with ``rollout.config.from_dict``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.config import ConfigError
+
+SPEC_MODES = ("off", "chain", "tree")
+DRAFT_SAMPLING = ("sampled", "greedy")
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _positive_int(name: str, value: Any) -> None:
+    if not _is_int(value) or value < 1:
+        raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """How tokens are sampled from the target and when a completion stops.
+
+    temperature: >= 0; 0 is greedy (deterministic, behaviour log-prob 0).
+    top_k: keep the k most likely target tokens (None = all).
+    top_p: keep the smallest set of target tokens with mass >= top_p (None = all).
+    max_new_tokens: completion length cap (>= 1).
+    stop_token_ids: a completion ends after the first of these (the stop token is kept).
+    """
+
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int = 128
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError("temperature", f"must be a finite number >= 0, got {t!r}")
+        if self.top_k is not None:
+            _positive_int("top_k", self.top_k)
+        p = self.top_p
+        if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
+            raise ConfigError("top_p", f"must be null or in (0, 1], got {p!r}")
+        _positive_int("max_new_tokens", self.max_new_tokens)
+        stops = self.stop_token_ids
+        if isinstance(stops, int) or not isinstance(stops, (list, tuple)):
+            raise ConfigError("stop_token_ids", f"must be a list of token ids, got {stops!r}")
+        if not all(_is_int(s) and s >= 0 for s in stops):
+            raise ConfigError("stop_token_ids", f"must be non-negative integers, got {stops!r}")
+        object.__setattr__(self, "stop_token_ids", tuple(stops))
+        object.__setattr__(self, "temperature", float(t))
+
+
+@dataclass(frozen=True)
+class SpecConfig:
+    """How candidates are drafted (fields of other modes are ignored).
+
+    mode: ``off`` (plain autoregressive), ``chain`` or ``tree``.
+    num_draft_tokens: chain length K (tokens drafted per round).
+    draft_sampling: chain drafts ``sampled`` from q (lossless acceptance 1 - TV(p, q))
+        or ``greedy`` (the draft's argmax, verified as deterministic candidates).
+    depth: tree levels drafted per round.
+    top_k: tree children per expanded node, and the width of the expanded frontier.
+    total_tokens: drafted tree nodes verified per round (the root is extra).
+    """
+
+    mode: str = "chain"
+    num_draft_tokens: int = 5
+    draft_sampling: str = "sampled"
+    depth: int = 5
+    top_k: int = 4
+    total_tokens: int = 16
+
+    def __post_init__(self) -> None:
+        if self.mode not in SPEC_MODES:
+            raise ConfigError("mode", f"unknown speculation mode {self.mode!r}", allowed=SPEC_MODES)
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ConfigError("draft_sampling", f"unknown draft sampling {self.draft_sampling!r}",
+                              allowed=DRAFT_SAMPLING)
+        for name in ("num_draft_tokens", "depth", "top_k", "total_tokens"):
+            _positive_int(name, getattr(self, name))
+        most = self.top_k + (self.depth - 1) * self.top_k ** 2  # nodes the tree drafting generates
+        if self.mode == "tree" and self.total_tokens > most:
+            raise ConfigError("total_tokens", f"{self.total_tokens} exceeds the {most} nodes a tree of depth "
+                              f"{self.depth} and top_k {self.top_k} drafts")
+
+    @property
+    def speculative(self) -> bool:
+        return self.mode != "off"
+
+    @property
+    def block_size(self) -> int:
+        """Tokens per row in one verification forward (pending token + drafted tokens)."""
+        if self.mode == "off":
+            return 1
+        if self.mode == "chain":
+            return self.num_draft_tokens + 1
+        return self.total_tokens + 1
+
+    @property
+    def max_emitted(self) -> int:
+        """Most tokens one round can emit for a row."""
+        if self.mode == "off":
+            return 1
+        return (self.num_draft_tokens if self.mode == "chain" else self.depth) + 1
+
+
+@dataclass(frozen=True)
+class VerifierConfig:
+    """The verification rule: ``name`` from the ``verifiers`` registry and its ``params``
+    (e.g. ``{"theta": 0.9}`` for mars, ``{"lenience": 0.5}`` for overshoot)."""
+
+    name: str = "lossless"
+    params: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, dict):
+            raise ConfigError("params", f"must be a mapping of rule parameters, got {self.params!r}")
+        self.rule()  # unknown names / bad parameters raise here, naming what is allowed
+
+    def rule(self):
+        """The rule object from ``verifiers.get_rule`` (errors re-raised as ConfigError)."""
+        from verifiers import get_rule
+
+        if not isinstance(self.name, str):
+            raise ConfigError("name", f"must be a rule name, got {self.name!r}")
+        try:
+            return get_rule(self.name, **self.params)
+        except ConfigError:
+            raise
+        except (KeyError, ValueError, TypeError) as err:
+            from verifiers import RULES
+
+            if self.name not in RULES:
+                raise ConfigError("name", f"unknown verification rule {self.name!r}", allowed=sorted(RULES)) from None
+            raise ConfigError("params", str(err)) from None

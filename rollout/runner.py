@@ -1,0 +1,226 @@
+"""The model runner: owns the tensors of one generate call and runs the target and the draft.
+
+Vocabulary:
+- **pending token**: the last emitted token of a row. It is not in the target's KV cache
+  yet; it is the first input (the root) of the row's next verification block.
+- **block**: the tokens one verification forward feeds per row: the pending token then
+  the drafted tokens (chain) or tree nodes. ``offsets [B|1, T]`` give their positions
+  relative to the row's length (``0..K`` for a chain, the node depth for a tree) and
+  ``block_mask [B|1, T, T]`` which block tokens each one sees (None = causal).
+- **draft pair j**: the draft head's input at draft slot j is the token ``x_{j+1}`` with
+  the target feature ``f_j`` of the position before it (the feature that predicted it);
+  its output predicts ``x_{j+2}``. Speculative draft steps pair a drafted token with the
+  draft's own output hidden state instead of ``f``.
+- **waiting pairs**: pairs whose target features are known but which the draft has not
+  consumed yet: the whole prompt after the prefill, the accepted path plus the pending
+  token after each round. ``draft_root`` consumes them (that is the draft's step 0) and
+  returns the draft logits and hidden state at each row's last pair.
+- **speculation**: draft forwards beyond step 0 within one round; their KV entries live
+  only in ``self._spec_past`` and are dropped when the next round starts.
+
+All row-indexed tensors follow the live order of ``rollout.sequences.SequenceTable``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rollout.kv_cache import RowKVCache
+from verifiers.processing import draft_logits as scale_draft_logits
+
+DRAFT_POSITION_OFFSET = 0  # draft pair j sits at RoPE position j + this offset
+
+
+class ModelRunner:
+    """Target + optional EAGLE-3 head, their KV caches, pending tokens and draft inputs."""
+
+    def __init__(self, target, head=None, prefill_tokens: int = 1024):
+        self.target, self.head = target, head
+        cfg = target.config
+        self.device = target.device
+        self.dtype = target.dtype
+        self.num_kv_heads = int(cfg.num_key_value_heads)
+        self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
+        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
+        self.prefill_tokens = prefill_tokens
+        if head is not None:
+            self.draft_ids = head.target_ids.to(self.device)  # [Vd] target id of each draft id
+        self.cache: RowKVCache | None = None
+        self.draft_kv: RowKVCache | None = None
+
+    @property
+    def batch(self) -> int:
+        return 0 if self.cache is None else self.cache.batch
+
+    # ------------------------------------------------------------------ prefill
+    def start(self, prompts: list[list[int]], capacity: int) -> torch.Tensor:
+        """Allocate the caches and prefill every prompt; return the last logits ``[B, V]``."""
+        b, p_max = len(prompts), max(len(p) for p in prompts)
+        self.cache = RowKVCache(self.target.num_layers, b, self.num_kv_heads, self.head_dim, capacity,
+                                self.dtype, self.device)
+        ids = torch.zeros(b, p_max, dtype=torch.long)
+        for i, p in enumerate(prompts):
+            ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+        ids = ids.to(self.device)
+        plen = torch.tensor([len(p) for p in prompts], device=self.device)  # [B]
+        feats = None
+        last_logits = []
+        rows_per_chunk = max(1, self.prefill_tokens // p_max)
+        for r0 in range(0, b, rows_per_chunk):
+            rows = slice(r0, min(b, r0 + rows_per_chunk))
+            p_chunk = int(plen[rows].max())
+            logits, f = self._prefill_chunk(ids[rows, :p_chunk], plen[rows], rows)
+            last_logits.append(logits.gather(1, (plen[rows] - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0])
+            if self.head is not None:
+                if feats is None:
+                    feats = f.new_zeros(b, p_max, f.shape[-1])
+                feats[rows, :p_chunk] = f
+        self.cache.set_lengths(plen)
+        self._prompt_ids, self._plen = ids, plen
+        self._waiting_feats = feats  # [B, P, 3H] until the first token is known
+        return torch.cat(last_logits)
+
+    def _prefill_chunk(self, ids: torch.Tensor, plen: torch.Tensor, rows: slice):
+        b, t = ids.shape
+        self.cache.prepare(t, rows)
+        pos = torch.arange(t, device=self.device)
+        key_ok = (pos[None, :] < plen[:, None])  # [b, t]
+        causal = pos[None, :] <= pos[:, None]  # [t, t]
+        mask = causal[None] & (key_ok[:, None, :] | torch.eye(t, dtype=torch.bool, device=self.device)[None])
+        out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None], cache=self.cache)
+        return out.logits, out.features
+
+    def set_first_tokens(self, tokens: torch.Tensor) -> None:
+        """Record the first sampled token ``[B]``: it is pending, and closes the prompt's draft pairs."""
+        self.pending = tokens
+        if self.head is None:
+            return
+        b = tokens.shape[0]
+        shifted = torch.cat([self._prompt_ids[:, 1:], self._prompt_ids.new_zeros(b, 1)], dim=1)  # x_{j+1}
+        shifted.scatter_(1, (self._plen - 1)[:, None], tokens[:, None])
+        cap = self.cache.capacity
+        h = self.head.cfg
+        self.draft_kv = RowKVCache(1, b, h.num_key_value_heads, h.head_dim, cap, self.head.fc.weight.dtype,
+                                   self.device)
+        self._set_waiting(shifted, self._waiting_feats, self._plen)
+
+    def _set_waiting(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
+        self._wait_tokens, self._wait_feats, self._wait_counts = tokens, feats, counts
+        self._wait_host = counts.tolist()
+
+    # ------------------------------------------------------------------ target
+    def verify_forward(self, tokens: torch.Tensor, offsets: torch.Tensor, block_mask: torch.Tensor | None):
+        """Run the target on the block ``tokens [B, T]``; return logits ``[B, T, V]`` and
+        features ``[B, T, 3H]``. The block's KV is written but not committed."""
+        b, t = tokens.shape
+        _, kv_len = self.cache.prepare(t)
+        lengths = self.cache.lengths
+        positions = lengths[:, None] + offsets  # [B, T]
+        keys = torch.arange(kv_len, device=self.device)
+        if block_mask is None:
+            mask = keys[None, None, :] <= (lengths[:, None] + torch.arange(t, device=self.device))[:, :, None]
+        else:
+            rel = keys[None, :] - lengths[:, None]  # [B, L]
+            in_block = (rel >= 0) & (rel < t)
+            seen = block_mask.expand(b, t, t).gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, kv_len))
+            mask = (rel < 0)[:, None, :] | (seen & in_block[:, None, :])  # [B, T, L]
+        out = self.target(tokens, position_ids=positions, attention_mask=mask[:, None], cache=self.cache)
+        return out.logits, out.features
+
+    def commit(self, counts: torch.Tensor, host_counts: list[int], emitted: torch.Tensor,
+               features: torch.Tensor, path: torch.Tensor | None) -> None:
+        """Commit ``counts [B]`` block tokens per row (the root and the accepted drafts).
+
+        emitted [B, W]: the tokens emitted this round (the last valid one becomes pending);
+        features [B, T, 3H]: the block's target features; path [B, W]: block offsets of the
+        committed tokens when they are not the block's prefix (trees), else None.
+        """
+        self.cache.commit(counts, host_counts, path)
+        self.pending = emitted.gather(1, (counts - 1)[:, None])[:, 0]
+        if self.head is not None:
+            w = emitted.shape[1]
+            feats = features[:, :w] if path is None else features.gather(
+                1, path[:, :, None].expand(-1, -1, features.shape[-1]))
+            self._set_waiting(emitted, feats, counts)
+
+    def keep(self, rows: list[int]) -> None:
+        """Drop finished rows: keep ``rows`` (increasing) of every row-indexed tensor."""
+        idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self.cache.keep(rows)
+        self.pending = self.pending.index_select(0, idx)
+        if self.draft_kv is not None:
+            self.draft_kv.keep(rows)
+            self._set_waiting(self._wait_tokens.index_select(0, idx), self._wait_feats.index_select(0, idx),
+                              self._wait_counts.index_select(0, idx))
+
+    # ------------------------------------------------------------------ draft
+    def draft_root(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft step 0: consume the waiting pairs; return logits ``[B, Vd]`` and hidden
+        ``[B, H]`` at each row's last pair (they predict the first drafted token)."""
+        kv, counts = self.draft_kv, self._wait_counts
+        b, t = self.batch, max(self._wait_host)
+        lc = max(kv.host_lengths)
+        logits_out, hidden_out = [], []
+        rows_per_chunk = max(1, self.prefill_tokens // t)
+        for r0 in range(0, b, rows_per_chunk):
+            rows = slice(r0, min(b, r0 + rows_per_chunk))
+            logits, hidden = self._draft_root_chunk(rows, t, lc)
+            last = (counts[rows] - 1)[:, None, None]
+            logits_out.append(logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0])
+            hidden_out.append(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0])
+        kv.commit(counts, self._wait_host)
+        self._spec_past = None
+        return torch.cat(logits_out), torch.cat(hidden_out)
+
+    def _draft_root_chunk(self, rows: slice, t: int, lc: int):
+        kv, counts = self.draft_kv, self._wait_counts[rows]
+        d_len = kv.lengths[rows]  # [b]
+        b = d_len.shape[0]
+        ar = torch.arange(t, device=self.device)
+        pos = d_len[:, None] + ar + DRAFT_POSITION_OFFSET  # [b, t]
+        past_ok = torch.arange(lc, device=self.device)[None, :] < d_len[:, None]  # [b, lc]
+        new_ok = (ar[None, :] <= ar[:, None])[None] & ((ar[None, None, :] < counts[:, None, None])
+                                                      | torch.eye(t, dtype=torch.bool, device=self.device))
+        mask = torch.cat([past_ok[:, None, :].expand(b, t, lc), new_ok], dim=2)  # [b, t, lc + t]
+        past = (kv.keys[0][rows, :, :lc], kv.values[0][rows, :, :lc]) if lc else None
+        d = self.head(self._wait_tokens[rows, :t], self._wait_feats[rows, :t], pos, mask, past)
+        slots = d_len[:, None] + ar  # [b, t]; slots past the count are scratch, overwritten later
+        idx = slots[:, None, :, None].expand(b, d.kv[0].shape[1], t, d.kv[0].shape[3])
+        kv.keys[0][rows].scatter_(2, idx, d.kv[0][:, :, lc:])
+        kv.values[0][rows].scatter_(2, idx, d.kv[1][:, :, lc:])
+        return d.logits, d.hidden
+
+    def draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, level: int,
+                   spec_visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+        """One speculative draft forward of ``tokens [B, T]`` (draft ids mapped to target ids
+        by the caller) with input hidden ``[B, T, H]`` at tree level ``level`` (>= 1).
+
+        spec_visible [B, T, S]: which of the S earlier speculative slots of this round each
+        query sees (None when S = 0). Every query also sees the committed draft cache and
+        itself. Returns logits ``[B, T, Vd]`` and output hidden ``[B, T, H]``.
+        """
+        kv = self.draft_kv
+        b, t = tokens.shape
+        lc = max(kv.host_lengths)
+        past = self._spec_past if self._spec_past is not None else kv.kv(0, lc)
+        committed = (torch.arange(lc, device=self.device)[None, :] < kv.lengths[:, None])[:, None, :]
+        parts = [committed.expand(b, t, lc)]
+        if spec_visible is not None:
+            parts.append(spec_visible)
+        parts.append(torch.eye(t, dtype=torch.bool, device=self.device)[None].expand(b, t, t))
+        mask = torch.cat(parts, dim=2)
+        pos = (kv.lengths - 1 + level + DRAFT_POSITION_OFFSET)[:, None].expand(b, t)
+        d = self.head(tokens, hidden, pos, mask, past)
+        self._spec_past = d.kv
+        return d.logits, d.hidden
+
+
+def sample_draft(logits: torch.Tensor, temperature: float, greedy: bool,
+                 generator: torch.Generator) -> torch.Tensor:
+    """Draft ids ``[...]`` from draft logits ``[..., Vd]``: the argmax when greedy or T = 0, else
+    a sample from q = softmax(logits / T) (exponential race, no host sync)."""
+    if greedy or temperature == 0:
+        return logits.argmax(-1)
+    q = torch.softmax(scale_draft_logits(logits, temperature), dim=-1)
+    race = torch.empty_like(q).exponential_(generator=generator)
+    return (q / race).argmax(-1)

@@ -1,0 +1,57 @@
+"""Run GRPO training from one YAML config.
+
+    python -m scripts.train --config configs/default.yaml [--steps N] [--out-dir DIR] [--fresh]
+    ray job submit --working-dir . -- python -m scripts.train --config configs/X.yaml
+
+The config is validated before Ray or any model starts; a bad field exits with status 2
+and a message naming it. Without a cluster (no RAY_ADDRESS, ``ray.address: null``) a
+local Ray is started and stopped by this process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+from rollout.config import ConfigError
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="training YAML (configs/default.yaml is the embedded default)")
+    ap.add_argument("--steps", type=int, help="override run.steps")
+    ap.add_argument("--out-dir", help="override run.out_dir")
+    ap.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in out_dir (run.resume=false)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from trainers.train_config import load_train_config
+
+    run_over = {k: v for k, v in (("steps", args.steps), ("out_dir", args.out_dir)) if v is not None}
+    if args.fresh:
+        run_over["resume"] = False
+    try:
+        cfg = load_train_config(args.config, {"run": run_over} if run_over else None)
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    import ray
+
+    from trainers.loop import GRPOTrainer
+
+    if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:
+        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
+    else:
+        ray.init(address=cfg.ray.address or "auto")
+    try:
+        GRPOTrainer(cfg).run()
+    finally:
+        ray.shutdown()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

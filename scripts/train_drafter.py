@@ -1,0 +1,126 @@
+"""Train an EAGLE-3 head for a target on the target's own responses.
+
+    python -m scripts.train_drafter --config configs/drafter.yaml --export rollout/heads/smollm2-135m-eagle3
+
+Steps: load the target; build prompts (arithmetic problems from ``trainers.tasks`` and
+general instructions, chat template applied); generate the responses and features once
+and cache them; pick the draft vocabulary by response-token frequency; train with
+training-time test (checkpoints in ``out_dir``, resumed automatically); report held-out
+teacher-forced acceptance; export the head in the EAGLE format (``--export``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from rollout.config import from_dict, load_yaml
+from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from rollout.models import DTYPES, load_target
+from trainers.drafter import DrafterConfig, init_from_target, resolve_device, train_drafter
+from trainers.drafter_data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
+from trainers.drafter_prompts import general_prompts
+from trainers.tasks import make_problems
+
+
+def chat_ids(tok, text: str) -> list[int]:
+    """The chat-formatted prompt (default system prompt, generation prompt) as token ids."""
+    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
+    return tok(rendered, add_special_tokens=False)["input_ids"]
+
+
+def prompt_sets(d: DrafterDataConfig) -> dict[str, tuple[list[str], list[str]]]:
+    """{"train": (texts, kinds), "heldout": (texts, kinds)}."""
+    train = [p.prompt for lv in d.difficulties for p in make_problems(d.arithmetic_per_difficulty, lv, "train", d.seed)]
+    per = -(-d.heldout_arithmetic // len(d.difficulties))
+    held = [p.prompt for lv in d.difficulties for p in make_problems(per, lv, "heldout", d.seed + 1)]
+    held = held[: d.heldout_arithmetic]
+    gen_train = general_prompts(d.general_prompts, "train", d.seed)
+    gen_held = general_prompts(d.heldout_general, "heldout", d.seed + 1)
+    return {
+        "train": (train + gen_train, ["arithmetic"] * len(train) + ["general"] * len(gen_train)),
+        "heldout": (held + gen_held, ["arithmetic"] * len(held) + ["general"] * len(gen_held)),
+    }
+
+
+def data_path(cfg: DrafterConfig) -> Path:
+    """Cache file named by a hash of everything that determines the generated data."""
+    key = json.dumps({"data": dataclasses.asdict(cfg.data) | {"cache_dir": None}, "target": cfg.target.path,
+                      "dtype": cfg.target.dtype, "aux": cfg.target.aux_layer_ids, "format": 1}, sort_keys=True)
+    digest = hashlib.sha256(key.encode()).hexdigest()[:12]
+    root = cfg.data.cache_dir or str(Path(os.environ.get("HONEST_ROLLOUTS_CACHE") or "~/.cache/honest-rollouts") / "drafter-data")
+    return Path(root).expanduser() / f"data-{digest}.pt"
+
+
+def load_or_generate(cfg: DrafterConfig, target, tok, regenerate: bool) -> tuple[DrafterData, DrafterData]:
+    path = data_path(cfg)
+    if path.is_file() and not regenerate:
+        print(f"data: cached {path}")
+        blob = torch.load(path, weights_only=True)
+        return DrafterData(**blob["train"]), DrafterData(**blob["heldout"])
+    gen = torch.Generator().manual_seed(cfg.data.seed)
+    out = {}
+    for split, (texts, kinds) in prompt_sets(cfg.data).items():
+        t0 = time.time()
+        out[split] = generate_dataset(target, [chat_ids(tok, t) for t in texts], kinds,
+                                      max_new_tokens=cfg.data.max_new_tokens, batch_size=cfg.data.batch_size,
+                                      greedy_fraction=cfg.data.greedy_fraction, gen=gen, desc=f"generate {split}")
+        n_resp = len(out[split].response_tokens())
+        print(f"data: {split}: {len(texts)} prompts, {n_resp} response tokens, {int(out[split].offsets[-1])} "
+              f"positions in {time.time() - t0:.0f} s")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({k: v.__dict__ for k, v in out.items()}, tmp)
+    tmp.replace(path)
+    return out["train"], out["heldout"]
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", default="configs/drafter.yaml")
+    ap.add_argument("--export", default=None, help="folder to write the trained head to (EAGLE format)")
+    ap.add_argument("--no-resume", action="store_true", help="ignore a checkpoint in out_dir")
+    ap.add_argument("--regenerate-data", action="store_true")
+    ap.add_argument("--stop-at", type=int, default=None, help="stop at this optimizer step (resume later)")
+    args = ap.parse_args(argv)
+    cfg = from_dict(DrafterConfig, load_yaml(args.config))
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    device = resolve_device(cfg.device)
+    target, tok = load_target(cfg.target)
+    target = target.to(device)
+    train, heldout = load_or_generate(cfg, target, tok, args.regenerate_data)
+    ids, coverage = draft_vocab(train, cfg.draft_vocab_size, target.vocab_size)
+    _, held_cov = _coverage_on(heldout, ids)
+    print(f"draft vocab {cfg.draft_vocab_size}: covers {coverage:.4f} of train and {held_cov:.4f} of held-out response tokens")
+    head = Eagle3Head(Eagle3Config.for_target(target, cfg.draft_vocab_size), target.embed_tokens).to(device)
+    head.set_draft_vocab(ids)
+    if cfg.init_from_target:
+        init_from_target(head, target)
+    for p in target.parameters():
+        p.requires_grad_(False)
+    t0 = time.time()
+    report = train_drafter(cfg, head, train, heldout, resume=not args.no_resume, stop_at=args.stop_at)
+    report.update(train_seconds=round(time.time() - t0, 1), coverage_train=coverage, coverage_heldout=held_cov)
+    print(json.dumps(report, indent=1))
+    if args.export:
+        save_eagle3(head.to(DTYPES[cfg.export_dtype]), args.export)
+        print(f"exported to {args.export}")
+    return report
+
+
+def _coverage_on(data: DrafterData, ids: torch.Tensor) -> tuple[int, float]:
+    resp = data.response_tokens()
+    hit = torch.isin(resp, ids)
+    return int(hit.sum()), float(hit.float().mean()) if len(resp) else 0.0
+
+
+if __name__ == "__main__":
+    main()

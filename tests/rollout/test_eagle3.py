@@ -1,0 +1,185 @@
+"""The EAGLE-3 draft head: shapes, draft vocabulary mapping, KV cache, checkpoint formats."""
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rollout.eagle3 import Eagle3Config, Eagle3Head, causal_mask, load_eagle3, save_eagle3
+from rollout.eagle3_io import HeadMismatchError
+from rollout.models import TargetModel
+
+V, H, VD = 300, 64, 100
+
+
+def tiny_target(layers: int = 6, hidden: int = H, vocab: int = V, aux=None) -> TargetModel:
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=layers,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                      tie_word_embeddings=True)
+    return TargetModel(LlamaForCausalLM(cfg).eval(), aux)
+
+
+def make_head(target: TargetModel, vd: int = VD, seed: int = 1) -> tuple[Eagle3Head, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    head = Eagle3Head(Eagle3Config.for_target(target, draft_vocab_size=vd), target.embed_tokens)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if p.dim() == 1 else 0.0))
+    ids = torch.randperm(target.vocab_size, generator=g)[:vd].sort().values
+    head.set_draft_vocab(ids)
+    return head.eval(), ids
+
+
+def run(head, target, t=9, seed=2):
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, target.vocab_size, (2, t), generator=g)
+    feats = torch.randn(2, t, 3 * target.hidden_size, generator=g)
+    pos = torch.arange(t).expand(2, t)
+    with torch.no_grad():
+        return head(tokens, feats, pos, causal_mask(2, t)), (tokens, feats, pos)
+
+
+def test_d2t_t2d_and_target_logits():
+    target = tiny_target()
+    head, ids = make_head(target)
+    assert head.d2t.dtype == torch.long and head.t2d.dtype == torch.bool
+    assert torch.equal(head.target_ids, ids)
+    assert torch.equal(torch.arange(VD) + head.d2t, ids)
+    assert int(head.t2d.sum()) == VD and bool(head.t2d[ids].all())
+    out, _ = run(head, target)
+    assert out.logits.shape == (2, 9, VD) and out.hidden.shape == (2, 9, H)
+    full = head.to_target_logits(out.logits)  # [2, 9, V]
+    assert full.shape == (2, 9, V)
+    assert torch.equal(full[..., ids], out.logits)
+    assert torch.isneginf(full[..., ~head.t2d]).all()
+    assert torch.equal(full.argmax(-1), ids[out.logits.argmax(-1)])
+
+
+def test_kv_cache_two_calls_equal_one_call():
+    target = tiny_target()
+    head, _ = make_head(target)
+    (full, (tokens, feats, pos)) = run(head, target, t=10)
+    with torch.no_grad():
+        a = head(tokens[:, :6], feats[:, :6], pos[:, :6], causal_mask(2, 6))
+        b = head(tokens[:, 6:], feats[:, 6:], pos[:, 6:], causal_mask(2, 4, past_len=6), past=a.kv)
+    torch.testing.assert_close(torch.cat([a.logits, b.logits], 1), full.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.cat([a.hidden, b.hidden], 1), full.hidden, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(b.kv[0], full.kv[0], rtol=1e-5, atol=1e-5)
+    assert b.kv[0].shape == (2, 2, 10, 16)
+
+
+def test_fc_applies_only_to_feature_width_input():
+    target = tiny_target()
+    head, _ = make_head(target)
+    out, (tokens, feats, pos) = run(head, target, t=5)
+    with torch.no_grad():
+        fed_back = head(tokens, out.hidden, pos, causal_mask(2, 5))  # [2, 5, H]: no fc
+        head.fc.weight.mul_(2.0)
+        fed_back2 = head(tokens, out.hidden, pos, causal_mask(2, 5))
+        from_features = head(tokens, feats, pos, causal_mask(2, 5))
+    assert torch.equal(fed_back.logits, fed_back2.logits)
+    assert not torch.allclose(from_features.logits, out.logits)
+    with pytest.raises(ValueError, match="hidden must be"):
+        head(tokens, torch.zeros(2, 5, 2 * H), pos, causal_mask(2, 5))
+
+
+def test_mask_controls_what_a_position_sees():
+    target = tiny_target()
+    head, _ = make_head(target)
+    out, (tokens, feats, pos) = run(head, target, t=6)
+    mask = causal_mask(2, 6).clone()
+    mask[:, 4, 1] = False
+    with torch.no_grad():
+        masked = head(tokens, feats, pos, mask)
+    changed = (masked.logits - out.logits).abs().amax(dim=(0, 2)) > 1e-6
+    assert changed.tolist() == [False, False, False, False, True, False]
+
+
+def test_eagle_format_round_trip_exact(tmp_path):
+    target = tiny_target()
+    head, ids = make_head(target)
+    save_eagle3(head, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["draft_vocab_size"] == VD
+    assert cfg["num_hidden_layers"] == 1 and cfg["eagle_aux_hidden_state_layer_ids"] == list(target.aux_layer_ids)
+    loaded = load_eagle3(tmp_path, target)
+    sd_a, sd_b = head.state_dict(), loaded.state_dict()
+    assert sd_a.keys() == sd_b.keys() and "midlayer.self_attn.q_proj.weight" in sd_a
+    assert not any(k.startswith("embed_tokens") for k in sd_a)
+    for k in sd_a:
+        assert torch.equal(sd_a[k], sd_b[k]), k
+    assert loaded.embed_tokens is target.embed_tokens
+    a, _ = run(head, target)
+    b, _ = run(loaded, target)
+    assert torch.equal(a.logits, b.logits)
+
+
+def test_bf16_round_trip_exact(tmp_path):
+    target = tiny_target()
+    head, _ = make_head(target)
+    head = head.to(torch.bfloat16)
+    save_eagle3(head, tmp_path)
+    loaded = load_eagle3(tmp_path, target, dtype=torch.bfloat16)
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    assert loaded.fc.weight.dtype == torch.bfloat16
+
+
+def write_speculators(head: Eagle3Head, target: TargetModel, path) -> None:
+    c = head.cfg
+    path.mkdir(parents=True, exist_ok=True)
+    config = {
+        "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+        "draft_vocab_size": c.draft_vocab_size, "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "transformer_layer_config": {
+            "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+            "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+            "head_dim": c.head_dim, "rms_norm_eps": c.rms_norm_eps, "vocab_size": c.vocab_size,
+            "max_position_embeddings": c.max_position_embeddings,
+        },
+    }
+    weights = {k.replace("midlayer.", "layers.0."): v.clone() for k, v in head.state_dict().items()}
+    weights["embed_tokens.weight"] = target.embed_tokens.weight.detach().clone()
+    save_file(weights, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+
+
+def test_speculators_format_loads_exactly(tmp_path):
+    target = tiny_target()
+    head, _ = make_head(target)
+    write_speculators(head, target, tmp_path)
+    loaded = load_eagle3(tmp_path, target)
+    for k, v in head.state_dict().items():
+        assert torch.equal(v, loaded.state_dict()[k]), k
+    assert loaded.cfg.rope_theta == 10000.0  # absent from the config: the EAGLE default
+
+
+@pytest.mark.parametrize(
+    "other, needle",
+    [
+        (dict(hidden=32), "hidden size"),
+        (dict(vocab=310), "vocabulary"),
+        (dict(layers=4), "layer ids"),
+        (dict(aux=(1, 3, 5)), "layer ids"),
+    ],
+)
+def test_mismatched_head_is_refused(tmp_path, other, needle):
+    head, _ = make_head(tiny_target(aux=(2, 3, 5)))
+    save_eagle3(head, tmp_path)
+    wrong = tiny_target(**other)
+    with pytest.raises(HeadMismatchError, match=needle):
+        load_eagle3(tmp_path, wrong)
+
+
+def test_full_vocab_head_without_mapping(tmp_path):
+    target = tiny_target()
+    head = Eagle3Head(Eagle3Config.for_target(target), target.embed_tokens)
+    save_eagle3(head, tmp_path)
+    from safetensors.torch import load_file
+    w = {k: v for k, v in load_file(str(tmp_path / "model.safetensors")).items() if k not in ("d2t", "t2d")}
+    save_file(w, str(tmp_path / "model.safetensors"))
+    loaded = load_eagle3(tmp_path, target)
+    assert torch.equal(loaded.target_ids, torch.arange(V)) and bool(loaded.t2d.all())

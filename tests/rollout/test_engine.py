@@ -1,0 +1,163 @@
+"""Engine tests at T = 0 and the engine's contract: greedy equality, stops, limits, errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_utils import PROMPTS, copy_head, tiny_target
+
+from rollout.config import ConfigError, from_dict
+from rollout.engine import Engine
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from verifiers import TokenKind
+
+SPECS = {
+    "chain-sampled": SpecConfig(mode="chain", num_draft_tokens=4),
+    "chain-greedy": SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="greedy"),
+    "tree": SpecConfig(mode="tree", depth=4, top_k=3, total_tokens=10),
+    "tree-wide": SpecConfig(mode="tree", depth=2, top_k=5, total_tokens=12),
+}
+
+
+@pytest.fixture(scope="module")
+def models():
+    target = tiny_target()
+    return target, copy_head(target, draft_vocab=48)
+
+
+def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
+    out = target.model.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
+def test_autoregressive_greedy_matches_hf_generate(models):
+    target, head = models
+    res = Engine(target, head).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=24))
+    for prompt, comp in zip(PROMPTS, res.completions):
+        assert comp.prompt_ids == prompt
+        assert comp.completion_ids == hf_greedy(target, prompt, 24)
+        assert comp.behaviour_logprobs == [0.0] * 24 and comp.finish_reason == "length"
+    assert res.timings.tau == 1.0
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_speculative_greedy_equals_autoregressive(models, name):
+    target, head = models
+    engine = Engine(target, head)
+    sampling = SamplingParams(temperature=0, max_new_tokens=40)
+    ref = engine.generate(PROMPTS, sampling, SpecConfig(mode="off"))
+    res = engine.generate(PROMPTS, sampling, SPECS[name])
+    for a, b in zip(ref.completions, res.completions):
+        assert b.completion_ids == a.completion_ids
+        assert b.behaviour_logprobs == [0.0] * len(b.completion_ids)
+    kinds = [k for c in res.completions for k in c.kinds]
+    assert kinds.count(TokenKind.ACCEPTED) > 10, "the copy head should get drafts accepted"
+    assert res.tau > 1.2
+    assert res.timings.target_forwards < ref.timings.target_forwards
+
+
+def test_mars_greedy_is_deterministic_and_may_take_second_token(models):
+    target, head = models
+    engine = Engine(target, head)
+    sampling = SamplingParams(temperature=0, max_new_tokens=30)
+    rule = VerifierConfig("mars", {"theta": 0.5})
+    a = engine.generate(PROMPTS, sampling, SPECS["tree"], rule, seed=1)
+    b = engine.generate(PROMPTS, sampling, SPECS["tree"], rule, seed=2)
+    assert [c.completion_ids for c in a.completions] == [c.completion_ids for c in b.completions]
+
+
+def test_stop_tokens_end_completions(models):
+    target, head = models
+    engine = Engine(target, head)
+    greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=30))
+    stop = greedy.completions[2].completion_ids[5]
+    sampling = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=(stop,))
+    for spec in (SpecConfig(mode="off"), SPECS["chain-sampled"], SPECS["tree"]):
+        res = engine.generate(PROMPTS, sampling, spec)
+        for full, comp in zip(greedy.completions, res.completions):
+            ids = full.completion_ids
+            cut = ids.index(stop) + 1 if stop in ids else len(ids)
+            assert comp.completion_ids == ids[:cut]
+            assert comp.finish_reason == ("stop" if stop in ids else "length")
+            assert len(comp.kinds) == len(comp.behaviour_logprobs) == len(comp.relaxed) == cut
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 7])
+def test_max_new_tokens_is_exact(models, max_new):
+    target, head = models
+    res = Engine(target, head).generate(PROMPTS, SamplingParams(max_new_tokens=max_new), SPECS["chain-sampled"],
+                                        seed=3)
+    assert [c.num_tokens for c in res.completions] == [max_new] * len(PROMPTS)
+    assert res.timings.tokens == max_new * len(PROMPTS)
+
+
+def test_empty_prompt_list():
+    target = tiny_target()
+    res = Engine(target, copy_head(target)).generate([], SamplingParams(), SPECS["tree"])
+    assert res.completions == [] and res.timings.tokens == 0
+
+
+def test_prompt_errors_and_context_cap():
+    target = tiny_target(context=64)
+    engine = Engine(target, copy_head(target))
+    with pytest.raises(ValueError, match="prompt 1 has 64 tokens but the target's context is 64"):
+        engine.generate([[1, 2], [3] * 64], SamplingParams())
+    with pytest.raises(ValueError, match="prompt 0 is empty"):
+        engine.generate([[]], SamplingParams())
+    with pytest.raises(ValueError, match="outside"):
+        engine.generate([[1, 999]], SamplingParams())
+    res = engine.generate([[5] * 60, [1, 2]], SamplingParams(max_new_tokens=10), SPECS["chain-sampled"])
+    assert [c.num_tokens for c in res.completions] == [4, 10]  # the first row hits the context
+
+
+def test_speculation_needs_a_head():
+    engine = Engine(tiny_target())
+    with pytest.raises(ValueError, match="needs a draft head"):
+        engine.generate([[1, 2]], SamplingParams(), SPECS["tree"])
+    assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=3)).completions[0].num_tokens == 3
+
+
+@pytest.mark.parametrize("name", ["off", "chain-sampled", "chain-greedy", "tree"])
+def test_seeded_determinism(models, name):
+    target, head = models
+    engine = Engine(target, head)
+    spec = SpecConfig(mode="off") if name == "off" else SPECS[name]
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=20)
+    a, b, c = (engine.generate(PROMPTS, sampling, spec, seed=s) for s in (7, 7, 8))
+    assert [x.completion_ids for x in a.completions] == [x.completion_ids for x in b.completions]
+    assert [x.behaviour_logprobs for x in a.completions] == [x.behaviour_logprobs for x in b.completions]
+    assert [x.completion_ids for x in a.completions] != [x.completion_ids for x in c.completions]
+
+
+def test_rollout_batch_pads_completions(models):
+    target, head = models
+    res = Engine(target, head).generate(PROMPTS, SamplingParams(max_new_tokens=6), SPECS["tree"], seed=0)
+    batch = res.to_batch(policy_version=3)
+    assert batch.completion_ids.shape == (len(PROMPTS), 6)
+    assert batch.prompt_mask.sum(1).tolist() == [len(p) for p in PROMPTS]
+    assert batch.completion_ids[2].tolist() == res.completions[2].completion_ids
+    assert torch.allclose(batch.behaviour_logprobs[1], torch.tensor(res.completions[1].behaviour_logprobs))
+    assert batch.policy_version == 3 and batch.tau == res.tau
+
+
+def test_params_validation_names_fields():
+    with pytest.raises(ConfigError, match="'mode'.*allowed: off, chain, tree"):
+        SpecConfig(mode="beam")
+    with pytest.raises(ConfigError, match="'draft_sampling'"):
+        SpecConfig(draft_sampling="nucleus")
+    with pytest.raises(ConfigError, match="'total_tokens'"):
+        SpecConfig(mode="tree", depth=2, top_k=2, total_tokens=7)
+    with pytest.raises(ConfigError, match="'temperature'"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ConfigError, match="'top_p'"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ConfigError, match="'stop_token_ids'"):
+        SamplingParams(stop_token_ids=5)
+    with pytest.raises(ConfigError, match="'name'.*allowed:.*lossless"):
+        VerifierConfig("nope")
+    with pytest.raises(ConfigError, match="'params'"):
+        VerifierConfig("mars", {"theta": 7})
+    spec = from_dict(SpecConfig, {"mode": "tree", "depth": 3})
+    assert spec.depth == 3 and spec.block_size == spec.total_tokens + 1
+    assert from_dict(SamplingParams, {"stop_token_ids": [2]}).stop_token_ids == (2,)

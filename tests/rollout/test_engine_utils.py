@@ -1,0 +1,105 @@
+"""Tiny models for the engine tests (no test functions here).
+
+The target is a random 4-layer Llama whose layers after the first are damped, so the
+input of layer 1 (an EAGLE-3 feature) is close to its final hidden state. The "copy" head
+maps that feature through the target's own final norm and lm_head, with its decoder layer
+silenced: it predicts, for the next position, what the target predicted for the current
+one. That drafter is accepted often enough (repeats, loops) to exercise every path of
+the engine without training anything.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rollout.eagle3 import Eagle3Config, Eagle3Head
+from rollout.models import TargetModel
+
+
+def tiny_target(vocab: int = 64, seed: int = 0, logit_scale: float = 3.0, context: int = 256) -> TargetModel:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=context, tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(logit_scale)
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    return TargetModel(model)
+
+
+def copy_head(target: TargetModel, draft_vocab: int | None = None, seed: int = 1) -> Eagle3Head:
+    """An EAGLE-3 head that reuses the target's norm and lm_head on the layer-1 feature."""
+    torch.manual_seed(seed)
+    v, h = target.vocab_size, target.hidden_size
+    vd = draft_vocab or v
+    cfg = Eagle3Config(hidden_size=h, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, vocab_size=v, draft_vocab_size=vd, target_hidden_size=h,
+                       aux_layer_ids=target.aux_layer_ids)
+    head = Eagle3Head(cfg, target.embed_tokens).eval()
+    ids = torch.randperm(v)[:vd].sort().values
+    head.set_draft_vocab(ids)
+    which = list(target.aux_layer_ids).index(1)  # the feature block holding the input of layer 1
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, which * h:(which + 1) * h] = torch.eye(h)
+        head.midlayer.self_attn.o_proj.weight.mul_(0.05)
+        head.midlayer.mlp.down_proj.weight.mul_(0.05)
+        head.norm.weight.copy_(target.model.model.norm.weight)
+        head.lm_head.weight.copy_(target.model.lm_head.weight[ids])
+    return head
+
+
+PROMPTS = [[1, 2, 3, 4, 5], [7, 8], list(range(10, 30)), [3]]
+
+
+def _ttt_loss(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, probs: torch.Tensor,
+              steps: int) -> torch.Tensor:
+    """EAGLE-3 training-time-test loss on sequences ``tokens [N, L]`` with target features
+    ``feats [N, L, 3H]`` and target next-token probabilities ``probs [N, L, V]``.
+
+    Step 0 pairs token i+1 with feature i (position i) and predicts token i+2; step s
+    pairs token i+1+s with step s-1's output hidden at i (position i+s), seeing step-0 keys
+    up to i and its own earlier steps at i: what the engine does when drafting.
+    """
+    n, length = tokens.shape
+    m = length - 1 - steps
+    idx = torch.arange(m)
+    causal = idx[None, :] <= idx[:, None]  # [m, m]
+    hidden, past, loss = feats[:, :m], None, 0.0
+    keep = probs[..., head.target_ids]
+    keep = keep / keep.sum(-1, keepdim=True)
+    for s in range(steps):
+        eye = torch.eye(m, dtype=torch.bool)
+        mask = (causal if s == 0 else torch.cat([causal] + [eye] * s, dim=1)).expand(n, m, -1)
+        d = head(tokens[:, 1 + s:1 + s + m], hidden, (idx + s).expand(n, m), mask, past)
+        target = keep[:, 1 + s:1 + s + m]  # the target's distribution of token i+2+s
+        loss = loss + 0.8 ** s * -(target * torch.log_softmax(d.logits, -1)).sum(-1).mean()
+        hidden, past = d.hidden, d.kv
+    return loss
+
+
+def trained_head(target: TargetModel, draft_vocab: int | None = None, steps: int = 150, seed: int = 1,
+                 ttt_steps: int = 3) -> Eagle3Head:
+    """A head trained for a few seconds on sequences the target samples itself."""
+    from rollout.engine import Engine
+    from rollout.params import SamplingParams
+
+    head = copy_head(target, draft_vocab, seed)
+    gen = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(0, target.vocab_size, (3,), generator=gen).tolist() for _ in range(48)]
+    res = Engine(target).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=29), seed=seed)
+    tokens = torch.tensor([c.prompt_ids + c.completion_ids for c in res.completions])  # [48, 32]
+    with torch.no_grad():
+        out = target(tokens, use_cache=False)
+    feats, probs = out.features, torch.softmax(out.logits, -1)
+    head.train()
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    for _ in range(steps):
+        opt.zero_grad()
+        _ttt_loss(head, tokens, feats, probs, ttt_steps).backward()
+        opt.step()
+    return head.eval()

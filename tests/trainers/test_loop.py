@@ -1,0 +1,140 @@
+"""The training driver end to end on a tiny random policy with real Ray actors:
+bad configs fail before Ray starts, lossless rollouts are on-policy (weights 1), a killed
+actor loses no rollout, and resume reproduces the uninterrupted run."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+
+import pytest
+import torch
+
+from rollout.config import ConfigError
+from tests.trainers.conftest import write_config
+from trainers.train_config import load_train_config
+
+
+# ---------------------------------------------------------------------------- bad configs
+@pytest.mark.parametrize("section, values, field", [
+    ("rollout", {"verifier": {"name": "mystery"}}, "rollout.verifier.name"),
+    ("grpo", {"group_size": -2}, "grpo.group_size"),
+    ("model", {"target": {"path": "/nowhere/model.gguf"}}, "model.target.path"),
+    ("correction", {"mode": "sometimes"}, "correction.mode"),
+    ("rollout", {"spec": {"mode": "forest"}}, "rollout.spec.mode"),
+    ("optim", {"learning_rate": 1.0}, "optim.learning_rate"),
+])
+def test_bad_config_names_the_field(tmp_path, tiny_policy_dir, section, values, field):
+    path = write_config(tmp_path / "c.yaml", tiny_policy_dir, None, tmp_path / "out", **{section: values})
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path)
+    assert err.value.field == field, str(err.value)
+    assert field in str(err.value)
+
+
+def test_bad_config_lists_allowed_values(tmp_path, tiny_policy_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_policy_dir, None, tmp_path / "out",
+                        rollout={"verifier": {"name": "mystery"}})
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path)
+    for name in ("lossless", "mars", "overshoot"):
+        assert name in str(err.value)
+
+
+def test_bad_yaml_and_cli_exit_before_ray(tmp_path, capsys):
+    import ray
+
+    from scripts.train import main
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("run: {steps: 2\n  oops: [")
+    assert main(["--config", str(bad)]) == 2
+    assert "invalid YAML" in capsys.readouterr().err
+    assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
+    assert "not found" in capsys.readouterr().err
+    assert not ray.is_initialized()
+
+
+# ---------------------------------------------------------------------------- with Ray
+def _trainer(tmp_path, policy, head, name, **sections):
+    from trainers.loop import GRPOTrainer
+
+    path = write_config(tmp_path / f"{name}.yaml", policy, head, tmp_path / name, **sections)
+    return GRPOTrainer(load_train_config(path))
+
+
+def test_lossless_rollouts_are_on_policy(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "onpolicy",
+                       run={"steps": 2, "checkpoint_every": 0},
+                       rollout={"verifier": {"name": "lossless", "params": {}}},
+                       correction={"mode": "token_mis", "low": 0.999, "high": 1.001})
+    rows = trainer.run()
+    assert len(rows) == 2
+    for r in rows:  # step 2 runs on weights updated by step 1: still on-policy
+        assert r["log_ratio_abs_max"] < 1e-3, r
+        assert r["is_masked_frac"] == 0.0
+        assert r["relaxed_frac"] == 0.0
+        assert r["rollout_vs_trainer_logp_max"] < 1e-3
+    records = [json.loads(x) for x in (tmp_path / "onpolicy" / "rollouts.jsonl").read_text().splitlines()]
+    assert len(records) == 2 * 2 * 3
+    for rec in records:
+        w = torch.tensor(rec["weights"])
+        assert torch.allclose(w, torch.ones_like(w), atol=1e-3)
+
+
+def test_lossy_rollouts_are_off_policy_and_logged(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):
+    # on a random model p and q are near-uniform: MARS (rightly) rejects almost every draft
+    # there, while the overshoot cap relaxes the p < q draws
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "lossy", run={"steps": 1},
+                       rollout={"verifier": {"name": "overshoot", "params": {"lenience": 0.3}}})
+    rows = trainer.run()
+    assert rows[0]["relaxed_frac"] > 0
+    assert rows[0]["log_ratio_abs_max"] > 1e-3
+    out = tmp_path / "lossy"
+    for name in ("metrics.jsonl", "rollouts.jsonl", "summary.md", "plots/reward.png", "plots/drift.png"):
+        assert (out / name).is_file(), name
+    assert list((out / "tb").iterdir())
+
+
+def test_killed_actor_loses_no_rollout(tiny_policy_dir, tiny_head_dir, local_ray):
+    from rollout.actor import WorkerSpec
+    from rollout.actor_pool import RolloutPool
+    from rollout.models import TargetConfig
+    from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+
+    spec = WorkerSpec(TargetConfig(path=str(tiny_policy_dir)), str(tiny_head_dir),
+                      SamplingParams(max_new_tokens=48), SpecConfig(mode="chain", num_draft_tokens=3),
+                      VerifierConfig("lossless"), threads=1)
+    pool = RolloutPool(spec, 2, num_cpus_per_actor=1, max_restarts=2)
+    prompts = [[1 + i, 20 + i, 300 + i] for i in range(8)]
+    ids = [f"r{i}" for i in range(8)]
+    try:
+        reference, _ = pool.generate(ids, prompts, seed=5)
+        box = {}
+        worker = threading.Thread(target=lambda: box.update(out=pool.generate(ids, prompts, seed=5)))
+        worker.start()
+        time.sleep(1.0)  # the shards are in flight now
+        pool.kill_actor(0)
+        worker.join(timeout=300)
+        completions, shards = box["out"]
+    finally:
+        pool.shutdown()
+    assert pool.stats.restarts == 1
+    assert sorted(r for s in shards for r in s.request_ids) == sorted(ids)  # each exactly once
+    # the lost shard was re-run with its own seed: identical to the run without a failure
+    assert [c.completion_ids for c in completions] == [c.completion_ids for c in reference]
+
+
+def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):
+    full = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "full", run={"steps": 2})
+    rows_full = full.run()
+    part = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "part", run={"steps": 1})
+    part.run()
+    resumed = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "part", run={"steps": 2})
+    rows_resumed = resumed.run()
+    assert [r["step"] for r in rows_resumed] == [1, 2]
+    for key in ("reward_mean", "loss", "grad_norm", "kl_k3", "rollout_tokens"):
+        assert rows_resumed[1][key] == pytest.approx(rows_full[1][key], rel=1e-6, abs=1e-9), key
+    for (name, a), b in zip(full.policy.state_dict().items(), resumed.policy.state_dict().values()):
+        assert torch.equal(a, b), name

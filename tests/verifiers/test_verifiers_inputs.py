@@ -1,0 +1,270 @@
+"""Bad inputs, edge shapes, greedy decoding, support handling, determinism and diagnostics."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs, make_rule
+
+from verifiers import (DIAGNOSTIC_KEYS, TokenKind, get_rule, induced_candidates, induced_chain,
+                       process_logits, target_probs, verify_candidates, verify_chain)
+
+LOSSLESS = get_rule("lossless")
+
+
+def _chain(rule=LOSSLESS, seed=0, b=4, k=3, v=10, temperature=1.0, **kw):
+    target, draft, x = chain_inputs(seed, b, k, v, temperature)
+    gen = torch.Generator().manual_seed(seed) if temperature > 0 else None
+    return verify_chain(rule, target, draft, x, temperature=temperature, generator=gen, **kw)
+
+
+@pytest.mark.parametrize("where, value, text", [
+    ("target", math.nan, "target_logits: the logit vector at row 2, position 1 contains NaN"),
+    ("target", math.inf, "target_logits: the logit vector at row 2, position 1 contains \\+inf"),
+    ("draft", math.nan, "draft_logits: the logit vector at row 2, position 1 contains NaN"),
+    ("target_row", -math.inf, "target_logits: the logit vector at row 2, position 1 is all -inf"),
+])
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_bad_logits_name_tensor_row_and_position(where, value, text, temperature):
+    target, draft, x = chain_inputs(0, 4, 3, 10, 1.0)
+    if where == "target":
+        target[2, 1, 5] = value
+    elif where == "draft":
+        draft[2, 1, 5] = value
+    else:
+        target[2, 1] = value
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=text):
+        verify_chain(LOSSLESS, target, draft, x, temperature=temperature, generator=gen)
+
+
+def test_bad_candidate_logits_and_candidates():
+    target, cands = candidate_inputs(0, 5, 3, 10)
+    gen = torch.Generator().manual_seed(0)
+    bad = target.clone()
+    bad[3, 2] = math.nan
+    with pytest.raises(ValueError, match="target_logits: the logit vector at row 3 contains NaN"):
+        verify_candidates(LOSSLESS, bad, cands, temperature=1.0, generator=gen)
+    with pytest.raises(ValueError, match="row 1 repeats a token"):
+        verify_candidates(LOSSLESS, target, torch.tensor([[1, 2], [3, 3], [0, 1], [1, 0], [2, -1]]),
+                          temperature=1.0, generator=gen)
+    with pytest.raises(ValueError, match="row 0: -1 padding must come after"):
+        verify_candidates(LOSSLESS, target, torch.tensor([[-1, 2]] * 5), temperature=1.0, generator=gen)
+    with pytest.raises(ValueError, match=r"candidates\[2, 0\] = 10 is outside the vocabulary"):
+        verify_candidates(LOSSLESS, target, torch.tensor([[1], [2], [10], [0], [3]]),
+                          temperature=1.0, generator=gen)
+    with pytest.raises(ValueError, match=r"candidates shape \[4, 3\] does not match target_logits shape \[5, 10\]"):
+        verify_candidates(LOSSLESS, target, cands[:4], temperature=1.0, generator=gen)
+
+
+def test_shape_mismatches_name_both_shapes():
+    target, draft, x = chain_inputs(0, 4, 3, 10, 1.0)
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match=r"draft_logits shape \[4, 2, 10\] does not match target_logits shape \[4, 4, 10\]"):
+        verify_chain(LOSSLESS, target, draft[:, :2], x, temperature=1.0, generator=gen)
+    with pytest.raises(ValueError, match=r"draft_tokens shape \[3, 3\] does not match target_logits shape \[4, 4, 10\]"):
+        verify_chain(LOSSLESS, target, draft, x[:3], temperature=1.0, generator=gen)
+    with pytest.raises(ValueError, match=r"target_logits must be \[B, K\+1, V\], got shape \[4, 10\]"):
+        verify_chain(LOSSLESS, target[:, 0], draft, x, temperature=1.0, generator=gen)
+    with pytest.raises(ValueError, match=r"draft_logits shape \[4, 9\] does not match target_logits shape \[4, 10\]"):
+        induced_chain(LOSSLESS, target[:, 0], draft[:, 0, :9], temperature=1.0)
+
+
+@pytest.mark.parametrize("kwargs, text", [
+    ({"temperature": -0.5}, "temperature must be a finite number >= 0"),
+    ({"temperature": 1.0, "top_k": 0}, "top_k must be None or an integer >= 1"),
+    ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be None or in \(0, 1\]"),
+    ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be None or in \(0, 1\]"),
+])
+def test_bad_sampling_parameters(kwargs, text):
+    target, draft, x = chain_inputs(0, 2, 2, 10, 1.0)
+    with pytest.raises(ValueError, match=text):
+        verify_chain(LOSSLESS, target, draft, x, generator=torch.Generator(), **kwargs)
+    with pytest.raises(ValueError, match=text):
+        verify_candidates(LOSSLESS, target[:, 0], x, generator=torch.Generator(), **kwargs)
+
+
+def test_bad_tokens_generator_and_rule():
+    target, draft, x = chain_inputs(0, 2, 2, 10, 1.0)
+    bad = x.clone()
+    bad[1, 1] = 10
+    with pytest.raises(ValueError, match=r"draft_tokens\[1, 1\] = 10 is outside the vocabulary \[0, 10\)"):
+        verify_chain(LOSSLESS, target, draft, bad, temperature=1.0, generator=torch.Generator())
+    bad[1, 1] = -1
+    with pytest.raises(ValueError, match=r"draft_tokens\[1, 1\] = -1 is outside"):
+        verify_chain(LOSSLESS, target, draft, bad, temperature=1.0, generator=torch.Generator())
+    with pytest.raises(ValueError, match="needs an explicit torch.Generator"):
+        verify_chain(LOSSLESS, target, draft, x, temperature=1.0, generator=None)
+    with pytest.raises(TypeError, match="rule must be a verification rule"):
+        verify_chain("lossless", target, draft, x, temperature=1.0, generator=torch.Generator())
+    draft[0, 1, x[0, 1]] = -math.inf  # a draft token that q could not have sampled
+    with pytest.raises(ValueError, match=r"draft_tokens\[0, 1\] = .* has zero probability under the draft"):
+        verify_chain(LOSSLESS, target, draft, x, temperature=1.0, generator=torch.Generator())
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_k_zero_emits_one_bonus_token(case, temperature):
+    rule = make_rule(case)
+    res = _chain(rule, b=3, k=0, temperature=temperature, diagnostics=True)
+    assert res.tokens.shape == (3, 1) and (res.num_emitted == 1).all()
+    assert (res.kinds == int(TokenKind.BONUS)).all() and (res.tokens >= 0).all()
+    torch.testing.assert_close(res.behaviour_logprobs, res.target_logprobs)
+    assert set(res.diagnostics) == set(DIAGNOSTIC_KEYS)
+
+
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_empty_batches(temperature):
+    gen = torch.Generator() if temperature else None
+    res = verify_chain(LOSSLESS, torch.zeros(0, 4, 10), torch.zeros(0, 3, 10),
+                       torch.zeros(0, 3, dtype=torch.long), temperature=temperature, generator=gen,
+                       diagnostics=True)
+    assert res.tokens.shape == (0, 4) and res.num_emitted.shape == (0,)
+    assert res.kinds.dtype == torch.int8 and res.diagnostics["tv"].shape == (0, 4)
+    out = verify_candidates(LOSSLESS, torch.zeros(0, 10), torch.zeros(0, 3, dtype=torch.long),
+                            temperature=temperature, generator=gen)
+    assert out.tokens.shape == (0,) and out.accepted_index.shape == (0,)
+    assert induced_candidates(LOSSLESS, torch.zeros(0, 10), torch.zeros(0, 2, dtype=torch.long),
+                              temperature=1.0).shape == (0, 10)
+
+
+def test_candidates_with_no_candidate_sample_from_p():
+    target, _ = candidate_inputs(0, 3, 1, 10)
+    empty = torch.full((3, 2), -1)
+    P = induced_candidates(get_rule("overshoot", lenience=0.5), target, empty, temperature=1.0)
+    torch.testing.assert_close(P, target_probs(target, 1.0))
+    res = verify_candidates(LOSSLESS, target, empty, temperature=1.0, generator=torch.Generator())
+    assert (res.accepted_index == -1).all()
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_greedy_is_deterministic_with_zero_logprobs(case):
+    rule = make_rule(case)
+    target, draft, x = chain_inputs(3, 32, 4, 10, 0.0, 6.0 if case[0] == "mars" else 0.0)
+    x[::2, 1] = target[::2, 1].argmax(-1)  # some rows accept beyond the first position
+    runs = [verify_chain(rule, target, draft, x, temperature=0.0, generator=gen)
+            for gen in (None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))]
+    for other in runs[1:]:
+        assert torch.equal(runs[0].tokens, other.tokens)
+    res = runs[0]
+    assert (res.behaviour_logprobs == 0).all()
+    v1 = target.argmax(-1)
+    rows = torch.arange(32)
+    last = res.num_emitted - 1
+    assert torch.equal(res.tokens[rows, last], v1[rows, last])  # the final token is the argmax
+    accepted = res.kinds == int(TokenKind.ACCEPTED)
+    if case[0] != "mars":
+        assert torch.equal(res.tokens[accepted], v1[accepted])
+        assert not res.relaxed.any()
+    else:  # MARS also accepts v2 where its ratio test holds on the raw logits
+        second = target.topk(2, -1).indices[..., 1]
+        ok = (res.tokens == v1) | (res.tokens == second)
+        assert ok[accepted].all() and res.relaxed.any()
+        assert (res.target_logprobs[res.relaxed] == -math.inf).all()
+    _, cands = candidate_inputs(3, 32, 3, 10, 6.0 if case[0] == "mars" else 0.0)
+    out = verify_candidates(rule, target[:, 0], cands, temperature=0.0, generator=None)
+    assert (out.behaviour_logprobs == 0).all()
+    fell_back = out.accepted_index < 0
+    assert torch.equal(out.tokens[fell_back], v1[fell_back, 0])
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("top_k, top_p", [(2, None), (None, 0.5), (3, 0.7)])
+def test_support_handling_under_truncation(case, top_k, top_p):
+    """No emitted token outside supp P; finite behaviour log-probs; uncovered mass reported."""
+    rule = make_rule(case)
+    shift = 6.0 if case[0] == "mars" else 0.0
+    target, draft, x = chain_inputs(4, 256, 3, 12, 1.0, shift)
+    res = verify_chain(rule, target, draft, x, temperature=1.0, top_k=top_k, top_p=top_p,
+                       generator=torch.Generator().manual_seed(0), diagnostics=True)
+    emitted = res.tokens >= 0
+    assert torch.isfinite(res.behaviour_logprobs[emitted]).all()
+    b, j = emitted.nonzero(as_tuple=True)
+    for pos in range(4):
+        sel = j == pos
+        if pos < 3:
+            P = induced_chain(rule, target[b[sel], pos], draft[b[sel], pos], temperature=1.0,
+                              top_k=top_k, top_p=top_p)
+        else:
+            P = target_probs(target[b[sel], pos], 1.0, top_k, top_p)
+        assert (P.gather(-1, res.tokens[b[sel], pos, None]) > 0).all()
+    if case[0] == "lossless":  # P = p: the uncovered mass is the truncated mass of softmax(z / T)
+        pi = torch.softmax(target, -1)
+        cut = process_logits(target, 1.0, top_k, top_p) == -math.inf
+        expected = (pi * cut).sum(-1).masked_fill(~emitted, 0)
+        torch.testing.assert_close(res.diagnostics["uncovered"], expected, atol=1e-6, rtol=0)
+        assert (expected > 0).any()
+    _, cands = candidate_inputs(4, 256, 3, 12)
+    out = verify_candidates(rule, target[:, 0], cands, temperature=1.0, top_k=top_k, top_p=top_p,
+                            generator=torch.Generator().manual_seed(0), diagnostics=True)
+    P = induced_candidates(rule, target[:, 0], cands, temperature=1.0, top_k=top_k, top_p=top_p)
+    assert (P.gather(-1, out.tokens[:, None]) > 0).all()
+    assert torch.isfinite(out.behaviour_logprobs).all()
+
+
+def test_top_k_and_top_p_processing():
+    z = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0]])
+    assert torch.equal(process_logits(z, 1.0, top_k=2) > -math.inf,
+                       torch.tensor([[True, True, True, False, False]]))  # ties at the k-th kept
+    p = torch.softmax(z, -1)[0]
+    kept = process_logits(z, 1.0, top_p=float(p[0]) + 1e-3) > -math.inf
+    assert kept.tolist() == [[True, True, True, False, False]]  # smallest prefix reaching top_p
+    assert (process_logits(z, 1.0, top_p=float(p[0]) - 1e-3) > -math.inf).sum() == 1
+    assert torch.equal(process_logits(z, 0.5), z / 0.5)
+    greedy = process_logits(torch.tensor([[0.0, 3.0, 3.0]]), 0.0)
+    assert greedy.tolist() == [[-math.inf, 0.0, -math.inf]]  # first argmax on ties
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_seeded_runs_are_deterministic(case):
+    rule = make_rule(case)
+    target, draft, x = chain_inputs(8, 64, 4, 10, 1.0, 6.0 if case[0] == "mars" else 0.0)
+
+    def run(seed):
+        return verify_chain(rule, target, draft, x, temperature=1.0,
+                            generator=torch.Generator().manual_seed(seed))
+
+    a, b, c = run(1), run(1), run(2)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.behaviour_logprobs, b.behaviour_logprobs)
+    assert not torch.equal(a.tokens, c.tokens)
+    _, cands = candidate_inputs(8, 64, 3, 10)
+    runs = [verify_candidates(rule, target[:, 0], cands, temperature=1.0,
+                              generator=torch.Generator().manual_seed(s)) for s in (1, 1, 2)]
+    assert torch.equal(runs[0].tokens, runs[1].tokens)
+    assert not torch.equal(runs[0].tokens, runs[2].tokens)
+
+
+def test_lossless_behaviour_equals_target_and_relaxed_never_fires():
+    res = _chain(b=64, k=5, temperature=0.7, top_p=0.9)
+    assert torch.equal(res.behaviour_logprobs, res.target_logprobs)
+    assert not res.relaxed.any()
+    kinds = res.kinds
+    assert ((kinds == int(TokenKind.PAD)) == (res.tokens < 0)).all()
+    assert ((kinds >= 0).sum(-1) == res.num_emitted).all()
+    assert ((kinds == int(TokenKind.BONUS)).any(-1) == (res.num_emitted == 6)).all()
+    assert (res.behaviour_logprobs[res.tokens < 0] == 0).all()
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_diagnostics(case):
+    rule = make_rule(case)
+    res = _chain(rule, seed=5, b=32, k=3, temperature=1.0, diagnostics=True)
+    d = res.diagnostics
+    assert set(d) == set(DIAGNOSTIC_KEYS) and all(t.shape == (32, 4) for t in d.values())
+    pad = res.tokens < 0
+    assert all((t[pad] == 0).all() for t in d.values())
+    bonus = res.kinds == int(TokenKind.BONUS)
+    assert (d["tv"][bonus].abs() < 1e-6).all()  # the bonus position has P = p
+    if case[0] == "lossless":
+        assert (d["tv"].abs() < 1e-6).all() and (d["kl"].abs() < 1e-5).all()
+        torch.testing.assert_close(d["entropy_P"], d["entropy_p"])
+    elif case[0] != "mars":  # (MARS relaxes only on positive logits, absent here)
+        assert (d["tv"] > 1e-3).any()
+    assert (d["uncovered"] == 0).all()  # no truncation, every rule here covers supp p
+    _, cands = candidate_inputs(5, 16, 3, 10)
+    target, _, _ = chain_inputs(5, 16, 0, 10, 1.0)
+    out = verify_candidates(rule, target[:, 0], cands, temperature=1.0,
+                            generator=torch.Generator(), diagnostics=True)
+    assert all(t.shape == (16,) for t in out.diagnostics.values())

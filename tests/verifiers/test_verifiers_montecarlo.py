@@ -1,0 +1,89 @@
+"""Monte Carlo: the empirical distribution of emitted tokens matches the closed form P within
+bounds that shrink with the sample count, and exp(behaviour log-prob) = P(y) for every token.
+
+One small case (V <= 8) is replicated over the batch dimension, so a single call draws
+n = 200,000 independent verifications.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from scipy import stats
+from verifier_cases import RULE_CASES, RULE_IDS, make_rule
+
+from verifiers import induced_candidates, induced_chain, target_probs, verify_candidates, verify_chain
+
+N = 200_000
+V = 7
+
+
+def assert_matches(tokens: torch.Tensor, P: torch.Tensor) -> None:
+    """tokens [n] drawn i.i.d. from P [V]: never outside supp P; TV <= sqrt(V / n); chi-square
+    (categories with expected count >= 5, the rest pooled) accepted at level 1e-6."""
+    n = len(tokens)
+    counts = torch.bincount(tokens, minlength=len(P)).double()
+    P = P.double()
+    assert counts[P == 0].sum() == 0, "emitted a token with P(y) = 0"
+    tv = 0.5 * (counts / n - P).abs().sum()
+    assert tv <= math.sqrt(len(P) / n), f"TV {tv:.5f} > {math.sqrt(len(P) / n):.5f}"
+    expected = n * P
+    big = expected >= 5
+    obs = torch.cat([counts[big], counts[~big].sum().reshape(1)])
+    exp = torch.cat([expected[big], expected[~big].sum().reshape(1)])
+    keep = exp > 0
+    obs, exp = obs[keep], exp[keep]
+    if len(exp) < 2:  # a point mass: the support check above is the whole test
+        return
+    chi2 = float(((obs - exp) ** 2 / exp).sum())
+    assert chi2 < stats.chi2.ppf(1 - 1e-6, len(exp) - 1), f"chi2 {chi2:.1f} with {len(exp) - 1} dof"
+
+
+def _case_logits(seed: int, k: int, shift: float):
+    g = torch.Generator().manual_seed(seed)
+    target = torch.randn(k + 1, V, generator=g) * 1.5 + shift
+    draft = torch.randn(k, V, generator=g) * 1.5 + shift
+    if k:
+        draft[0, 0] = -math.inf  # a token outside the draft vocabulary
+    return target, draft
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("temperature, top_p", [(1.0, None), (0.8, 0.85)])
+def test_chain_monte_carlo(case, temperature, top_p):
+    rule = make_rule(case)
+    k = 2
+    target, draft = _case_logits(21, k, 3.0 if case[0] == "mars" else 0.0)
+    gen = torch.Generator().manual_seed(1234)
+    q = torch.softmax(draft / temperature, -1)  # [K, V]
+    x = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=gen) for j in range(k)], 1)
+    res = verify_chain(rule, target.expand(N, k + 1, V), draft.expand(N, k, V), x,
+                       temperature=temperature, top_p=top_p, generator=gen)
+    P = induced_chain(rule, target[:k], draft, temperature=temperature, top_p=top_p)  # [K, V]
+    P = torch.cat([P, target_probs(target[k:], temperature, top_p=top_p)])  # bonus: P = p
+    for j in range(k + 1):
+        reached = res.num_emitted > j
+        assert reached.sum() > 5000
+        assert_matches(res.tokens[reached, j], P[j])
+        y = res.tokens[reached, j]
+        torch.testing.assert_close(res.behaviour_logprobs[reached, j].exp(), P[j][y],
+                                   atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(res.behaviour_logprobs).all()
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("cands", [[2, 5, 0], [4], [1, 3, 6, 0, 2, 5, 4]])
+def test_candidates_monte_carlo(case, cands):
+    rule = make_rule(case)
+    target, _ = _case_logits(22, 0, 3.0 if case[0] == "mars" else 0.0)
+    c = torch.tensor([cands])
+    gen = torch.Generator().manual_seed(99)
+    res = verify_candidates(rule, target.expand(N, V), c.expand(N, len(cands)), temperature=0.9,
+                            generator=gen)
+    P = induced_candidates(rule, target, c, temperature=0.9)[0]
+    assert_matches(res.tokens, P)
+    torch.testing.assert_close(res.behaviour_logprobs.exp(), P[res.tokens], atol=1e-5, rtol=1e-5)
+    accepted = res.accepted_index >= 0
+    assert torch.equal(res.tokens[accepted], c[0][res.accepted_index[accepted]])

@@ -1,0 +1,355 @@
+"""EAGLE-3 drafter training with training-time test (TTT).
+
+Vocabulary (see ``rollout/eagle3.py`` and ``trainers/drafter_data.py`` for the rest):
+- **draft position i** at step 0 takes the target features of token i and the embedding
+  of token i + 1, and predicts token i + 2, i.e. it is scored against the target logits
+  at position i + 1 ("shift by one").
+- **step s** (0 <= s < ttt_steps) unrolls the draft: position i takes the draft's own
+  output hidden from step s - 1 at i, the ground-truth token i + 1 + s, RoPE position
+  ``pos + s``, and is scored against the target logits at i + 1 + s. It attends causally
+  to the step-0 keys (j <= i) and, from steps 1..s, only to the keys at its own position i.
+  This is exactly what chain drafting sees at inference (a test checks it).
+- **loss**: per step, the soft cross-entropy to the target distribution renormalised over
+  the draft vocabulary, on positions whose target predicts a response token and whose
+  target argmax is in the draft vocabulary; total = sum_s step_weight^s * loss_s.
+- **teacher-forced acceptance** (held-out report): per step, the share of positions where
+  the draft's argmax equals the target's (T = 0) and the expected acceptance
+  ``sum_v min(p, q)`` (T = 1); ``est_tau = 1 + sum_k prod_{s<k} a_s`` is the chain
+  acceptance length these imply.
+
+Simplification: steps s >= 1 run only on columns from ``align - ttt_steps - 1`` on
+(the response region and the few prompt columns whose unrolled predictions land in it),
+which skips work whose loss is masked anyway.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from rollout.config import ConfigError
+from rollout.eagle3 import Eagle3Head
+from rollout.models import TargetConfig, TargetModel
+from trainers.drafter_data import Batch, DrafterDataConfig
+
+
+@dataclass(frozen=True)
+class DrafterConfig:
+    """Drafter training.
+
+    target / data: see :class:`TargetConfig`, :class:`DrafterDataConfig`.
+    draft_vocab_size: Vd; init_from_target: start fc/layer/norm/lm_head from the target
+    (fc selects the last feature, the layer copies target layer ``aux_layer_ids[2]``);
+    ttt_steps / step_weight: unrolled steps and their 0.8^s weights; epochs, batch_size,
+    max_steps (cap, None = epochs only); lr (peak), min_lr_ratio (cosine floor),
+    warmup_steps, weight_decay, betas, grad_clip: AdamW; seed: batch order;
+    out_dir: checkpoints and logs; save_every / eval_every: in optimizer steps;
+    device: "auto" (cuda when available), "cpu" or "cuda"; export_dtype: dtype of the
+    exported head; threads: torch CPU threads (None = torch default).
+    """
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    data: DrafterDataConfig = field(default_factory=DrafterDataConfig)
+    draft_vocab_size: int = 8192
+    init_from_target: bool = True
+    ttt_steps: int = 7
+    step_weight: float = 0.8
+    epochs: int = 2
+    batch_size: int = 16
+    max_steps: int | None = None
+    lr: float = 3e-4
+    min_lr_ratio: float = 0.1
+    warmup_steps: int = 30
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 0.5
+    seed: int = 0
+    out_dir: str = "runs/drafter"
+    save_every: int = 100
+    eval_every: int = 200
+    device: str = "auto"
+    export_dtype: str = "bfloat16"
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas))
+        for name in ("draft_vocab_size", "ttt_steps", "epochs", "batch_size", "save_every", "eval_every"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
+            raise ConfigError("max_steps", "must be a positive integer or null")
+        if not 0 < self.step_weight <= 1:
+            raise ConfigError("step_weight", "must be in (0, 1]")
+        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
+            raise ConfigError("lr", "need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0")
+        if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
+            raise ConfigError("betas", "must be two numbers in [0, 1)")
+        if self.grad_clip <= 0:
+            raise ConfigError("grad_clip", "must be positive")
+        if self.device not in ("auto", "cpu", "cuda"):
+            raise ConfigError("device", f"unknown device {self.device!r}", allowed=("auto", "cpu", "cuda"))
+        if self.export_dtype not in ("float32", "bfloat16", "float16"):
+            raise ConfigError("export_dtype", "unknown dtype", allowed=("float32", "bfloat16", "float16"))
+
+
+# ----------------------------------------------------------------------------- TTT core
+
+
+def ttt_mask(valid: torch.Tensor, first: int, step: int) -> torch.Tensor:
+    """Attention mask of step ``step`` for query columns ``first..T-1``: ``[B, Tq, T + step * Tq]``.
+
+    valid: ``[B, T]`` bool, which step-0 keys are real tokens. Block 0 (step-0 keys) is
+    causal over valid keys (a query always sees its own column, so padding rows stay
+    finite); blocks 1..step (one per unrolled step) are diagonal: own position only.
+    """
+    b, t = valid.shape
+    q = torch.arange(first, t, device=valid.device)[:, None]  # [Tq, 1]
+    k = torch.arange(t, device=valid.device)[None, :]  # [1, T]
+    block0 = ((k <= q) & valid[:, None, :]) | (k == q)  # [B, Tq, T]
+    eye = torch.eye(t - first, dtype=torch.bool, device=valid.device).expand(b, -1, -1)
+    return torch.cat([block0] + [eye] * step, dim=2)
+
+
+def _shift(x: torch.Tensor, start: int, length: int, fill: float | int = 0) -> torch.Tensor:
+    """Columns ``start..start+length-1`` of ``x [B, W, ...]``, padded with ``fill`` past the end."""
+    part = x[:, start: start + length]
+    pad = length - part.shape[1]
+    if pad <= 0:
+        return part
+    return torch.cat([part, part.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1)
+
+
+def ttt_forward(head: Eagle3Head, batch: Batch, steps: int) -> list[tuple[int, torch.Tensor]]:
+    """Unroll the head ``steps`` times over ``batch``; returns (first column, logits ``[B, Tq, Vd]``) per step."""
+    t = batch.tokens.shape[1] - 1  # draft positions 0..T-1 (the last token has no successor)
+    valid = batch.valid[:, :t]
+    out = head(batch.tokens[:, 1:], batch.features[:, :t], batch.pos[:, :t], ttt_mask(valid, 0, 0))
+    results = [(0, out.logits)]
+    first = max(0, batch.align - steps - 1)
+    kv, hidden = out.kv, out.hidden[:, first:]
+    for s in range(1, steps):
+        tokens = _shift(batch.tokens, first + 1 + s, t - first)  # ground-truth token i + 1 + s
+        pos = batch.pos[:, first:t] + s
+        out = head(tokens, hidden, pos, ttt_mask(valid, first, s), past=kv)
+        kv, hidden = out.kv, out.hidden
+        results.append((first, out.logits))
+    return results
+
+
+def _targets(head: Eagle3Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits over the draft vocabulary ``[B, T, Vd]`` (column i = target position i + 1) and the loss mask."""
+    emb = head.embed_tokens.weight[head.target_ids].to(batch.final.dtype)  # [Vd, H]
+    logits = batch.final[:, 1:] @ emb.T  # [B, T, Vd]
+    am = batch.argmax[:, 1:]
+    in_draft = head.t2d[am.clamp(min=0)] & (am >= 0)
+    return logits, batch.lossable[:, 1:] & in_draft
+
+
+def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """Weighted soft cross-entropy over the unrolled steps; returns (loss, per-step losses)."""
+    with torch.no_grad():
+        tl, mask = _targets(head, batch)
+        probs = torch.softmax(tl, dim=-1)  # [B, T, Vd]
+    t = tl.shape[1]
+    total, per_step = 0.0, []
+    for s, (first, logits) in enumerate(ttt_forward(head, batch, steps)):
+        p = _shift(probs, first + s, t - first)
+        m = _shift(mask, first + s, t - first, fill=False).float()
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [B, Tq]
+        loss_s = (ce * m).sum() / m.sum().clamp(min=1.0)
+        total = total + step_weight**s * loss_s
+        per_step.append(float(loss_s.detach()))
+    return total, per_step
+
+
+@torch.no_grad()
+def ttt_entropy_floor(head: Eagle3Head, batch: Batch, steps: int, step_weight: float) -> float:
+    """The smallest value ``ttt_loss`` can take (draft = target): the weighted target entropies."""
+    tl, mask = _targets(head, batch)
+    ent = -(torch.softmax(tl, -1) * torch.log_softmax(tl, -1)).sum(-1)  # [B, T]
+    t, first = tl.shape[1], max(0, batch.align - steps - 1)
+    total = 0.0
+    for s in range(steps):
+        c = 0 if s == 0 else first
+        m = _shift(mask, c + s, t - c, fill=False).float()
+        total += step_weight**s * float((_shift(ent, c + s, t - c) * m).sum() / m.sum().clamp(min=1.0))
+    return total
+
+
+@torch.no_grad()
+def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int) -> dict[str, torch.Tensor]:
+    """Per-step sums of teacher-forced acceptance at T = 0 and T = 1 and position counts ``[steps]``."""
+    tl, _ = _targets(head, batch)
+    logp_target = tl - batch.lse[:, 1:, None]  # [B, T, Vd] log p over the full vocabulary, at draft ids
+    t = tl.shape[1]
+    acc0, acc1, count = (torch.zeros(steps) for _ in range(3))
+    for s, (first, logits) in enumerate(ttt_forward(head, batch, steps)):
+        m = _shift(batch.lossable[:, 1:], first + s, t - first, fill=False)
+        am = _shift(batch.argmax[:, 1:], first + s, t - first, fill=-1)
+        lp = _shift(logp_target, first + s, t - first)
+        hit0 = head.target_ids[logits.argmax(-1)] == am
+        overlap = torch.minimum(lp.exp(), torch.softmax(logits, -1)).sum(-1)
+        acc0[s], acc1[s], count[s] = float(hit0[m].sum()), float(overlap[m].sum()), float(m.sum())
+    return {"acc_t0": acc0, "acc_t1": acc1, "count": count}
+
+
+def estimated_tau(acc: list[float] | torch.Tensor) -> float:
+    """Chain acceptance length implied by per-step acceptance rates: 1 + sum_k prod_{s<k} a_s."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= float(a)
+        tau += run
+    return tau
+
+
+# ----------------------------------------------------------------------------- init
+
+
+@torch.no_grad()
+def init_from_target(head: Eagle3Head, target: TargetModel) -> None:
+    """Start as "one more target layer": fc picks the last feature (the input of layer
+    ``L = aux_layer_ids[2]``), the draft layer copies layer L acting on that hidden
+    (the embedding half of q/k/v starts at zero), norm and lm_head are the target's.
+    At step 0 the draft's output hidden is then exactly the input of layer L + 1."""
+    c, h = head.cfg, target.hidden_size
+    if (c.hidden_size, c.target_hidden_size) != (h, h):
+        raise ValueError("init_from_target needs a head as wide as the target")
+    layer = target.decoder_layers[target.aux_layer_ids[2]]
+    head.fc.weight.zero_()
+    head.fc.weight[:, 2 * h:] = torch.eye(h)
+    mid = head.midlayer
+    mid.input_layernorm.weight.fill_(1.0)
+    mid.hidden_norm.weight.copy_(layer.input_layernorm.weight)
+    for name in ("q_proj", "k_proj", "v_proj"):
+        w = getattr(mid.self_attn, name).weight
+        src = getattr(layer.self_attn, name).weight
+        if w.shape != (src.shape[0], 2 * h):
+            raise ValueError(f"init_from_target: {name} shape {tuple(w.shape)} does not fit the target layer")
+        w.zero_()
+        w[:, h:] = src
+    mid.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
+    mid.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
+    for name in ("gate_proj", "up_proj", "down_proj"):
+        getattr(mid.mlp, name).weight.copy_(getattr(layer.mlp, name).weight)
+    head.norm.weight.copy_(target.model.model.norm.weight)
+    head.lm_head.weight.copy_(target.embed_tokens.weight[head.target_ids])
+
+
+def lr_at(cfg: DrafterConfig, step: int, total: int) -> float:
+    """Linear warmup to ``lr``, then cosine decay to ``lr * min_lr_ratio`` at ``total``."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    frac = min(1.0, (step - cfg.warmup_steps) / max(1, total - cfg.warmup_steps))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+# ----------------------------------------------------------------------------- loop
+
+
+def epoch_batches(lengths: list[int], batch_size: int, gen: torch.Generator) -> list[list[int]]:
+    """Shuffle, group similar lengths (chunks of 8 batches sorted by length), shuffle the batches."""
+    perm = torch.randperm(len(lengths), generator=gen).tolist()
+    batches = []
+    chunk = batch_size * 8
+    for start in range(0, len(perm), chunk):
+        group = sorted(perm[start: start + chunk], key=lambda i: lengths[i])
+        batches += [group[j: j + batch_size] for j in range(0, len(group), batch_size)]
+    order = torch.randperm(len(batches), generator=gen).tolist()
+    return [batches[i] for i in order]
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("device", "cuda requested but not available", allowed=("auto", "cpu"))
+    return torch.device(name)
+
+
+@torch.no_grad()
+def evaluate(head: Eagle3Head, data, cfg: DrafterConfig, device: torch.device) -> dict[str, object]:
+    """Teacher-forced held-out acceptance per step and the chain tau it implies, per prompt kind."""
+    from trainers.drafter_data import collate
+
+    head.eval()
+    report: dict[str, object] = {}
+    for kind in sorted(set(data.kinds)):
+        idx = [i for i, k in enumerate(data.kinds) if k == kind]
+        sums = None
+        for start in range(0, len(idx), cfg.batch_size):
+            acc = ttt_acceptance(head, collate(data, idx[start: start + cfg.batch_size], device), cfg.ttt_steps)
+            sums = acc if sums is None else {k: sums[k] + acc[k] for k in acc}
+        n = sums["count"].clamp(min=1)
+        a0, a1 = (sums["acc_t0"] / n).tolist(), (sums["acc_t1"] / n).tolist()
+        report[kind] = {"acc_t0": [round(a, 4) for a in a0], "acc_t1": [round(a, 4) for a in a1],
+                        "est_tau_t0": round(estimated_tau(a0), 3), "est_tau_t1": round(estimated_tau(a1), 3)}
+    head.train()
+    return report
+
+
+def train_drafter(
+    cfg: DrafterConfig, head: Eagle3Head, data, heldout=None, *, resume: bool = True, log=print,
+    progress: bool = True, stop_at: int | None = None,
+) -> dict[str, object]:
+    """Train ``head`` (draft vocabulary already set) on ``data``; checkpoint to ``cfg.out_dir``.
+
+    With ``resume`` and a checkpoint in ``out_dir``, continues from it exactly (the batch
+    order is a function of (seed, epoch)). ``stop_at`` ends the run early at that step
+    (after checkpointing) without changing the schedule. Returns the last losses and
+    held-out report.
+    """
+    from pathlib import Path
+
+    from tqdm import tqdm
+
+    from trainers.drafter_data import collate
+
+    device = next(head.parameters()).device
+    out_dir = Path(cfg.out_dir)
+    ckpt_path = out_dir / "checkpoint.pt"
+    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=cfg.betas, weight_decay=cfg.weight_decay)
+    lengths = [int(data.offsets[i + 1] - data.offsets[i]) for i in range(len(data))]
+    per_epoch = math.ceil(len(data) / cfg.batch_size)
+    total = min(cfg.epochs * per_epoch, cfg.max_steps or 10**12)
+    step = 0
+    if resume and ckpt_path.is_file():
+        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        head.load_state_dict(state["head"])
+        opt.load_state_dict(state["opt"])
+        step = int(state["step"])
+        log(f"resumed from {ckpt_path} at step {step}/{total}")
+    head.train()
+    report: dict[str, object] = {"steps": total}
+    bar = tqdm(total=total, initial=step, desc="train drafter", unit="step", disable=not progress)
+    batches, batches_epoch = [], -1
+    while step < min(total, stop_at or total):
+        epoch = step // per_epoch
+        if epoch != batches_epoch:
+            batches = epoch_batches(lengths, cfg.batch_size, torch.Generator().manual_seed(cfg.seed * 1000 + epoch))
+            batches_epoch = epoch
+        batch = collate(data, batches[step % per_epoch], device)
+        for group in opt.param_groups:
+            group["lr"] = lr_at(cfg, step, total)
+        loss, per_step = ttt_loss(head, batch, cfg.ttt_steps, cfg.step_weight)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
+        opt.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{float(loss.detach()):.3f}", s0=f"{per_step[0]:.2f}", s6=f"{per_step[-1]:.2f}")
+        report.update(loss=float(loss.detach()), step_losses=per_step)
+        if step % cfg.save_every == 0 or step in (total, stop_at):
+            out_dir.mkdir(parents=True, exist_ok=True)
+            tmp = ckpt_path.with_suffix(".tmp")
+            torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
+            tmp.replace(ckpt_path)
+        if heldout is not None and (step % cfg.eval_every == 0 or step == total):
+            report["heldout"] = evaluate(head, heldout, cfg, device)
+            log(f"step {step}: loss {float(loss.detach()):.4f} heldout {report['heldout']}")
+    bar.close()
+    return report

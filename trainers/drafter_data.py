@@ -1,0 +1,278 @@
+"""Drafter training data: the target's own responses, with its features captured on the fly.
+
+Vocabulary:
+- **sample**: one chat-formatted prompt plus the response the target generated for it
+  (sampled at T = 1, or greedy for a configured fraction of prompts), ending in EOS or cut
+  at ``max_new_tokens``.
+- **record** of a sample, per position k of prompt + response (length L):
+  ``tokens[k]``; ``features[k]`` ``[3H]`` (inputs of the aux layers for token k);
+  ``final[k]`` ``[H]`` the final-norm output, so the target logits at k are
+  ``final[k] @ embed.T`` (tied embeddings); ``argmax[k]`` and ``lse[k]`` (log-sum-exp)
+  of those logits. The last position has no successor: its features are zero.
+- **dataset**: records concatenated flat (``offsets`` delimit samples), fp16 for the
+  wide tensors. Generating with our own batched KV-cache loop captures features during
+  generation, so no second target pass is needed (HF ``generate`` measured 14x slower
+  here: 9.5 vs 133 tok/s at batch 32 on 2 cores).
+- **lossable** position k: ``argmax/final[k]`` predicts a response token, i.e.
+  ``prompt_len - 1 <= k <= L - 2``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+from transformers import DynamicCache
+
+from rollout.config import ConfigError
+from rollout.models import TargetModel
+
+
+@dataclass(frozen=True)
+class DrafterDataConfig:
+    """Which prompts to answer and how.
+
+    arithmetic_per_difficulty: train problems per difficulty from ``trainers.tasks``;
+    difficulties: which difficulty levels; general_prompts: general instructions
+    (``trainers.drafter_prompts``); heldout_arithmetic / heldout_general: held-out prompts
+    per kind (held-out arithmetic is spread over ``difficulties``); max_new_tokens:
+    response cap; greedy_fraction: share of prompts answered greedily (the rest at T = 1);
+    batch_size: generation batch; seed: prompt and sampling seed; cache_dir: where the
+    generated dataset is stored (None: ``$HONEST_ROLLOUTS_CACHE`` or ``~/.cache/honest-rollouts``
+    + ``/drafter-data``).
+    """
+
+    arithmetic_per_difficulty: int = 150
+    difficulties: tuple[int, ...] = (1, 2, 3, 4)
+    general_prompts: int = 300
+    heldout_arithmetic: int = 48
+    heldout_general: int = 24
+    max_new_tokens: int = 128
+    greedy_fraction: float = 0.25
+    batch_size: int = 48
+    seed: int = 0
+    cache_dir: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "difficulties", tuple(self.difficulties))
+        for name in ("arithmetic_per_difficulty", "general_prompts", "heldout_arithmetic", "heldout_general"):
+            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
+                raise ConfigError(name, "must be a non-negative integer")
+        if not self.difficulties or not set(self.difficulties) <= {1, 2, 3, 4}:
+            raise ConfigError("difficulties", f"bad levels {self.difficulties}", allowed=(1, 2, 3, 4))
+        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 2:
+            raise ConfigError("max_new_tokens", "must be an integer >= 2")
+        if not 0.0 <= self.greedy_fraction <= 1.0:
+            raise ConfigError("greedy_fraction", "must be in [0, 1]")
+        if not isinstance(self.batch_size, int) or self.batch_size < 1:
+            raise ConfigError("batch_size", "must be a positive integer")
+
+
+@dataclass
+class DrafterData:
+    """Flat records of many samples; sample i spans ``offsets[i]:offsets[i+1]``."""
+
+    tokens: torch.Tensor  # [N] int64
+    features: torch.Tensor  # [N, 3H] fp16
+    final: torch.Tensor  # [N, H] fp16
+    argmax: torch.Tensor  # [N] int64 (-1 at the last position of a sample)
+    lse: torch.Tensor  # [N] float32
+    offsets: torch.Tensor  # [S + 1] int64
+    prompt_lens: torch.Tensor  # [S] int64
+    kinds: list[str]  # [S] "arithmetic" | "general"
+
+    def __len__(self) -> int:
+        return len(self.prompt_lens)
+
+    def response_tokens(self) -> torch.Tensor:
+        """All response tokens (the loss-masked targets), concatenated."""
+        parts = [self.tokens[int(self.offsets[i]) + int(self.prompt_lens[i]): int(self.offsets[i + 1])]
+                 for i in range(len(self))]
+        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long)
+
+    def save(self, path: str | Path) -> None:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        torch.save(self.__dict__, tmp)
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: str | Path) -> DrafterData:
+        return cls(**torch.load(path, weights_only=True))
+
+    @classmethod
+    def concat(cls, parts: list[DrafterData]) -> DrafterData:
+        sizes = torch.tensor([0] + [int(p.offsets[-1]) for p in parts]).cumsum(0)
+        offsets = torch.cat([parts[0].offsets[:1]] + [p.offsets[1:] + sizes[i] for i, p in enumerate(parts)])
+        return cls(
+            tokens=torch.cat([p.tokens for p in parts]), features=torch.cat([p.features for p in parts]),
+            final=torch.cat([p.final for p in parts]), argmax=torch.cat([p.argmax for p in parts]),
+            lse=torch.cat([p.lse for p in parts]), offsets=offsets,
+            prompt_lens=torch.cat([p.prompt_lens for p in parts]), kinds=[k for p in parts for k in p.kinds],
+        )
+
+
+def _sample_next(logits: torch.Tensor, greedy: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
+    """logits [B, V] float32, greedy [B] bool -> next tokens [B] (T = 1 sampling or argmax)."""
+    probs = torch.softmax(logits, dim=-1)
+    sampled = torch.multinomial(probs, 1, generator=gen).squeeze(1)
+    return torch.where(greedy, logits.argmax(-1), sampled)
+
+
+@torch.no_grad()
+def generate_batch(
+    target: TargetModel, prompts: list[list[int]], greedy: list[bool], *, max_new_tokens: int, eos_id: int,
+    gen: torch.Generator,
+) -> list[dict[str, torch.Tensor]]:
+    """Answer a batch of tokenised prompts; return one record dict per prompt (see module doc)."""
+    b, width = len(prompts), max(len(p) for p in prompts)
+    dev = target.device
+    ids = torch.zeros(b, width, dtype=torch.long)
+    mask = torch.zeros(b, width, dtype=torch.long)
+    for r, p in enumerate(prompts):  # left padding: every prompt ends at the last column
+        ids[r, width - len(p):] = torch.tensor(p)
+        mask[r, width - len(p):] = 1
+    ids, mask = ids.to(dev), mask.to(dev)
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    finals: list[torch.Tensor] = []
+    hook = target.model.model.norm.register_forward_hook(lambda m, a, out: finals.append(out))
+    try:
+        out = target(ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=target.config))
+        am, lse = out.logits.argmax(-1), torch.logsumexp(out.logits, -1)  # [B, W]
+        recs = [{"tokens": [ids[r, width - len(p):].cpu()], "features": [out.features[r, width - len(p):]],
+                 "final": [finals[-1][r, width - len(p):]], "argmax": [am[r, width - len(p):]],
+                 "lse": [lse[r, width - len(p):]]}
+                for r, p in enumerate(prompts)]
+        live = torch.arange(b)
+        greedy_t = torch.tensor(greedy, device=dev)
+        last_logits, cache, last_pos = out.logits[:, -1], out.cache, pos[:, -1:]
+        for step in range(max_new_tokens):
+            nxt = _sample_next(last_logits, greedy_t[live], gen)  # [B_live]
+            done = (nxt == eos_id) | (step == max_new_tokens - 1)
+            for j, r in enumerate(live.tolist()):
+                recs[r]["tokens"].append(nxt[j: j + 1].cpu())
+            keep = (~done).nonzero().squeeze(1)
+            if len(keep) == 0:
+                break
+            if len(keep) < len(live):
+                cache.batch_select_indices(keep)
+                mask, last_pos, nxt = mask[keep], last_pos[keep], nxt[keep]
+                live = live[keep.cpu()]
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            last_pos = last_pos + 1
+            out = target(nxt[:, None], attention_mask=mask, position_ids=last_pos, cache=cache)
+            cache, last_logits = out.cache, out.logits[:, -1]
+            am, lse = last_logits.argmax(-1, keepdim=True), torch.logsumexp(last_logits, -1, keepdim=True)
+            for j, r in enumerate(live.tolist()):
+                for key, val in (("features", out.features), ("final", finals[-1]), ("argmax", am), ("lse", lse)):
+                    recs[r][key].append(val[j])
+    finally:
+        hook.remove()
+    return [_finish(rec) for rec in recs]
+
+
+def _finish(rec: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """Stack a record; pad the last position (no successor) with zeros / -1."""
+    tokens = torch.cat(rec["tokens"])  # [L]
+    feats, final, argmax, lse = (torch.cat(rec[k]) for k in ("features", "final", "argmax", "lse"))  # [L-1, .]
+    assert len(feats) == len(tokens) - 1, (len(feats), len(tokens))
+    z = lambda x: torch.cat([x, torch.zeros_like(x[:1])])  # noqa: E731
+    return {
+        "tokens": tokens, "features": z(feats).half().cpu(), "final": z(final).half().cpu(),
+        "argmax": torch.cat([argmax, torch.full_like(argmax[:1], -1)]).cpu(), "lse": z(lse).float().cpu(),
+    }
+
+
+def records_to_data(records: list[dict[str, torch.Tensor]], prompt_lens: list[int], kinds: list[str]) -> DrafterData:
+    lens = torch.tensor([len(r["tokens"]) for r in records])
+    return DrafterData(
+        tokens=torch.cat([r["tokens"] for r in records]).long(),
+        features=torch.cat([r["features"] for r in records]), final=torch.cat([r["final"] for r in records]),
+        argmax=torch.cat([r["argmax"] for r in records]).long(), lse=torch.cat([r["lse"] for r in records]),
+        offsets=torch.cat([torch.zeros(1, dtype=torch.long), lens.cumsum(0)]),
+        prompt_lens=torch.tensor(prompt_lens, dtype=torch.long), kinds=list(kinds),
+    )
+
+
+def generate_dataset(
+    target: TargetModel, prompts: list[list[int]], kinds: list[str], *, max_new_tokens: int, batch_size: int,
+    greedy_fraction: float, gen: torch.Generator, desc: str = "generate",
+) -> DrafterData:
+    """Answer every prompt (batched by similar length) and collect the records in prompt order."""
+    assert len(prompts) == len(kinds) and prompts, "need at least one prompt and one kind per prompt"
+    greedy = (torch.rand(len(prompts), generator=gen) < greedy_fraction).tolist()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    records: dict[int, dict[str, torch.Tensor]] = {}
+    bar = tqdm(total=len(prompts), desc=desc, unit="prompt")
+    for start in range(0, len(order), batch_size):
+        idx = order[start: start + batch_size]
+        out = generate_batch(target, [prompts[i] for i in idx], [greedy[i] for i in idx],
+                             max_new_tokens=max_new_tokens, eos_id=_eos(target), gen=gen)
+        records.update(zip(idx, out))
+        bar.update(len(idx))
+        bar.set_postfix(tokens=sum(len(r["tokens"]) for r in records.values()))
+    bar.close()
+    return records_to_data([records[i] for i in range(len(prompts))], [len(p) for p in prompts], kinds)
+
+
+def _eos(target: TargetModel) -> int:
+    eos = target.config.eos_token_id
+    return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+
+
+def draft_vocab(data: DrafterData, size: int, vocab_size: int) -> tuple[torch.Tensor, float]:
+    """The ``size`` most frequent response tokens (ties: lower id), sorted by id, and their coverage."""
+    counts = torch.bincount(data.response_tokens(), minlength=vocab_size).double()
+    counts += torch.linspace(1e-6, 0, vocab_size, dtype=torch.float64)  # deterministic tie break
+    top = counts.topk(size).indices.sort().values
+    real = torch.bincount(data.response_tokens(), minlength=vocab_size)
+    coverage = float(real[top].sum()) / max(1, int(real.sum()))
+    return top, coverage
+
+
+@dataclass
+class Batch:
+    """Samples padded so that every prompt ends at column ``align - 1`` (left) and responses
+    share columns ``align..`` (right padding after). All tensors ``[B, W, ...]``."""
+
+    tokens: torch.Tensor  # [B, W] int64 (0 at padding)
+    features: torch.Tensor  # [B, W, 3H] float32
+    final: torch.Tensor  # [B, W, H] float32
+    argmax: torch.Tensor  # [B, W] int64 (-1 where undefined)
+    lse: torch.Tensor  # [B, W] float32
+    valid: torch.Tensor  # [B, W] bool (a real token)
+    pos: torch.Tensor  # [B, W] int64 position ids (0 at the first real token)
+    lossable: torch.Tensor  # [B, W] bool (target logits at k predict a response token)
+    align: int
+
+
+def collate(data: DrafterData, idx: list[int], device: torch.device | str = "cpu") -> Batch:
+    """Pad samples ``idx`` of ``data`` into one :class:`Batch` on ``device``."""
+    plens = [int(data.prompt_lens[i]) for i in idx]
+    lens = [int(data.offsets[i + 1] - data.offsets[i]) for i in idx]
+    align = max(plens)
+    width = align + max(n - p for n, p in zip(lens, plens))
+    b, h = len(idx), data.final.shape[1]
+    out = Batch(
+        tokens=torch.zeros(b, width, dtype=torch.long), features=torch.zeros(b, width, data.features.shape[1]),
+        final=torch.zeros(b, width, h), argmax=torch.full((b, width), -1, dtype=torch.long),
+        lse=torch.zeros(b, width), valid=torch.zeros(b, width, dtype=torch.bool),
+        pos=torch.zeros(b, width, dtype=torch.long), lossable=torch.zeros(b, width, dtype=torch.bool), align=align,
+    )
+    for r, i in enumerate(idx):
+        lo, n, start = int(data.offsets[i]), lens[r], align - plens[r]
+        sl = slice(start, start + n)
+        out.tokens[r, sl] = data.tokens[lo: lo + n]
+        out.features[r, sl] = data.features[lo: lo + n].float()
+        out.final[r, sl] = data.final[lo: lo + n].float()
+        out.argmax[r, sl] = data.argmax[lo: lo + n]
+        out.lse[r, sl] = data.lse[lo: lo + n]
+        out.valid[r, sl] = True
+        out.pos[r, sl] = torch.arange(n)
+        out.lossable[r, align - 1: start + n - 1] = True
+    if str(device) != "cpu":
+        out = Batch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v) for k, v in out.__dict__.items()})
+    return out

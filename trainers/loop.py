@@ -1,0 +1,222 @@
+"""The GRPO training driver: Ray rollout actors, reward, corrected loss, weight broadcast.
+
+One step (ARCHITECTURE.md, "Data flow of one training step"):
+1. take ``prompts_per_step`` problems (derived from (seed, step)), repeat each
+   ``group_size`` times, shard them over the rollout actors;
+2. the actors generate with speculation under the configured verifier and return each
+   token's behaviour log-prob (the true sampling log-prob) and the policy version;
+3. score completions, compute group-relative advantages;
+4. recompute log pi_old of every token with the trainer's policy, build importance
+   weights pi_old / P (truncated or masked, per token or per sequence), apply the
+   clipped policy-gradient loss (one optimizer step per batch), log drift;
+5. broadcast the new weights (version + 1); checkpoint and log.
+
+Simplification: one gradient step per rollout batch, so the PPO ratio is 1 at the step
+and the clipping is inactive; the off-policy weights carry the whole correction.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+import random
+import time
+from pathlib import Path
+
+import torch
+
+from rollout.actor import WorkerSpec
+from rollout.actor_pool import RolloutPool, merge_timings
+from rollout.models import load_target
+from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.correction import importance_weights
+from trainers.grpo import group_advantages, policy_loss
+from trainers.metrics import relaxed_fraction, reward_stats
+from trainers.policy import completion_logprobs
+from trainers.report import MetricsLogger, plot_run, read_metrics, summary_table
+from trainers.rewards import answer_reward, exact_match_reward
+from trainers.tasks import Problem, load_jsonl, make_problems
+from trainers.train_config import TrainConfig
+
+log = logging.getLogger(__name__)
+
+
+class ProblemSource:
+    """The problems of step n, a pure function of (seed, step)."""
+
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.pool = load_jsonl(cfg.task.path) if cfg.task.source == "jsonl" else None
+
+    def for_step(self, step: int) -> list[Problem]:
+        n, seed = self.cfg.task.prompts_per_step, self.cfg.run.seed * 100_003 + step
+        if self.pool is None:
+            return make_problems(n, self.cfg.task.difficulty, "train", seed=seed)
+        return random.Random(seed).sample(self.pool, min(n, len(self.pool)))
+
+
+class GRPOTrainer:
+    def __init__(self, cfg: TrainConfig):
+        self.cfg = cfg
+        self.out_dir = Path(cfg.run.out_dir)
+        self.policy_target, self.tokenizer = load_target(cfg.model.target)
+        self.policy = self.policy_target.model
+        self.policy.eval()  # no dropout; gradients still flow
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=o.betas,
+                                           weight_decay=o.weight_decay)
+        self.reference = copy.deepcopy(self.policy).requires_grad_(False) if cfg.grpo.kl_coef > 0 else None
+        self.problems = ProblemSource(cfg)
+        self.stop_ids = tuple(sorted(set(cfg.rollout.sampling.stop_token_ids) | {self.tokenizer.eos_token_id}))
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
+        self.start_step, self.version = 0, 0
+        self.pool: RolloutPool | None = None
+
+    # ------------------------------------------------------------------ set-up
+    def start(self) -> None:
+        ckpt = latest_checkpoint(self.out_dir) if self.cfg.run.resume else None
+        if ckpt is not None:
+            state = load_checkpoint(ckpt, self.policy, self.optimizer)
+            self.start_step, self.version = state["step"], state["version"]
+            print(f"resumed from {ckpt} (step {self.start_step})", flush=True)
+        self.logger = MetricsLogger(self.out_dir, resume_step=self.start_step)
+        r = self.cfg.rollout
+        sampling = dataclasses.replace(r.sampling, stop_token_ids=self.stop_ids)
+        drafter = self.cfg.model.drafter_path()
+        spec = WorkerSpec(target=self.cfg.model.target, drafter_path=str(drafter) if drafter else None,
+                          sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor)
+        self.pool = RolloutPool(spec, r.num_actors, num_cpus_per_actor=r.threads_per_actor,
+                                max_restarts=r.max_restarts)
+        self.pool.set_weights(self.policy.state_dict(), self.version)
+
+    def prompt_ids(self, problem: Problem) -> list[int]:
+        messages = [{"role": "user", "content": problem.prompt}]
+        if self.cfg.task.system_prompt:
+            messages.insert(0, {"role": "system", "content": self.cfg.task.system_prompt})
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+    # ------------------------------------------------------------------ one step
+    def rollout(self, step: int):
+        problems = self.problems.for_step(step)
+        g = self.cfg.grpo.group_size
+        ids, prompts, answers = [], [], []
+        for i, prob in enumerate(problems):
+            p = self.prompt_ids(prob)
+            for j in range(g):
+                ids.append(f"{step}/{i}/{j}")
+                prompts.append(p)
+                answers.append(prob.answer)
+        completions, shard_results = self.pool.generate(ids, prompts, seed=self.cfg.run.seed * 7919 + step)
+        return problems, answers, completions, merge_timings(shard_results)
+
+    def step(self, step: int) -> dict[str, float]:
+        t0 = time.perf_counter()
+        problems, answers, completions, timings = self.rollout(step)
+        t_rollout = time.perf_counter() - t0
+        texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+        rewards = torch.tensor([answer_reward(t, a, self.cfg.reward) for t, a in zip(texts, answers)])
+        correct = torch.tensor([exact_match_reward(t, a) >= 1.0 for t, a in zip(texts, answers)])
+        g = self.cfg.grpo.group_size
+        adv = group_advantages(rewards.view(-1, g), scale_std=self.cfg.grpo.scale_std,
+                               eps=self.cfg.grpo.std_eps).reshape(-1)
+        metrics, records = self.update(completions, adv)
+        metrics.update(reward_stats(rewards.view(-1, g), correct.view(-1, g)))
+        metrics.update(tau=timings.tau, rollout_tokens=float(timings.tokens), rollout_s=t_rollout,
+                       rollout_tokens_per_s=timings.tokens / max(t_rollout, 1e-9),
+                       completion_len_mean=timings.tokens / max(len(completions), 1),
+                       policy_version=float(self.version), actor_restarts=float(self.pool.stats.restarts),
+                       step_s=time.perf_counter() - t0)
+        for rec, r, text in zip(records, rewards.tolist(), texts):
+            rec.update(reward=r, text=text)
+        self.logger.log_rollouts(step + 1, records)
+        return metrics
+
+    def update(self, completions, adv: torch.Tensor) -> tuple[dict[str, float], list[dict]]:
+        """Corrected GRPO loss over the batch, one optimizer step, weight broadcast."""
+        s, c = self.cfg.rollout.sampling, self.cfg
+        prompts = [x.prompt_ids for x in completions]
+        outs = [x.completion_ids for x in completions]
+        n, mb = len(completions), c.optim.micro_batch
+        kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, pad_id=self.pad_id)
+        c_max = max((len(o) for o in outs), default=0)
+        behaviour = torch.zeros(n, c_max)
+        target_lp = torch.zeros(n, c_max)
+        relaxed = torch.zeros(n, c_max, dtype=torch.bool)
+        for i, x in enumerate(completions):
+            behaviour[i, : len(x.completion_ids)] = torch.tensor(x.behaviour_logprobs)
+            target_lp[i, : len(x.completion_ids)] = torch.tensor(x.target_logprobs)
+            relaxed[i, : len(x.completion_ids)] = torch.tensor(x.relaxed, dtype=torch.bool)
+        with torch.no_grad():
+            old = [completion_logprobs(self.policy, prompts[a:a + mb], outs[a:a + mb], **kw) for a in range(0, n, mb)]
+            logp_old = _pad_cat([o[0] for o in old], c_max)
+            mask = _pad_cat([o[1] for o in old], c_max).bool()
+            ref = None
+            if self.reference is not None:
+                ref = _pad_cat([completion_logprobs(self.reference, prompts[a:a + mb], outs[a:a + mb], **kw)[0]
+                                for a in range(0, n, mb)], c_max)
+        weights, keep, is_stats = importance_weights(logp_old, behaviour, mask, c.correction)
+        total_tokens = mask.sum().clamp(min=1).item()
+        self.optimizer.zero_grad(set_to_none=True)
+        loss_sum, pg_stats = 0.0, {}
+        for a in range(0, n, mb):
+            sl = slice(a, a + mb)
+            logp_new = _pad_cat([completion_logprobs(self.policy, prompts[sl], outs[sl], **kw)[0]], c_max)
+            loss, pg_stats = policy_loss(logp_new, logp_old[sl], adv[sl], mask[sl], is_weights=weights[sl],
+                                         ref_logp=None if ref is None else ref[sl], **c.grpo.loss_kwargs())
+            share = (mask[sl].sum().item() / total_tokens) if c.grpo.aggregation == "token" else (len(outs[sl]) / n)
+            (loss * share).backward()
+            loss_sum += loss.item() * share
+        grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
+                                                   c.optim.grad_clip if c.optim.grad_clip > 0 else float("inf"))
+        self.optimizer.step()
+        self.version += 1
+        self.pool.set_weights(self.policy.state_dict(), self.version)
+        stale = ((logp_old - target_lp).abs() * mask).max().item() if mask.any() else 0.0
+        metrics = dict(is_stats, loss=loss_sum, grad_norm=float(grad_norm), clip_frac=pg_stats.get("clip_frac", 0.0),
+                       relaxed_frac=relaxed_fraction(relaxed, mask), rollout_vs_trainer_logp_max=stale)
+        records = [dict(completion_ids=outs[i], behaviour_logprobs=[round(v, 6) for v in behaviour[i, :len(outs[i])].tolist()],
+                        target_logprobs=[round(v, 6) for v in target_lp[i, :len(outs[i])].tolist()],
+                        policy_logprobs=[round(v, 6) for v in logp_old[i, :len(outs[i])].tolist()],
+                        relaxed=relaxed[i, :len(outs[i])].int().tolist(), weights=[round(v, 6) for v in weights[i, :len(outs[i])].tolist()])
+                   for i in range(n)]
+        return metrics, records
+
+    # ------------------------------------------------------------------ the run
+    def run(self) -> list[dict]:
+        self.start()
+        steps = self.cfg.run.steps
+        try:
+            for step in range(self.start_step, steps):
+                m = self.step(step)
+                self.logger.log(step + 1, m)
+                print(f"step {step + 1}/{steps}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
+                      f"tau {m['tau']:.2f}  tok/s {m['rollout_tokens_per_s']:.1f}  relaxed {m['relaxed_frac']:.2f}  "
+                      f"KL {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s", flush=True)
+                every = self.cfg.run.checkpoint_every
+                if (every and (step + 1) % every == 0) or step + 1 == steps:
+                    self.save(step + 1)
+        finally:
+            self.logger.close()
+            if self.pool is not None:
+                self.pool.shutdown()
+        return self.finish()
+
+    def save(self, step: int) -> None:
+        state = {"version": self.version, "seed": self.cfg.run.seed}
+        save_checkpoint(self.out_dir, step, self.policy, self.optimizer, state, self.cfg.model.drafter_path())
+
+    def finish(self) -> list[dict]:
+        rows = read_metrics(self.out_dir)
+        table = summary_table(rows)
+        (self.out_dir / "summary.md").write_text(table + "\n")
+        plots = plot_run(rows, self.out_dir)
+        print("\n" + table, flush=True)
+        print(f"\noutputs in {self.out_dir.resolve()}: metrics.jsonl, rollouts.jsonl, tb/, checkpoints/, "
+              f"summary.md, plots/ ({', '.join(p.name for p in plots)})", flush=True)
+        return rows
+
+
+def _pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)

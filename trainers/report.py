@@ -1,0 +1,128 @@
+"""What a training run leaves behind: the metrics log, TensorBoard events, a summary, plots.
+
+- ``metrics.jsonl``: one JSON object per step (all scalar metrics, flat keys).
+- ``rollouts.jsonl``: per step, per completion: reward, token ids, behaviour / rollout-time
+  target / trainer log-probs and relaxed flags, for drift diagnostics after the fact
+  (``scripts/drift.py --from-run``).
+- ``tb/``: TensorBoard events of the same scalars.
+- ``summary.md`` and ``plots/*.png`` at the end: reward, tau and drift over steps.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+SUMMARY_KEYS = (
+    ("reward_mean", "reward"), ("accuracy", "accuracy"), ("tau", "tau"),
+    ("rollout_tokens_per_s", "tok/s"), ("relaxed_frac", "relaxed"), ("kl_k3", "KL(P||pi)"),
+    ("log_ratio_mean", "mean log w"), ("is_ess", "ESS"), ("is_masked_frac", "masked"),
+    ("step_s", "step s"),
+)
+
+
+class MetricsLogger:
+    def __init__(self, out_dir: Path, resume_step: int = 0):
+        self.out_dir = Path(out_dir)
+        self.out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = self.out_dir / "metrics.jsonl"
+        self.rollouts_path = self.out_dir / "rollouts.jsonl"
+        for p in (self.path, self.rollouts_path):  # drop steps after the resume point
+            _truncate_after(p, resume_step)
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self.tb = SummaryWriter(str(self.out_dir / "tb"), purge_step=resume_step + 1)
+        except ImportError:  # tensorboard is optional at run time
+            self.tb = None
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"step": step, **metrics}) + "\n")
+        if self.tb is not None:
+            for k, v in metrics.items():
+                if isinstance(v, (int, float)) and math.isfinite(v):
+                    self.tb.add_scalar(k, v, step)
+            self.tb.flush()
+
+    def log_rollouts(self, step: int, records: list[dict]) -> None:
+        with self.rollouts_path.open("a") as f:
+            for r in records:
+                f.write(json.dumps({"step": step, **r}) + "\n")
+
+    def close(self) -> None:
+        if self.tb is not None:
+            self.tb.close()
+
+
+def _truncate_after(path: Path, step: int) -> None:
+    if not path.is_file():
+        return
+    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
+    path.write_text("".join(line + "\n" for line in keep))
+
+
+def read_metrics(out_dir: Path) -> list[dict]:
+    path = Path(out_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+
+
+def summary_table(rows: list[dict]) -> str:
+    """A Markdown table of the key metrics per step, plus first-vs-last reward."""
+    keys = [(k, label) for k, label in SUMMARY_KEYS if any(k in r for r in rows)]
+    lines = ["| step | " + " | ".join(label for _, label in keys) + " |",
+             "|---" * (len(keys) + 1) + "|"]
+    for r in rows:
+        cells = [_fmt(r.get(k)) for k, _ in keys]
+        lines.append(f"| {r['step']} | " + " | ".join(cells) + " |")
+    if len(rows) >= 2 and "reward_mean" in rows[0]:
+        half = max(1, len(rows) // 2)
+        first = sum(r["reward_mean"] for r in rows[:half]) / half
+        last = sum(r["reward_mean"] for r in rows[-half:]) / half
+        lines.append(f"\nmean reward, first {half} steps: {first:.3f}; last {half} steps: {last:.3f}")
+    return "\n".join(lines)
+
+
+def _fmt(v) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+def plot_run(rows: list[dict], out_dir: Path) -> list[Path]:
+    """PNG plots of reward, tau and drift over steps; returns the files written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    plots = Path(out_dir) / "plots"
+    plots.mkdir(parents=True, exist_ok=True)
+    steps = [r["step"] for r in rows]
+    panels = [
+        ("reward.png", "reward", [("reward_mean", "mean reward"), ("accuracy", "accuracy")]),
+        ("tau.png", "acceptance length tau", [("tau", "tau")]),
+        ("drift.png", "drift (behaviour vs policy)", [("kl_k3", "KL(P||pi), k3"),
+                                                       ("log_ratio_abs_mean", "mean |log w|"),
+                                                       ("relaxed_frac", "relaxed fraction")]),
+        ("is_weights.png", "importance weights", [("is_weight_min", "min"), ("is_weight_mean", "mean"),
+                                                  ("is_weight_max", "max"), ("is_ess", "ESS")]),
+    ]
+    written = []
+    for name, title, series in panels:
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key, label in series:
+            ys = [r.get(key, float("nan")) for r in rows]
+            ax.plot(steps, ys, marker="o", label=label)
+        ax.set_xlabel("step")
+        ax.set_title(title)
+        ax.grid(alpha=0.3)
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(plots / name, dpi=100)
+        plt.close(fig)
+        written.append(plots / name)
+    return written

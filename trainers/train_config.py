@@ -1,0 +1,204 @@
+"""The configuration of a GRPO training run: one YAML file, one frozen dataclass per part.
+
+``load_train_config(path)`` reads the YAML, builds :class:`TrainConfig` and validates every
+field before anything expensive starts (no Ray, no model load): an unknown key, a bad
+value, a missing model or drafter file raises :class:`rollout.config.ConfigError` naming
+the field (dotted path, e.g. ``rollout.verifier.name``) and the allowed values.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from rollout.config import ConfigError, from_dict, load_yaml
+from rollout.models import TargetConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from trainers.correction import CorrectionConfig
+from trainers.grpo import GRPOConfig
+from trainers.rewards import RewardConfig
+from trainers.tasks import DIFFICULTIES
+
+BACKENDS = ("hf", "vllm")
+TASK_SOURCES = ("arithmetic", "jsonl")
+
+
+def _positive_int(path: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(path, f"must be an integer >= 1, got {value!r}")
+
+
+def _non_negative_int(path: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise ConfigError(path, f"must be an integer >= 0, got {value!r}")
+
+
+def _positive_float(path: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(path, f"must be a number > 0, got {value!r}")
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """out_dir: where metrics, TensorBoard events, checkpoints and plots go.
+    steps: optimizer steps. seed: seeds prompts, rollouts and the trainer.
+    checkpoint_every: save every n steps (and at the end); 0 = only at the end.
+    resume: continue from the newest checkpoint in out_dir when there is one.
+    eval_prompts: held-out problems scored (greedy) before and after training; 0 = none."""
+
+    out_dir: str = "runs/default"
+    steps: int = 8
+    seed: int = 0
+    checkpoint_every: int = 2
+    resume: bool = True
+    eval_prompts: int = 0
+
+    def __post_init__(self) -> None:
+        _positive_int("steps", self.steps)
+        _non_negative_int("seed", self.seed)
+        _non_negative_int("checkpoint_every", self.checkpoint_every)
+        _non_negative_int("eval_prompts", self.eval_prompts)
+        if not isinstance(self.resume, bool):
+            raise ConfigError("resume", f"must be true or false, got {self.resume!r}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """target: the policy (TargetConfig; path null = embedded SmolLM2-135M-Instruct).
+    drafter: an EAGLE-3 head folder, "default" for the shipped head, or null (no head:
+    rollout.spec.mode must then be "off")."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: str | None = "default"
+
+    def __post_init__(self) -> None:
+        if self.drafter not in (None, "default"):
+            if not isinstance(self.drafter, str) or not (Path(self.drafter) / "config.json").is_file():
+                raise ConfigError("drafter", f"no EAGLE-3 head (config.json) at {self.drafter!r}",
+                                  allowed=["default", "null", "a head folder"])
+
+    def drafter_path(self) -> Path | None:
+        if self.drafter is None:
+            return None
+        if self.drafter == "default":
+            from rollout.eagle3 import default_head_path
+
+            return default_head_path()
+        return Path(self.drafter)
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    """backend: "hf" (our engine) or "vllm" (not available yet).
+    num_actors: Ray rollout actors; threads_per_actor: torch threads in each.
+    max_restarts: how often a dead actor is restarted within one step before giving up."""
+
+    backend: str = "hf"
+    num_actors: int = 1
+    threads_per_actor: int = 2
+    max_restarts: int = 2
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    spec: SpecConfig = field(default_factory=SpecConfig)
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=BACKENDS)
+        if self.backend == "vllm":
+            raise ConfigError("backend", "the vLLM backend is not implemented yet", allowed=["hf"])
+        _positive_int("num_actors", self.num_actors)
+        _positive_int("threads_per_actor", self.threads_per_actor)
+        _non_negative_int("max_restarts", self.max_restarts)
+
+
+@dataclass(frozen=True)
+class TaskConfig:
+    """source: "arithmetic" (procedural word problems) or "jsonl" (GSM8K-format file at path).
+    difficulty: 1..4 for arithmetic. prompts_per_step: distinct prompts per step (each
+    repeated grpo.group_size times). system_prompt: optional system message."""
+
+    source: str = "arithmetic"
+    difficulty: int = 1
+    path: str | None = None
+    prompts_per_step: int = 4
+    system_prompt: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.source not in TASK_SOURCES:
+            raise ConfigError("source", f"unknown task source {self.source!r}", allowed=TASK_SOURCES)
+        if self.source == "arithmetic" and self.difficulty not in DIFFICULTIES:
+            raise ConfigError("difficulty", f"got {self.difficulty!r}", allowed=DIFFICULTIES)
+        if self.source == "jsonl" and (self.path is None or not Path(self.path).is_file()):
+            raise ConfigError("path", f"JSONL task file not found: {self.path!r}")
+        _positive_int("prompts_per_step", self.prompts_per_step)
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    """AdamW: lr, weight_decay, betas; grad_clip: max grad norm (0 = off);
+    micro_batch: sequences per forward/backward (memory bound)."""
+
+    lr: float = 1e-6
+    weight_decay: float = 0.0
+    betas: tuple[float, float] = (0.9, 0.99)
+    grad_clip: float = 1.0
+    micro_batch: int = 8
+
+    def __post_init__(self) -> None:
+        _positive_float("lr", self.lr)
+        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
+            raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+        betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
+        if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+            raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
+        object.__setattr__(self, "betas", betas)
+        if not isinstance(self.grad_clip, (int, float)) or self.grad_clip < 0:
+            raise ConfigError("grad_clip", f"must be >= 0, got {self.grad_clip!r}")
+        _positive_int("micro_batch", self.micro_batch)
+
+
+@dataclass(frozen=True)
+class RayConfig:
+    """address: null starts a local Ray; "auto" joins the cluster of `ray job submit`.
+    num_cpus: CPUs of the local Ray (null = all)."""
+
+    address: str | None = None
+    num_cpus: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.num_cpus is not None:
+            _positive_int("num_cpus", self.num_cpus)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    run: RunConfig = field(default_factory=RunConfig)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    task: TaskConfig = field(default_factory=TaskConfig)
+    grpo: GRPOConfig = field(default_factory=GRPOConfig)
+    correction: CorrectionConfig = field(default_factory=CorrectionConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.drafter is None and self.rollout.spec.mode != "off":
+            raise ConfigError("rollout.spec.mode", "speculation needs a drafter (model.drafter is null)",
+                              allowed=["off"])
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.task.prompts_per_step * self.grpo.group_size
+
+
+def load_train_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:
+    """Read and validate a training YAML; ``overrides`` ({"run": {"steps": 2}}) are merged in."""
+    data = load_yaml(path)
+    for section, values in (overrides or {}).items():
+        if isinstance(values, dict):
+            data.setdefault(section, {})
+            data[section] = {**(data[section] or {}), **values}
+        else:
+            data[section] = values
+    return from_dict(TrainConfig, data)

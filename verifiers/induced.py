@@ -1,0 +1,187 @@
+"""Closed forms of the induced distribution P, and the per-position diagnostics built on them.
+
+Chain mode: P = sum_x q(x) [a(x) delta_x + (1 - a(x)) r_x] (each rule's ``induced``).
+Candidate mode: with reach_i = prod_{j<i} (1 - alpha_j),
+P = sum_i reach_i alpha_i delta_{c_i} + reach_{m+1} fallback / |fallback|.
+At T = 0 every P is a point mass on the (deterministic) emitted token.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from .checks import check_candidate_inputs, check_pair_inputs, raise_if_bad_rows
+from .processing import (CHUNK_ELEMENTS, draft_logits, log_normaliser, probs_from,
+                         process_logits)
+from .rules import VerificationRule
+
+
+@dataclass
+class NodeQuantities:
+    """Everything the candidate procedure needs at N nodes with m candidate slots."""
+
+    p: Tensor  # [N, V] target distribution
+    s_c: Tensor  # [N, m] s(c_i): p(c_i) with c_1..c_{i-1} zeroed and renormalised (lossless state)
+    alpha: Tensor  # [N, m] acceptance probability of c_i once reached (0 on padding)
+    fallback: Tensor  # [N, V] unnormalised fallback weights (when every candidate is rejected)
+    fallback_mass: Tensor  # [N] their sum
+    log_reach: Tensor  # [N, m+1] log prob of reaching c_i (index m: reaching the fallback)
+
+
+def node_quantities(rule: VerificationRule, z: Tensor, lse: Tensor, cands: Tensor) -> NodeQuantities:
+    """Acceptance probabilities and fallback of each node (z [N, V], lse [N], cands [N, m])."""
+    ctx = rule.context(z, lse)
+    p = probs_from(z, lse)  # [N, V]
+    valid = cands >= 0
+    cc = cands.clamp(min=0)
+    p_c = p.gather(-1, cc) * valid  # [N, m]
+    covered = torch.zeros_like(p).scatter_add_(-1, cc, valid.to(p.dtype)) > 0
+    p_rest = p.masked_fill(covered, 0.0)  # p without any candidate
+    # remaining mass when c_i is examined: non-candidates plus c_i..c_m (no cancellation)
+    remaining = p_rest.sum(-1, keepdim=True) + p_c.flip(-1).cumsum(-1).flip(-1)
+    s_c = torch.where(remaining > 0, p_c / remaining, 0.0).clamp_(max=1)
+    alpha = rule.node_alpha(s_c, z.gather(-1, cc), cc, ctx)
+    alpha = torch.where(valid, alpha, 0.0)
+    fallback = rule.node_fallback(p, p_rest, ctx)
+    log_reach = torch.cat([torch.zeros_like(alpha[:, :1]), torch.log1p(-alpha).cumsum(-1)], -1)
+    return NodeQuantities(p, s_c, alpha, fallback, fallback.sum(-1), log_reach)
+
+
+def induced_from_nodes(nq: NodeQuantities, cands: Tensor) -> Tensor:
+    """P [N, V] of the candidate procedure."""
+    m = cands.shape[1]
+    weight = nq.log_reach[:, :m].exp() * nq.alpha  # [N, m], 0 on padding
+    fb_scale = torch.where(nq.fallback_mass > 0, nq.log_reach[:, m].exp() / nq.fallback_mass, 0.0)
+    out = nq.fallback * fb_scale.unsqueeze(-1)
+    return out.scatter_add_(-1, cands.clamp(min=0), weight)
+
+
+def one_hot(tokens: Tensor, vocab: int) -> Tensor:
+    """Point masses [..., V] (float32) at tokens [...]."""
+    out = torch.zeros(*tokens.shape, vocab, dtype=torch.float32, device=tokens.device)
+    return out.scatter_(-1, tokens.unsqueeze(-1), 1.0)
+
+
+def greedy_accepts(rule: VerificationRule, target_logits: Tensor, tokens: Tensor) -> Tensor:
+    """T = 0: whether each token [...] (or [..., m]) is accepted given target logits [..., V]."""
+    v1 = target_logits.argmax(-1)
+    second = rule.greedy_second(target_logits)
+    if tokens.dim() > v1.dim():
+        v1 = v1.unsqueeze(-1)
+        second = None if second is None else (second[0].unsqueeze(-1), second[1].unsqueeze(-1))
+    ok = tokens == v1
+    if second is not None:
+        ok |= second[0] & (tokens == second[1])
+    return ok
+
+
+def _chunks(n: int, row_elems: int):
+    step = max(1, CHUNK_ELEMENTS // max(1, row_elems))
+    for start in range(0, n, step):
+        yield slice(start, min(n, start + step))
+
+
+def _finite_normaliser(name: str, raw: Tensor, z: Tensor) -> Tensor:
+    lse = log_normaliser(z)
+    if not bool(torch.isfinite(lse).all()):
+        raise_if_bad_rows(name, raw, lse)
+    return lse
+
+
+def induced_chain(rule: VerificationRule, target_logits: Tensor, draft_logits_: Tensor, *,
+                  temperature: float, top_k: int | None = None, top_p: float | None = None) -> Tensor:
+    """Closed-form P [N, V] of chain verification with x ~ q at N independent positions
+    (target_logits, draft logits [N, V]). At T = 0 the draft is its argmax and P is a point mass."""
+    n, v = check_pair_inputs(rule, target_logits, draft_logits_, temperature, top_k, top_p)
+    with torch.no_grad():
+        if temperature == 0:
+            x = draft_logits_.argmax(-1)
+            y = torch.where(greedy_accepts(rule, target_logits, x), x, target_logits.argmax(-1))
+            return one_hot(y, v)
+        z = process_logits(target_logits, temperature, top_k, top_p)
+        lse = _finite_normaliser("target_logits", target_logits, z)
+        zq = draft_logits(draft_logits_, temperature)
+        q = probs_from(zq, _finite_normaliser("draft_logits", draft_logits_, zq))
+        return rule.induced(probs_from(z, lse), q, z, rule.context(z, lse))
+
+
+def induced_candidates(rule: VerificationRule, target_logits: Tensor, candidates: Tensor, *,
+                       temperature: float, top_k: int | None = None,
+                       top_p: float | None = None) -> Tensor:
+    """Closed-form P [N, V] of candidate verification at N nodes (candidates [N, m], -1 padded)."""
+    check_candidate_inputs(rule, target_logits, candidates, temperature, top_k, top_p)
+    n, v = target_logits.shape
+    with torch.no_grad():
+        if temperature == 0:
+            ok = greedy_accepts(rule, target_logits, candidates) & (candidates >= 0)
+            first = candidates.gather(-1, ok.int().argmax(-1, keepdim=True)).squeeze(-1)
+            return one_hot(torch.where(ok.any(-1), first, target_logits.argmax(-1)), v)
+        z = process_logits(target_logits, temperature, top_k, top_p)
+        lse = _finite_normaliser("target_logits", target_logits, z)
+        return induced_from_nodes(node_quantities(rule, z, lse, candidates.long()), candidates.long())
+
+
+def distribution_metrics(P: Tensor, p: Tensor, pi: Tensor) -> dict[str, Tensor]:
+    """TV(P, p), KL(P || p), H(P), H(p), and the mass of pi on {P == 0}; each [...]."""
+    return {
+        "tv": 0.5 * (P - p).abs().sum(-1),
+        "kl": (torch.xlogy(P, P) - torch.xlogy(P, p)).sum(-1),
+        "entropy_P": torch.special.entr(P).sum(-1),
+        "entropy_p": torch.special.entr(p).sum(-1),
+        "uncovered": pi.masked_fill(P > 0, 0.0).sum(-1),
+    }
+
+
+def _untruncated(logits: Tensor, temperature: float, p: Tensor, top_k, top_p) -> Tensor:
+    """softmax(logits / T) without top-k/top-p (p itself when nothing truncates)."""
+    if temperature == 0 or (top_k is None and top_p is None):
+        return p
+    return torch.softmax(process_logits(logits, temperature), -1)
+
+
+def chain_diagnostics(rule: VerificationRule, target_logits: Tensor, draft_logits_: Tensor,
+                      draft_tokens: Tensor, tokens: Tensor, temperature: float,
+                      top_k, top_p) -> dict[str, Tensor]:
+    """Per-position diagnostics [B, K+1] of a chain step (0 where tokens == -1)."""
+    b, k1, v = target_logits.shape
+    parts = []
+    for sl in _chunks(b, k1 * v):
+        raw, tok = target_logits[sl], tokens[sl]
+        z = process_logits(raw, temperature, top_k, top_p)
+        p = torch.softmax(z, -1)  # [b, K+1, V]
+        if temperature == 0:
+            P = one_hot(torch.where(tok >= 0, tok, raw.argmax(-1)), v)
+        else:
+            lse = log_normaliser(z)
+            q = torch.softmax(draft_logits(draft_logits_[sl], temperature), -1)
+            ctx = {key: val[:, :-1] for key, val in rule.context(z, lse).items()}
+            P = torch.cat([rule.induced(p[:, :-1], q, z[:, :-1], ctx), p[:, -1:]], 1)
+        parts.append(distribution_metrics(P, p, _untruncated(raw, temperature, p, top_k, top_p)))
+    pad = tokens < 0
+    return {key: torch.cat([d[key] for d in parts]).masked_fill_(pad, 0.0) for key in parts[0]}
+
+
+def candidate_diagnostics(rule: VerificationRule, target_logits: Tensor, candidates: Tensor,
+                          tokens: Tensor, temperature: float, top_k, top_p) -> dict[str, Tensor]:
+    """Per-node diagnostics [N] of a candidate step."""
+    n, v = target_logits.shape
+    parts = []
+    for sl in _chunks(n, v):
+        raw = target_logits[sl]
+        z = process_logits(raw, temperature, top_k, top_p)
+        p = torch.softmax(z, -1)
+        if temperature == 0:
+            P = one_hot(tokens[sl], v)
+        else:
+            P = induced_from_nodes(node_quantities(rule, z, log_normaliser(z), candidates[sl]),
+                                   candidates[sl])
+        parts.append(distribution_metrics(P, p, _untruncated(raw, temperature, p, top_k, top_p)))
+    return {key: torch.cat([d[key] for d in parts]) for key in parts[0]}
+
+
+__all__ = ["NodeQuantities", "node_quantities", "induced_from_nodes", "induced_chain",
+           "induced_candidates", "distribution_metrics", "chain_diagnostics",
+           "candidate_diagnostics", "greedy_accepts", "one_hot"]
