@@ -104,9 +104,10 @@ class Eagle3Config:
 
 @dataclass
 class DraftOutput:
-    """logits ``[B, T, Vd]`` float32; hidden ``[B, T, H]`` (pre-norm, fed back); kv = (k, v) incl. past."""
+    """logits ``[B, T, Vd]`` float32 (None when not computed); hidden ``[B, T, H]`` (pre-norm, fed back);
+    kv = (k, v) incl. past."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor | None
     hidden: torch.Tensor
     kv: tuple[torch.Tensor, torch.Tensor] = field(repr=False)
 
@@ -246,7 +247,11 @@ class Eagle3Head(nn.Module):
         position_ids: torch.Tensor,
         attn_mask: torch.Tensor,
         past: tuple[torch.Tensor, torch.Tensor] | None = None,
+        *,
+        compute_logits: bool = True,
     ) -> DraftOutput:
+        """One draft forward; ``compute_logits=False`` skips the lm_head (logits None), e.g. to
+        apply :meth:`logits_from_hidden` to selected positions only."""
         b, t = token_ids.shape
         past_len = 0 if past is None else past[0].shape[2]
         assert hidden.shape[:2] == (b, t), f"hidden {tuple(hidden.shape)} vs token_ids {(b, t)}"
@@ -268,8 +273,12 @@ class Eagle3Head(nn.Module):
                 f"got {tuple(hidden.shape)}"
             )
         h, kv = self.midlayer(emb, hidden, self.rotary, position_ids, attn_mask, past)
-        logits = self.lm_head(self.norm(h)).float()  # [B, T, Vd]
+        logits = self.logits_from_hidden(h) if compute_logits else None  # [B, T, Vd]
         return DraftOutput(logits=logits, hidden=h, kv=kv)
+
+    def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits (float32) of output hidden states ``[..., H]``."""
+        return self.lm_head(self.norm(hidden)).float()
 
     def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         """Scatter ``[..., Vd]`` draft logits into ``[..., V]``; -inf outside the draft vocabulary."""

@@ -244,7 +244,7 @@ class Engine:
                 if level >= counts_h[r]:
                     continue
                 call.debug.append(DebugRecord(
-                    row=live[r], index=before[r] + level, token=int(tokens[r, level]),
+                    row=live[r], index=before[r] + level, step_position=level, token=int(tokens[r, level]),
                     target_logits=logits[i].clone(),
                     draft_logits=extra[i].clone() if chain and extra is not None else None,
                     candidates=None if chain else extra[i].clone()))

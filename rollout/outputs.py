@@ -84,6 +84,7 @@ class DebugRecord:
 
     row: int  # index of the prompt in the call
     index: int  # position in the completion
+    step_position: int  # position within its round (chain position / tree level)
     token: int
     target_logits: torch.Tensor  # [V]
     draft_logits: torch.Tensor | None = None  # [V]

@@ -88,6 +88,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--export", default=None, help="folder to write the trained head to (EAGLE format)")
     ap.add_argument("--no-resume", action="store_true", help="ignore a checkpoint in out_dir")
     ap.add_argument("--regenerate-data", action="store_true")
+    ap.add_argument("--data-only", action="store_true", help="generate (or check) the cached data and stop")
     ap.add_argument("--stop-at", type=int, default=None, help="stop at this optimizer step (resume later)")
     args = ap.parse_args(argv)
     cfg = from_dict(DrafterConfig, load_yaml(args.config))
@@ -97,13 +98,14 @@ def main(argv: list[str] | None = None) -> dict:
     target, tok = load_target(cfg.target)
     target = target.to(device)
     train, heldout = load_or_generate(cfg, target, tok, args.regenerate_data)
+    if args.data_only:
+        return {"train_samples": len(train), "heldout_samples": len(heldout)}
     ids, coverage = draft_vocab(train, cfg.draft_vocab_size, target.vocab_size)
     _, held_cov = _coverage_on(heldout, ids)
     print(f"draft vocab {cfg.draft_vocab_size}: covers {coverage:.4f} of train and {held_cov:.4f} of held-out response tokens")
     head = Eagle3Head(Eagle3Config.for_target(target, cfg.draft_vocab_size), target.embed_tokens).to(device)
     head.set_draft_vocab(ids)
-    if cfg.init_from_target:
-        init_from_target(head, target)
+    init_from_target(head, target, cfg.init)
     for p in target.parameters():
         p.requires_grad_(False)
     t0 = time.time()

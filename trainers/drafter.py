@@ -41,8 +41,8 @@ class DrafterConfig:
     """Drafter training.
 
     target / data: see :class:`TargetConfig`, :class:`DrafterDataConfig`.
-    draft_vocab_size: Vd; init_from_target: start fc/layer/norm/lm_head from the target
-    (fc selects the last feature, the layer copies target layer ``aux_layer_ids[2]``);
+    draft_vocab_size: Vd; init: how to start from the target ("random", "lm_head",
+    "layer", see :func:`init_from_target`);
     ttt_steps / step_weight: unrolled steps and their 0.8^s weights; epochs, batch_size,
     max_steps (cap, None = epochs only); lr (peak), min_lr_ratio (cosine floor),
     warmup_steps, weight_decay, betas, grad_clip: AdamW; seed: batch order;
@@ -54,7 +54,7 @@ class DrafterConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DrafterDataConfig = field(default_factory=DrafterDataConfig)
     draft_vocab_size: int = 8192
-    init_from_target: bool = True
+    init: str = "lm_head"
     ttt_steps: int = 7
     step_weight: float = 0.8
     epochs: int = 2
@@ -92,6 +92,8 @@ class DrafterConfig:
             raise ConfigError("grad_clip", "must be positive")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"unknown device {self.device!r}", allowed=("auto", "cpu", "cuda"))
+        if self.init not in INIT_MODES:
+            raise ConfigError("init", f"unknown mode {self.init!r}", allowed=INIT_MODES)
         if self.export_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("export_dtype", "unknown dtype", allowed=("float32", "bfloat16", "float16"))
 
@@ -124,19 +126,24 @@ def _shift(x: torch.Tensor, start: int, length: int, fill: float | int = 0) -> t
 
 
 def ttt_forward(head: Eagle3Head, batch: Batch, steps: int) -> list[tuple[int, torch.Tensor]]:
-    """Unroll the head ``steps`` times over ``batch``; returns (first column, logits ``[B, Tq, Vd]``) per step."""
+    """Unroll the head ``steps`` times over ``batch``.
+
+    Returns per step (first column, output hidden ``[B, T - first, H]``); the logits are
+    ``head.logits_from_hidden(hidden)``, which callers apply to the positions they score.
+    """
     t = batch.tokens.shape[1] - 1  # draft positions 0..T-1 (the last token has no successor)
     valid = batch.valid[:, :t]
-    out = head(batch.tokens[:, 1:], batch.features[:, :t], batch.pos[:, :t], ttt_mask(valid, 0, 0))
-    results = [(0, out.logits)]
+    out = head(batch.tokens[:, 1:], batch.features[:, :t], batch.pos[:, :t], ttt_mask(valid, 0, 0),
+               compute_logits=False)
+    results = [(0, out.hidden)]
     first = max(0, batch.align - steps - 1)
     kv, hidden = out.kv, out.hidden[:, first:]
     for s in range(1, steps):
         tokens = _shift(batch.tokens, first + 1 + s, t - first)  # ground-truth token i + 1 + s
         pos = batch.pos[:, first:t] + s
-        out = head(tokens, hidden, pos, ttt_mask(valid, first, s), past=kv)
+        out = head(tokens, hidden, pos, ttt_mask(valid, first, s), past=kv, compute_logits=False)
         kv, hidden = out.kv, out.hidden
-        results.append((first, out.logits))
+        results.append((first, hidden))
     return results
 
 
@@ -156,11 +163,12 @@ def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float) -> 
         probs = torch.softmax(tl, dim=-1)  # [B, T, Vd]
     t = tl.shape[1]
     total, per_step = 0.0, []
-    for s, (first, logits) in enumerate(ttt_forward(head, batch, steps)):
-        p = _shift(probs, first + s, t - first)
-        m = _shift(mask, first + s, t - first, fill=False).float()
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [B, Tq]
-        loss_s = (ce * m).sum() / m.sum().clamp(min=1.0)
+    for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
+        m = _shift(mask, first + s, t - first, fill=False)  # [B, Tq] scored positions
+        p = _shift(probs, first + s, t - first)[m]  # [N, Vd]
+        logits = head.logits_from_hidden(hidden[m])  # [N, Vd]: lm_head on scored positions only
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
+        loss_s = ce.sum() / max(1, len(ce))
         total = total + step_weight**s * loss_s
         per_step.append(float(loss_s.detach()))
     return total, per_step
@@ -187,13 +195,14 @@ def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int) -> dict[str, torc
     logp_target = tl - batch.lse[:, 1:, None]  # [B, T, Vd] log p over the full vocabulary, at draft ids
     t = tl.shape[1]
     acc0, acc1, count = (torch.zeros(steps) for _ in range(3))
-    for s, (first, logits) in enumerate(ttt_forward(head, batch, steps)):
+    for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
         m = _shift(batch.lossable[:, 1:], first + s, t - first, fill=False)
-        am = _shift(batch.argmax[:, 1:], first + s, t - first, fill=-1)
-        lp = _shift(logp_target, first + s, t - first)
+        am = _shift(batch.argmax[:, 1:], first + s, t - first, fill=-1)[m]  # [N]
+        lp = _shift(logp_target, first + s, t - first)[m]  # [N, Vd]
+        logits = head.logits_from_hidden(hidden[m])  # [N, Vd]
         hit0 = head.target_ids[logits.argmax(-1)] == am
         overlap = torch.minimum(lp.exp(), torch.softmax(logits, -1)).sum(-1)
-        acc0[s], acc1[s], count[s] = float(hit0[m].sum()), float(overlap[m].sum()), float(m.sum())
+        acc0[s], acc1[s], count[s] = float(hit0.sum()), float(overlap.sum()), float(m.sum())
     return {"acc_t0": acc0, "acc_t1": acc1, "count": count}
 
 
@@ -209,15 +218,35 @@ def estimated_tau(acc: list[float] | torch.Tensor) -> float:
 # ----------------------------------------------------------------------------- init
 
 
+INIT_MODES = ("random", "lm_head", "layer")
+
+
 @torch.no_grad()
-def init_from_target(head: Eagle3Head, target: TargetModel) -> None:
-    """Start as "one more target layer": fc picks the last feature (the input of layer
-    ``L = aux_layer_ids[2]``), the draft layer copies layer L acting on that hidden
-    (the embedding half of q/k/v starts at zero), norm and lm_head are the target's.
-    At step 0 the draft's output hidden is then exactly the input of layer L + 1."""
+def init_from_target(head: Eagle3Head, target: TargetModel, mode: str = "layer") -> None:
+    """Initialise ``head`` from the target.
+
+    "random": nothing. "lm_head": norm and lm_head from the target's final norm and (tied)
+    embedding rows of the draft vocabulary. "layer": that, plus "one more target layer":
+    fc picks the last feature (the input of layer ``L = aux_layer_ids[2]``) and the draft
+    layer copies layer L acting on it (the embedding half of q/k/v starts at zero), so the
+    step-0 output hidden is exactly the input of layer L + 1. Note that this hidden belongs
+    to token i, whose successor i + 1 the draft already gets as input: the starting point
+    predicts the known token, not the next one.
+    """
+    if mode not in INIT_MODES:
+        raise ConfigError("init", f"unknown mode {mode!r}", allowed=INIT_MODES)
+    if mode == "random":
+        return
+    head.norm.weight.copy_(target.model.model.norm.weight)
+    head.lm_head.weight.copy_(target.embed_tokens.weight[head.target_ids])
+    if mode == "layer":
+        _copy_layer(head, target)
+
+
+def _copy_layer(head: Eagle3Head, target: TargetModel) -> None:
     c, h = head.cfg, target.hidden_size
     if (c.hidden_size, c.target_hidden_size) != (h, h):
-        raise ValueError("init_from_target needs a head as wide as the target")
+        raise ValueError("init 'layer' needs a head as wide as the target")
     layer = target.decoder_layers[target.aux_layer_ids[2]]
     head.fc.weight.zero_()
     head.fc.weight[:, 2 * h:] = torch.eye(h)
@@ -228,15 +257,13 @@ def init_from_target(head: Eagle3Head, target: TargetModel) -> None:
         w = getattr(mid.self_attn, name).weight
         src = getattr(layer.self_attn, name).weight
         if w.shape != (src.shape[0], 2 * h):
-            raise ValueError(f"init_from_target: {name} shape {tuple(w.shape)} does not fit the target layer")
+            raise ValueError(f"init 'layer': {name} shape {tuple(w.shape)} does not fit the target layer")
         w.zero_()
         w[:, h:] = src
     mid.self_attn.o_proj.weight.copy_(layer.self_attn.o_proj.weight)
     mid.post_attention_layernorm.weight.copy_(layer.post_attention_layernorm.weight)
     for name in ("gate_proj", "up_proj", "down_proj"):
         getattr(mid.mlp, name).weight.copy_(getattr(layer.mlp, name).weight)
-    head.norm.weight.copy_(target.model.model.norm.weight)
-    head.lm_head.weight.copy_(target.embed_tokens.weight[head.target_ids])
 
 
 def lr_at(cfg: DrafterConfig, step: int, total: int) -> float:

@@ -44,14 +44,14 @@ class DrafterDataConfig:
     + ``/drafter-data``).
     """
 
-    arithmetic_per_difficulty: int = 150
+    arithmetic_per_difficulty: int = 100
     difficulties: tuple[int, ...] = (1, 2, 3, 4)
-    general_prompts: int = 300
-    heldout_arithmetic: int = 48
-    heldout_general: int = 24
+    general_prompts: int = 80
+    heldout_arithmetic: int = 32
+    heldout_general: int = 16
     max_new_tokens: int = 128
     greedy_fraction: float = 0.25
-    batch_size: int = 48
+    batch_size: int = 32
     seed: int = 0
     cache_dir: str | None = None
 

@@ -19,8 +19,9 @@ import torch
 from torch import Tensor
 
 from .checks import check_candidate_inputs, check_generator, raise_if_bad_rows
-from .induced import NodeQuantities, candidate_diagnostics, greedy_accepts, node_quantities
-from .processing import CHUNK_ELEMENTS, log_normaliser, process_logits, sample_inverse_cdf
+from .induced import (NodeQuantities, candidate_diagnostics, checked_softmax, greedy_accepts,
+                      node_quantities)
+from .processing import CHUNK_ELEMENTS, process_logits, sample_inverse_cdf
 from .results import CandidateResult, empty_candidate_result
 from .rules import VerificationRule
 
@@ -40,10 +41,7 @@ def _log_prob(nq: NodeQuantities, cands: Tensor, y: Tensor) -> Tensor:
 def _sampled_chunk(rule, raw, cands, u_accept, u_final, temperature, top_k, top_p):
     """Verify one chunk of nodes; returns (tokens, accepted_index, behaviour, target, relaxed)."""
     z = process_logits(raw, temperature, top_k, top_p)  # [n, V]
-    lse = log_normaliser(z)
-    if not bool(torch.isfinite(lse).all()):
-        raise_if_bad_rows("target_logits", raw, lse)
-    nq = node_quantities(rule, z, lse, cands)
+    nq = node_quantities(rule, z, checked_softmax("target_logits", raw, z), cands)
     accepted = u_accept < nq.alpha  # [n, m]
     any_acc = accepted.any(-1)
     first = accepted.int().argmax(-1, keepdim=True) if cands.shape[1] else None
@@ -57,7 +55,7 @@ def _sampled_chunk(rule, raw, cands, u_accept, u_final, temperature, top_k, top_
         index = torch.where(any_acc, first.squeeze(-1), -1)
         gain = nq.alpha.gather(-1, first) > nq.s_c.gather(-1, first)
         relaxed = any_acc & gain.squeeze(-1)
-    target = z.gather(-1, y.unsqueeze(-1)).squeeze(-1) - lse
+    target = nq.p.gather(-1, y.unsqueeze(-1)).squeeze(-1).log()
     return y, index, _log_prob(nq, cands, y), target, relaxed
 
 

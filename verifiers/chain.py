@@ -9,10 +9,10 @@ accepted iff u_accept[b, j] < a(x_j)), then ``u_final = torch.rand(B)``, the one
 picks the row's final token by inverse CDF at its first rejected position (or the bonus
 position). T = 0 draws nothing.
 
-Cost: one pass over the target and draft logits in cache-sized chunks (log-normalisers,
-gathers, rule context), then work on [B, K] and on the B final rows only. Lossy rules whose
-P differs from p also rebuild full P rows at the emitted positions (log P(y) needs the
-closed form, which marginalises over the draft).
+Cost: one pass over the target and draft logits in cache-sized chunks (softmaxes, gathers,
+rule context and the rule's row statistics), then work on [B, K] and on the B final rows
+only. log P(y) comes from the rule's closed form at y (``prob_at``), which marginalises
+over the draft; no full P row is built unless diagnostics are asked for.
 """
 
 from __future__ import annotations
@@ -24,72 +24,82 @@ from torch import Tensor
 
 from .checks import check_chain_inputs, check_generator, raise_if_bad_rows
 from .induced import chain_diagnostics, greedy_accepts
-from .processing import (CHUNK_ELEMENTS, draft_logits, log_normaliser, probs_from,
-                         process_logits, sample_inverse_cdf)
+from .processing import CHUNK_ELEMENTS, draft_logits, process_logits, sample_inverse_cdf
 from .results import ChainResult, TokenKind, empty_chain_result
 from .rules import Context, VerificationRule
 
 
 @dataclasses.dataclass
 class _Positions:
-    """Per-position quantities of a batch (everything except full vocabulary rows)."""
+    """Per-position quantities of a batch (no full vocabulary rows)."""
 
-    lse_t: Tensor  # [B, K+1] log-normaliser of the processed target logits
-    zt_x: Tensor  # [B, K] processed target logit of the draft token
-    lse_q: Tensor  # [B, K]
-    zq_x: Tensor  # [B, K] processed draft logit of the draft token
+    p_x: Tensor  # [B, K] p(x_j)
+    q_x: Tensor  # [B, K] q(x_j)
+    p_probe: Tensor  # [B, K+1] one entry of each p row: NaN iff the target row is bad
+    q_probe: Tensor  # [B, K] the same for q
     ctx: Context  # rule context, each [B, K+1]
+    stats: dict[str, Tensor]  # rule chain statistics, each [B, K]
 
 
 def _position_pass(rule, target, draft, x, temperature, top_k, top_p) -> _Positions:
-    """One chunked pass over the logits (chunks of whole batch rows, sized to stay in cache)."""
+    """The one pass over the logits, in chunks of whole batch rows sized to stay in cache:
+    softmaxes, gathers at the draft tokens, rule context and chain statistics."""
     b, k1, v = target.shape
     step = max(1, CHUNK_ELEMENTS // (k1 * v))
     parts = []
     for s in range(0, b, step):
         xs = x[s:s + step].unsqueeze(-1)  # [b, K, 1]
         zt = process_logits(target[s:s + step], temperature, top_k, top_p)  # [b, K+1, V]
-        lse_t = log_normaliser(zt)
-        ctx = rule.context(zt, lse_t)
-        zt_x = zt[:, :-1].gather(-1, xs).squeeze(-1)
-        zq = draft_logits(draft[s:s + step], temperature)  # [b, K, V]
-        parts.append((lse_t, zt_x, log_normaliser(zq), zq.gather(-1, xs).squeeze(-1), ctx))
+        p = torch.softmax(zt, -1)
+        ctx = rule.context(zt, p)
+        q = torch.softmax(draft_logits(draft[s:s + step], temperature), -1)  # [b, K, V]
+        p_k = p[:, :-1]
+        gathered = (p_k.gather(-1, xs).squeeze(-1), q.gather(-1, xs).squeeze(-1), p[..., 0],
+                    q[..., 0])
+        stats = rule.chain_stats(p_k, q, {key: val[:, :-1] for key, val in ctx.items()})
+        parts.append((*gathered, ctx, stats))
+    if len(parts) == 1:
+        return _Positions(*parts[0])
     cat = [torch.cat([part[i] for part in parts]) for i in range(4)]
-    ctx = {key: torch.cat([part[4][key] for part in parts]) for key in parts[0][4]}
-    return _Positions(*cat, ctx)
+    ctx, stats = ({key: torch.cat([part[i][key] for part in parts]) for key in parts[0][i]}
+                  for i in (4, 5))
+    return _Positions(*cat, ctx, stats)
 
 
-def _check_positions(pos: _Positions, q_x: Tensor, target, draft, x) -> None:
-    """Raise for NaN/+inf/all -inf logit rows and for draft tokens that q gives zero mass."""
-    ok = torch.isfinite(pos.lse_t).all() & torch.isfinite(pos.lse_q).all() & (q_x > 0).all()
-    if bool(ok):
+def _check_positions(pos: _Positions, target, draft, x) -> None:
+    """Raise for NaN/+inf/all -inf logit rows and for draft tokens that q gives zero mass
+    (one host sync: NaN propagates through the probe sums)."""
+    probes = [pos.p_probe.sum(), pos.q_probe.sum()]
+    if pos.q_x.numel():
+        probes.append(pos.q_x.amin())
+    checks = torch.stack(probes).tolist()
+    if all(c == c for c in checks) and (len(checks) == 2 or checks[2] > 0):
         return
-    raise_if_bad_rows("target_logits", target, pos.lse_t)
-    raise_if_bad_rows("draft_logits", draft, pos.lse_q)
-    b, j = ((q_x > 0) == 0).nonzero()[0].tolist()
+    raise_if_bad_rows("target_logits", target, pos.p_probe)
+    raise_if_bad_rows("draft_logits", draft, pos.q_probe)
+    b, j = (pos.q_x <= 0).nonzero()[0].tolist()
     raise ValueError(f"draft_tokens[{b}, {j}] = {int(x[b, j])} has zero probability under the draft "
                      "distribution q (chain drafts must be sampled from q at the same temperature; "
                      "use verify_candidates for deterministic drafts)")
 
 
-def _assemble(x, accepted, final_tok, final_kind, acc_vals, final_vals) -> tuple[Tensor, ...]:
-    """Place accepted entries [B, K] and the final entry [B] of each row into [B, K+1] tensors."""
+def _assemble(x, n_acc, final_tok, final_kind, acc_vals, final_vals) -> tuple[Tensor, ...]:
+    """Lay out accepted entries [B, K] (positions < n_acc) and each row's final entry [B]
+    (position n_acc) as [B, K+1] tensors; padding is -1 (tokens, kinds) or 0 (values)."""
     b, k = x.shape
-    rows = torch.arange(b, device=x.device)
-    n_acc = accepted.sum(-1)
-    tokens = torch.full((b, k + 1), -1, dtype=torch.long, device=x.device)
-    tokens[:, :k] = torch.where(accepted, x, -1)
-    tokens[rows, n_acc] = final_tok
-    kinds = torch.full((b, k + 1), int(TokenKind.PAD), dtype=torch.int8, device=x.device)
-    kinds[:, :k].masked_fill_(accepted, int(TokenKind.ACCEPTED))
-    kinds[rows, n_acc] = final_kind.to(torch.int8)
-    outs = []
-    for acc_v, fin_v in zip(acc_vals, final_vals):
-        out = torch.zeros((b, k + 1), dtype=acc_v.dtype, device=x.device)
-        out[:, :k] = torch.where(accepted, acc_v, torch.zeros((), dtype=acc_v.dtype))
-        out[rows, n_acc] = fin_v
-        outs.append(out)
-    return (tokens, n_acc + 1, kinds, *outs)
+    n = n_acc.unsqueeze(-1)
+    col = torch.arange(k + 1, device=x.device)
+    is_acc, is_fin = col < n, col == n  # [B, K+1]
+    pad = x.new_zeros(b, 1)
+
+    def lay(acc: Tensor, fin: Tensor, fill) -> Tensor:
+        acc = torch.cat([acc, pad.to(acc.dtype)], 1)
+        fin = fin.unsqueeze(-1).to(acc.dtype)
+        return torch.where(is_acc, acc, torch.where(is_fin, fin, acc.new_full((), fill)))
+
+    tokens = lay(x, final_tok, -1)
+    kinds = lay(torch.zeros_like(x), final_kind, int(TokenKind.PAD)).to(torch.int8)
+    return (tokens, n_acc + 1, kinds, *(lay(a, f, 0) for a, f in zip(acc_vals, final_vals)))
 
 
 def _greedy_chain(rule, target, draft, x) -> ChainResult:
@@ -108,91 +118,92 @@ def _greedy_chain(rule, target, draft, x) -> ChainResult:
     zeros = torch.zeros(b, device=target.device)
     no = torch.zeros(b, dtype=torch.bool, device=target.device)
     tokens, num, kinds, b_lp, t_lp, rel = _assemble(
-        x, accepted, final, kind, (torch.zeros_like(t_lp), t_lp, x != v1[:, :-1]), (zeros, zeros, no))
+        x, n_acc, final, kind, (torch.zeros_like(t_lp), t_lp, x != v1[:, :-1]), (zeros, zeros, no))
     return ChainResult(tokens, num, b_lp, t_lp, kinds, rel)
 
 
-def _final_rows(rule, target, draft, x, pos, n_acc, temperature, top_k, top_p):
-    """Target/draft rows [B, V] at each row's final position and the weights to sample from."""
-    b, k1, _ = target.shape
-    rows = torch.arange(b, device=target.device)
-    zt = process_logits(target[rows, n_acc], temperature, top_k, top_p)  # [B, V]
-    p = probs_from(zt, pos.lse_t[rows, n_acc])
-    if k1 == 1:
-        return zt, p, None, p
-    jq = n_acc.clamp(max=k1 - 2)
-    q = probs_from(draft_logits(draft[rows, jq], temperature), pos.lse_q[rows, jq])
-    ctx = {key: val[rows, n_acc] for key, val in pos.ctx.items()}
-    w = rule.residual(p, q, zt, x[rows, jq], ctx)
-    return zt, p, q, torch.where((n_acc == k1 - 1).unsqueeze(-1), p, w)
+@dataclasses.dataclass
+class _Final:
+    """Each row's final position n_acc (the first rejection, or K for the bonus)."""
+
+    tokens: Tensor  # [B] the sampled token y
+    p_y: Tensor  # [B] p(y) at the final position
+    q_y: Tensor  # [B] q(y) at position min(n_acc, K-1) (unused for bonus rows)
+    weights: Tensor  # [B, V] what y was sampled from (unnormalised)
 
 
-def _induced_at(rule, target, draft, pos, rows, cols, ys, temperature, top_k, top_p) -> Tensor:
-    """P(y) [E] at E positions (rows, cols) of the chain (cols < K), chunked over positions."""
-    step = max(1, CHUNK_ELEMENTS // target.shape[-1])
-    out = []
-    for s in range(0, len(rows), step):
-        r, c, y = rows[s:s + step], cols[s:s + step], ys[s:s + step]
-        zt = process_logits(target[r, c], temperature, top_k, top_p)  # [e, V]
-        p = probs_from(zt, pos.lse_t[r, c])
-        q = probs_from(draft_logits(draft[r, c], temperature), pos.lse_q[r, c])
-        ctx = {key: val[r, c] for key, val in pos.ctx.items()}
-        out.append(rule.induced(p, q, zt, ctx).gather(-1, y.unsqueeze(-1)).squeeze(-1))
-    return torch.cat(out) if out else torch.zeros(0, device=target.device)
+def _rows(logits: Tensor, index: Tensor) -> Tensor:
+    """logits[b, index[b]] [B, V] for logits [B, L, V] (a flat index_select: a plain row copy)."""
+    b, length, v = logits.shape
+    flat = index + torch.arange(b, device=index.device) * length
+    return logits.reshape(b * length, v).index_select(0, flat)
 
 
-def _behaviour(rule, target, draft, x, pos, accepted, a, q_x, n_acc, y, w, t_lp_acc, t_lp_fin,
-               temperature, top_k, top_p) -> tuple[Tensor, Tensor]:
-    """log P(y) for accepted [B, K] and final [B] tokens. Where P == p it is log p(y); elsewhere
-    the closed form, floored by the realised path's probability (a term of P(y), > 0)."""
+def _final_tokens(rule, target, draft, x, pos, n_acc, u_final, temperature, top_k, top_p) -> _Final:
+    """Sample each row's final token from its residual at n_acc (or from p_K: the bonus)."""
+    k = x.shape[1]
+    p = torch.softmax(process_logits(_rows(target, n_acc), temperature, top_k, top_p), -1)  # [B, V]
+    bonus = (n_acc == k).tolist()
+    if all(bonus):
+        q, w = p, p
+    else:
+        jq = n_acc.clamp(max=k - 1)
+        q = torch.softmax(draft_logits(_rows(draft, jq), temperature), -1)
+        ctx = {key: val.gather(1, n_acc.unsqueeze(-1)).squeeze(-1) for key, val in pos.ctx.items()}
+        w = rule.residual(p, q, x.gather(1, jq.unsqueeze(-1)).squeeze(-1), ctx)
+        if any(bonus):
+            w = torch.where((n_acc == k).unsqueeze(-1), p, w)
+    y = sample_inverse_cdf(w, u_final).unsqueeze(-1)
+    return _Final(y.squeeze(-1), p.gather(-1, y).squeeze(-1), q.gather(-1, y).squeeze(-1), w)
+
+
+def _behaviour(rule, x, pos, a, n_acc, fin: _Final, t_lp_acc, t_lp_fin) -> tuple[Tensor, Tensor]:
+    """log P(y) for accepted [B, K] and final [B] tokens: log p(y) where P == p; elsewhere the
+    rule's closed form at y, floored by the realised path's probability (a term of P(y), > 0)."""
     b, k = x.shape
     exact = rule.induces_target(pos.ctx)
     if exact is True:
         return t_lp_acc, t_lp_fin
-    rows = torch.arange(b, device=x.device)
     exact = torch.zeros(b, k + 1, dtype=torch.bool, device=x.device) | exact
-    bonus = n_acc == k
-    lossy_acc = accepted & ~exact[:, :k]
-    lossy_fin = ~bonus & ~exact[rows, n_acc]
-    ra, ca = lossy_acc.nonzero(as_tuple=True)
-    rf = lossy_fin.nonzero(as_tuple=True)[0]
-    P_y = _induced_at(rule, target, draft, pos, torch.cat([ra, rf]), torch.cat([ca, n_acc[rf]]),
-                      torch.cat([x[ra, ca], y[rf]]), temperature, top_k, top_p).double()
-    jq = n_acc[rf]
-    w_y = w[rf, y[rf]].double() / w[rf].double().sum(-1)
-    floor = torch.cat([q_x[ra, ca].double() * a[ra, ca].double(),
-                       q_x[rf, jq].double() * (1 - a[rf, jq].double()) * w_y])
-    lp = torch.maximum(P_y, floor).log().float()
-    acc_lp, fin_lp = t_lp_acc.clone(), t_lp_fin.clone()
-    acc_lp[ra, ca] = lp[:len(ra)]
-    fin_lp[rf] = lp[len(ra):]
-    return acc_lp, fin_lp
+    ctx_k = {key: val[:, :k] for key, val in pos.ctx.items()}
+    P_acc = rule.prob_at(pos.p_x, pos.q_x, x, ctx_k, pos.stats).double()
+    floor_acc = pos.q_x.double() * a.double()
+    acc = torch.where(exact[:, :k], t_lp_acc, torch.maximum(P_acc, floor_acc).log().float())
+    if k == 0:
+        return acc, t_lp_fin
+    jq = n_acc.clamp(max=k - 1).unsqueeze(-1)
+    ctx_f = {key: val.gather(1, jq).squeeze(-1) for key, val in ctx_k.items()}
+    stats_f = {key: val.gather(1, jq).squeeze(-1) for key, val in pos.stats.items()}
+    P_fin = rule.prob_at(fin.p_y, fin.q_y, fin.tokens, ctx_f, stats_f).double()
+    w_y = fin.weights.gather(-1, fin.tokens.unsqueeze(-1)).squeeze(-1).double()
+    r_y = w_y / fin.weights.sum(-1, dtype=torch.float64)
+    floor_fin = (pos.q_x.gather(1, jq).squeeze(-1).double()
+                 * (1 - a.gather(1, jq).squeeze(-1).double()) * r_y)
+    lossy = ~exact.gather(1, n_acc.unsqueeze(-1)).squeeze(-1) & (n_acc < k)  # bonus: P = p
+    fin_lp = torch.where(lossy, torch.maximum(P_fin, floor_fin).log().float(), t_lp_fin)
+    return acc, fin_lp
 
 
 def _sampled_chain(rule, target, draft, x, temperature, top_k, top_p, generator) -> ChainResult:
     b, k1, _ = target.shape
     k, dev = k1 - 1, target.device
     pos = _position_pass(rule, target, draft, x, temperature, top_k, top_p)
-    p_x = (pos.zt_x - pos.lse_t[:, :k]).exp()  # [B, K]
-    q_x = (pos.zq_x - pos.lse_q).exp()
-    _check_positions(pos, q_x, target, draft, x)
-    a = rule.accept_prob(p_x, q_x, pos.zt_x, x, {key: val[:, :k] for key, val in pos.ctx.items()})
+    _check_positions(pos, target, draft, x)
+    a = rule.accept_prob(pos.p_x, pos.q_x, x, {key: val[:, :k] for key, val in pos.ctx.items()})
     u_accept = torch.rand(b, k, generator=generator, device=dev)
     u_final = torch.rand(b, generator=generator, device=dev)
-    accepted = (u_accept < a).int().cumprod(-1).bool()  # [B, K], a prefix per row
-    n_acc = accepted.sum(-1)
-    zt_f, _, _, w = _final_rows(rule, target, draft, x, pos, n_acc, temperature, top_k, top_p)
-    y = sample_inverse_cdf(w, u_final)  # [B]
-    t_lp_acc = pos.zt_x - pos.lse_t[:, :k]
-    rows = torch.arange(b, device=dev)
-    t_lp_fin = zt_f.gather(-1, y.unsqueeze(-1)).squeeze(-1) - pos.lse_t[rows, n_acc]
-    b_lp_acc, b_lp_fin = _behaviour(rule, target, draft, x, pos, accepted, a, q_x, n_acc, y, w,
-                                    t_lp_acc, t_lp_fin, temperature, top_k, top_p)
-    relaxed = a > (p_x / q_x).clamp(max=1)
+    n_acc = (u_accept < a).int().cumprod(-1).sum(-1)  # [B], length of the accepted prefix
+    fin = _final_tokens(rule, target, draft, x, pos, n_acc, u_final, temperature, top_k, top_p)
+    t_lp_acc, t_lp_fin = pos.p_x.log(), fin.p_y.log()
+    b_lp_acc, b_lp_fin = _behaviour(rule, x, pos, a, n_acc, fin, t_lp_acc, t_lp_fin)
+    if rule.induces_target(pos.ctx) is True:
+        relaxed = torch.zeros_like(x, dtype=torch.bool)
+    else:
+        relaxed = a > (pos.p_x / pos.q_x).clamp(max=1)
     kind = torch.where(n_acc == k, int(TokenKind.BONUS), int(TokenKind.RECOVERED))
     no = torch.zeros(b, dtype=torch.bool, device=dev)
     tokens, num, kinds, b_lp, t_lp, rel = _assemble(
-        x, accepted, y, kind, (b_lp_acc, t_lp_acc, relaxed), (b_lp_fin, t_lp_fin, no))
+        x, n_acc, fin.tokens, kind, (b_lp_acc, t_lp_acc, relaxed), (b_lp_fin, t_lp_fin, no))
     return ChainResult(tokens, num, b_lp, t_lp, kinds, rel)
 
 

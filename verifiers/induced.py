@@ -14,8 +14,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_candidate_inputs, check_pair_inputs, raise_if_bad_rows
-from .processing import (CHUNK_ELEMENTS, draft_logits, log_normaliser, probs_from,
-                         process_logits)
+from .processing import CHUNK_ELEMENTS, draft_logits, process_logits
 from .rules import VerificationRule
 
 
@@ -31,10 +30,9 @@ class NodeQuantities:
     log_reach: Tensor  # [N, m+1] log prob of reaching c_i (index m: reaching the fallback)
 
 
-def node_quantities(rule: VerificationRule, z: Tensor, lse: Tensor, cands: Tensor) -> NodeQuantities:
-    """Acceptance probabilities and fallback of each node (z [N, V], lse [N], cands [N, m])."""
-    ctx = rule.context(z, lse)
-    p = probs_from(z, lse)  # [N, V]
+def node_quantities(rule: VerificationRule, z: Tensor, p: Tensor, cands: Tensor) -> NodeQuantities:
+    """Acceptance probabilities and fallback of each node (z, p = softmax(z) [N, V]; cands [N, m])."""
+    ctx = rule.context(z, p)
     valid = cands >= 0
     cc = cands.clamp(min=0)
     p_c = p.gather(-1, cc) * valid  # [N, m]
@@ -43,7 +41,7 @@ def node_quantities(rule: VerificationRule, z: Tensor, lse: Tensor, cands: Tenso
     # remaining mass when c_i is examined: non-candidates plus c_i..c_m (no cancellation)
     remaining = p_rest.sum(-1, keepdim=True) + p_c.flip(-1).cumsum(-1).flip(-1)
     s_c = torch.where(remaining > 0, p_c / remaining, 0.0).clamp_(max=1)
-    alpha = rule.node_alpha(s_c, z.gather(-1, cc), cc, ctx)
+    alpha = rule.node_alpha(s_c, p.gather(-1, cc), cc, ctx)
     alpha = torch.where(valid, alpha, 0.0)
     fallback = rule.node_fallback(p, p_rest, ctx)
     log_reach = torch.cat([torch.zeros_like(alpha[:, :1]), torch.log1p(-alpha).cumsum(-1)], -1)
@@ -84,11 +82,12 @@ def _chunks(n: int, row_elems: int):
         yield slice(start, min(n, start + step))
 
 
-def _finite_normaliser(name: str, raw: Tensor, z: Tensor) -> Tensor:
-    lse = log_normaliser(z)
-    if not bool(torch.isfinite(lse).all()):
-        raise_if_bad_rows(name, raw, lse)
-    return lse
+def checked_softmax(name: str, raw: Tensor, z: Tensor) -> Tensor:
+    """softmax(z) [..., V]; raises naming ``name`` and the row if a row is NaN (bad logits)."""
+    p = torch.softmax(z, -1)
+    if p.numel() and bool(p[..., 0].isnan().any()):
+        raise_if_bad_rows(name, raw, p[..., 0])
+    return p
 
 
 def induced_chain(rule: VerificationRule, target_logits: Tensor, draft_logits_: Tensor, *,
@@ -102,10 +101,9 @@ def induced_chain(rule: VerificationRule, target_logits: Tensor, draft_logits_: 
             y = torch.where(greedy_accepts(rule, target_logits, x), x, target_logits.argmax(-1))
             return one_hot(y, v)
         z = process_logits(target_logits, temperature, top_k, top_p)
-        lse = _finite_normaliser("target_logits", target_logits, z)
-        zq = draft_logits(draft_logits_, temperature)
-        q = probs_from(zq, _finite_normaliser("draft_logits", draft_logits_, zq))
-        return rule.induced(probs_from(z, lse), q, z, rule.context(z, lse))
+        p = checked_softmax("target_logits", target_logits, z)
+        q = checked_softmax("draft_logits", draft_logits_, draft_logits(draft_logits_, temperature))
+        return rule.induced(p, q, rule.context(z, p))
 
 
 def induced_candidates(rule: VerificationRule, target_logits: Tensor, candidates: Tensor, *,
@@ -120,8 +118,8 @@ def induced_candidates(rule: VerificationRule, target_logits: Tensor, candidates
             first = candidates.gather(-1, ok.int().argmax(-1, keepdim=True)).squeeze(-1)
             return one_hot(torch.where(ok.any(-1), first, target_logits.argmax(-1)), v)
         z = process_logits(target_logits, temperature, top_k, top_p)
-        lse = _finite_normaliser("target_logits", target_logits, z)
-        return induced_from_nodes(node_quantities(rule, z, lse, candidates.long()), candidates.long())
+        p = checked_softmax("target_logits", target_logits, z)
+        return induced_from_nodes(node_quantities(rule, z, p, candidates.long()), candidates.long())
 
 
 def distribution_metrics(P: Tensor, p: Tensor, pi: Tensor) -> dict[str, Tensor]:
@@ -155,10 +153,9 @@ def chain_diagnostics(rule: VerificationRule, target_logits: Tensor, draft_logit
         if temperature == 0:
             P = one_hot(torch.where(tok >= 0, tok, raw.argmax(-1)), v)
         else:
-            lse = log_normaliser(z)
             q = torch.softmax(draft_logits(draft_logits_[sl], temperature), -1)
-            ctx = {key: val[:, :-1] for key, val in rule.context(z, lse).items()}
-            P = torch.cat([rule.induced(p[:, :-1], q, z[:, :-1], ctx), p[:, -1:]], 1)
+            ctx = {key: val[:, :-1] for key, val in rule.context(z, p).items()}
+            P = torch.cat([rule.induced(p[:, :-1], q, ctx), p[:, -1:]], 1)
         parts.append(distribution_metrics(P, p, _untruncated(raw, temperature, p, top_k, top_p)))
     pad = tokens < 0
     return {key: torch.cat([d[key] for d in parts]).masked_fill_(pad, 0.0) for key in parts[0]}
@@ -176,12 +173,11 @@ def candidate_diagnostics(rule: VerificationRule, target_logits: Tensor, candida
         if temperature == 0:
             P = one_hot(tokens[sl], v)
         else:
-            P = induced_from_nodes(node_quantities(rule, z, log_normaliser(z), candidates[sl]),
-                                   candidates[sl])
+            P = induced_from_nodes(node_quantities(rule, z, p, candidates[sl]), candidates[sl])
         parts.append(distribution_metrics(P, p, _untruncated(raw, temperature, p, top_k, top_p)))
     return {key: torch.cat([d[key] for d in parts]) for key in parts[0]}
 
 
 __all__ = ["NodeQuantities", "node_quantities", "induced_from_nodes", "induced_chain",
            "induced_candidates", "distribution_metrics", "chain_diagnostics",
-           "candidate_diagnostics", "greedy_accepts", "one_hot"]
+           "candidate_diagnostics", "greedy_accepts", "one_hot", "checked_softmax"]

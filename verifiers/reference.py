@@ -14,7 +14,7 @@ import math
 import torch
 from torch import Tensor
 
-from .processing import draft_logits, log_normaliser, probs_from, process_logits
+from .processing import draft_probs, process_logits
 from .results import TokenKind
 from .rules import VerificationRule
 
@@ -29,10 +29,15 @@ def reference_sample(weights: Tensor, u: float) -> int:
     return next(i for i, c in enumerate(cdf) if c >= cdf[-1])  # u * total rounded up to total
 
 
+def _log(v) -> float:
+    """log of a probability, -inf for 0 (a cos-accepted token may lie outside supp p)."""
+    return math.log(v) if v > 0 else -math.inf
+
+
 def _target(rule, logits: Tensor, temperature, top_k, top_p):
     z = process_logits(logits, temperature, top_k, top_p)
-    lse = log_normaliser(z)
-    return z, lse, probs_from(z, lse), rule.context(z, lse)
+    p = torch.softmax(z, -1)
+    return z, p, rule.context(z, p)
 
 
 def _greedy_ok(rule: VerificationRule, logits: Tensor, x: int) -> bool:
@@ -63,20 +68,19 @@ def reference_chain(rule: VerificationRule, target_logits: Tensor, draft_logits_
                     continue
                 out.append((v1, TokenKind.BONUS if j == k else TokenKind.RECOVERED, 0.0, 0.0))
                 break
-            z, lse, p, ctx = _target(rule, logits, temperature, top_k, top_p)
+            z, p, ctx = _target(rule, logits, temperature, top_k, top_p)
             if j == k:
                 y = reference_sample(p, u_final[r])
-                out.append((y, TokenKind.BONUS, math.log(p[y]), float(z[y] - lse)))
+                out.append((y, TokenKind.BONUS, _log(p[y]), _log(p[y])))
                 break
-            zq = draft_logits(draft_logits_[r, j], temperature)
-            q = probs_from(zq, log_normaliser(zq))
+            q = draft_probs(draft_logits_[r, j], temperature)
             x = int(draft_tokens[r, j])
-            P = rule.induced(p, q, z, ctx)
-            if u_accept[r][j] < float(rule.accept_prob(p[x], q[x], z[x], torch.tensor(x), ctx)):
-                out.append((x, TokenKind.ACCEPTED, math.log(P[x]), float(z[x] - lse)))
+            P = rule.induced(p, q, ctx)
+            if u_accept[r][j] < float(rule.accept_prob(p[x], q[x], torch.tensor(x), ctx)):
+                out.append((x, TokenKind.ACCEPTED, math.log(P[x]), _log(p[x])))
                 continue
-            y = reference_sample(rule.residual(p, q, z, torch.tensor(x), ctx), u_final[r])
-            out.append((y, TokenKind.RECOVERED, math.log(P[y]), float(z[y] - lse)))
+            y = reference_sample(rule.residual(p, q, torch.tensor(x), ctx), u_final[r])
+            out.append((y, TokenKind.RECOVERED, math.log(P[y]), _log(p[y])))
             break
         rows.append(out)
     return rows
@@ -100,22 +104,22 @@ def reference_candidates(rule: VerificationRule, target_logits: Tensor, candidat
             y = v1 if hit is None else cands[hit]
             out.append((y, -1 if hit is None else hit, 0.0, 0.0 if y == v1 else -math.inf))
             continue
-        z, lse, p, ctx = _target(rule, logits, temperature, top_k, top_p)
-        alphas, fallback = _walk(rule, p, z, ctx, cands)
+        _, p, ctx = _target(rule, logits, temperature, top_k, top_p)
+        alphas, fallback = _walk(rule, p, ctx, cands)
         P = _path_sum(alphas, fallback, cands, p.shape[-1])
         hit = next((i for i, a in enumerate(alphas) if u_accept[r][i] < a), None)
         y = cands[hit] if hit is not None else reference_sample(fallback, u_final[r])
-        out.append((y, -1 if hit is None else hit, math.log(P[y]), float(z[y] - lse)))
+        out.append((y, -1 if hit is None else hit, math.log(P[y]), _log(p[y])))
     return out
 
 
-def _walk(rule, p: Tensor, z: Tensor, ctx, cands: list[int]) -> tuple[list[float], Tensor]:
+def _walk(rule, p: Tensor, ctx, cands: list[int]) -> tuple[list[float], Tensor]:
     """Explicit state walk: s starts at p; a rejected c_i is zeroed and s renormalised."""
     s = p.clone()
     alphas = []
     for c in cands:
         s_c = s[c] / s.sum() if s.sum() > 0 else torch.tensor(0.0)
-        alpha = rule.node_alpha(s_c.reshape(1, 1), z[c].reshape(1, 1), torch.tensor([[c]]),
+        alpha = rule.node_alpha(s_c.reshape(1, 1), p[c].reshape(1, 1), torch.tensor([[c]]),
                                 {key: val.reshape(1) for key, val in ctx.items()})
         alphas.append(float(alpha))
         s[c] = 0.0
@@ -140,9 +144,9 @@ def brute_force_candidates(rule: VerificationRule, target_logits: Tensor, candid
     """P [N, V] (float64) by enumerating the accept/reject paths of each node (T > 0)."""
     rows = []
     for r in range(target_logits.shape[0]):
-        z, _, p, ctx = _target(rule, target_logits[r], temperature, top_k, top_p)
+        _, p, ctx = _target(rule, target_logits[r], temperature, top_k, top_p)
         cands = [int(c) for c in candidates[r] if c >= 0]
-        alphas, fallback = _walk(rule, p, z, ctx, cands)
+        alphas, fallback = _walk(rule, p, ctx, cands)
         rows.append(_path_sum(alphas, fallback, cands, p.shape[-1]))
     return torch.stack(rows)
 
@@ -152,17 +156,16 @@ def brute_force_chain(rule: VerificationRule, target_logits: Tensor, draft_logit
     """P [N, V] (float64) = sum_x q(x) [a(x) delta_x + (1 - a(x)) r_x], enumerating x (T > 0)."""
     rows = []
     for r in range(target_logits.shape[0]):
-        z, _, p, ctx = _target(rule, target_logits[r], temperature, top_k, top_p)
-        zq = draft_logits(draft_logits_[r], temperature)
-        q = probs_from(zq, log_normaliser(zq))
+        _, p, ctx = _target(rule, target_logits[r], temperature, top_k, top_p)
+        q = draft_probs(draft_logits_[r], temperature)
         P = torch.zeros(p.shape[-1], dtype=torch.float64)
         for x in range(p.shape[-1]):
             if q[x] == 0:
                 continue
-            a = float(rule.accept_prob(p[x], q[x], z[x], torch.tensor(x), ctx))
+            a = float(rule.accept_prob(p[x], q[x], torch.tensor(x), ctx))
             P[x] += float(q[x]) * a
             if a < 1:
-                w = rule.residual(p, q, z, torch.tensor(x), ctx).double()
+                w = rule.residual(p, q, torch.tensor(x), ctx).double()
                 P += float(q[x]) * (1 - a) * w / w.sum()
         rows.append(P)
     return torch.stack(rows)

@@ -2,17 +2,20 @@
 closed form of the distribution it induces (VERIFICATION.md, the two tables).
 
 Vocabulary: p is the processed target distribution, q the draft distribution (both [..., V],
-see :mod:`verifiers.processing`), z the processed target logits and lse their log-normaliser.
-A rule first computes a per-row *context* (for example MARS's top-2 tokens, or the
-log-threshold of a min-p / typical set A = {v : z(v) >= z_thr}); every other method takes it.
+see :mod:`verifiers.processing`), z the processed target logits. A rule first computes a
+per-row *context* from z and p (for example MARS's top-2 tokens and its relax flag, or the
+probability threshold of a min-p / typical set A = {v : p(v) >= thr}); the other methods take it.
 
 Chain mode (a sampled draft x ~ q): accept x with probability a(x) = ``accept_prob``, else
-emit from the unnormalised residual ``residual(p, q, z, x)``; ``induced`` is the closed form
-P = sum_x q(x) [a(x) delta_x + (1 - a(x)) r_x].
+emit from the unnormalised residual ``residual(p, q, x)``; ``induced`` is the closed form
+P = sum_x q(x) [a(x) delta_x + (1 - a(x)) r_x]. ``chain_stats`` reduces full rows to what
+``prob_at`` needs to evaluate P(y) from gathered values (so the batched verifier never builds
+full P rows).
 
 Candidate mode (deterministic candidates c_1..c_m of one node): ``node_alpha`` gets s(c_i), the
 probability of c_i under p with c_1..c_{i-1} zeroed and renormalised (the lossless state),
-and returns alpha_i; if every candidate is rejected the token comes from ``node_fallback``.
+and p(c_i); it returns alpha_i. If every candidate is rejected the token comes from
+``node_fallback``.
 
 Greedy (T = 0): every rule accepts x iff x is the target argmax v1, except MARS, which also
 accepts v2 when its ratio test on the raw logits holds (``greedy_second``). The cos rule has no
@@ -32,7 +35,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 import torch
 from torch import Tensor
 
-from .processing import probs_from, top2
+from .processing import top2
 
 Context = dict[str, Tensor]
 
@@ -43,12 +46,15 @@ class VerificationRule(Protocol):
 
     name: str
 
-    def context(self, z: Tensor, lse: Tensor) -> Context: ...
-    def accept_prob(self, p_x: Tensor, q_x: Tensor, z_x: Tensor, x: Tensor, ctx: Context) -> Tensor: ...
-    def residual(self, p: Tensor, q: Tensor, z: Tensor, x: Tensor, ctx: Context) -> Tensor: ...
-    def induced(self, p: Tensor, q: Tensor, z: Tensor, ctx: Context) -> Tensor: ...
+    def context(self, z: Tensor, p: Tensor) -> Context: ...
+    def accept_prob(self, p_x: Tensor, q_x: Tensor, x: Tensor, ctx: Context) -> Tensor: ...
+    def residual(self, p: Tensor, q: Tensor, x: Tensor, ctx: Context) -> Tensor: ...
+    def induced(self, p: Tensor, q: Tensor, ctx: Context) -> Tensor: ...
+    def chain_stats(self, p: Tensor, q: Tensor, ctx: Context) -> dict[str, Tensor]: ...
+    def prob_at(self, p_y: Tensor, q_y: Tensor, y: Tensor, ctx: Context,
+                stats: dict[str, Tensor]) -> Tensor: ...
     def induces_target(self, ctx: Context) -> Tensor | bool: ...
-    def node_alpha(self, s_c: Tensor, z_c: Tensor, c: Tensor, ctx: Context) -> Tensor: ...
+    def node_alpha(self, s_c: Tensor, p_c: Tensor, c: Tensor, ctx: Context) -> Tensor: ...
     def node_fallback(self, p: Tensor, p_rest: Tensor, ctx: Context) -> Tensor: ...
     def greedy_second(self, logits: Tensor) -> tuple[Tensor, Tensor] | None: ...
 
@@ -60,36 +66,43 @@ def lossless_residual(p: Tensor, q: Tensor) -> Tensor:
     return torch.where(empty, p, w)
 
 
-def _normalise(w: Tensor) -> Tensor:
-    return w / w.sum(-1, keepdim=True)
-
-
 def _lossless_accept(p_x: Tensor, q_x: Tensor) -> Tensor:
     return (p_x / q_x).clamp_(max=1)
 
 
+def _expand(t: Tensor, like: Tensor) -> Tensor:
+    """A per-row value [...] broadcast against [..., n] when ``like`` has one more dim."""
+    return t.unsqueeze(-1) if like.dim() > t.dim() else t
+
+
 class _RuleBase:
-    """Defaults: lossless everywhere (subclasses override what differs)."""
+    """Defaults: the lossless rule (subclasses override what differs)."""
 
     name: ClassVar[str]
 
-    def context(self, z: Tensor, lse: Tensor) -> Context:
+    def context(self, z: Tensor, p: Tensor) -> Context:
         return {}
 
-    def accept_prob(self, p_x, q_x, z_x, x, ctx):
+    def accept_prob(self, p_x, q_x, x, ctx):
         return _lossless_accept(p_x, q_x)
 
-    def residual(self, p, q, z, x, ctx):
+    def residual(self, p, q, x, ctx):
         return lossless_residual(p, q)
 
-    def induced(self, p, q, z, ctx):
+    def induced(self, p, q, ctx):
         return p
+
+    def chain_stats(self, p, q, ctx):
+        return {}
+
+    def prob_at(self, p_y, q_y, y, ctx, stats):
+        return p_y
 
     def induces_target(self, ctx: Context) -> Tensor | bool:
         """True (or a per-row mask) where P == p exactly, so log P(y) = log p(y)."""
         return False
 
-    def node_alpha(self, s_c, z_c, c, ctx):
+    def node_alpha(self, s_c, p_c, c, ctx):
         return s_c
 
     def node_fallback(self, p, p_rest, ctx):
@@ -132,33 +145,38 @@ class Mars(_RuleBase):
     def _relax(self, z1: Tensor, z2: Tensor) -> Tensor:
         return (z1 > 0) & (z2 / z1 > self.theta)
 
-    def context(self, z, lse):
+    def context(self, z, p):
         z1, z2, v1, v2 = top2(z)
         return {"relax": self._relax(z1, z2), "v1": v1, "v2": v2}
 
     def _in12(self, tok: Tensor, ctx: Context) -> Tensor:
-        v1, v2 = ctx["v1"], ctx["v2"]
-        if tok.dim() > v1.dim():
-            v1, v2 = v1.unsqueeze(-1), v2.unsqueeze(-1)
-        return (tok == v1) | (tok == v2)
+        return (tok == _expand(ctx["v1"], tok)) | (tok == _expand(ctx["v2"], tok))
 
-    def accept_prob(self, p_x, q_x, z_x, x, ctx):
+    def accept_prob(self, p_x, q_x, x, ctx):
         return torch.where(ctx["relax"], self._in12(x, ctx).float(), _lossless_accept(p_x, q_x))
 
-    def residual(self, p, q, z, x, ctx):
+    def residual(self, p, q, x, ctx):
         return torch.where(ctx["relax"].unsqueeze(-1), p, lossless_residual(p, q))
 
-    def induced(self, p, q, z, ctx):
+    def induced(self, p, q, ctx):
         pair = torch.zeros_like(p, dtype=torch.bool)
         pair.scatter_(-1, ctx["v1"].unsqueeze(-1), True).scatter_(-1, ctx["v2"].unsqueeze(-1), True)
         rejected = q.masked_fill(pair, 0).sum(-1, keepdim=True)  # q mass outside {v1, v2}
         relaxed = q.masked_fill(~pair, 0) + rejected * p
         return torch.where(ctx["relax"].unsqueeze(-1), relaxed, p)
 
+    def chain_stats(self, p, q, ctx):
+        return {"q12": q.gather(-1, ctx["v1"].unsqueeze(-1)).squeeze(-1)
+                + q.gather(-1, ctx["v2"].unsqueeze(-1)).squeeze(-1)}
+
+    def prob_at(self, p_y, q_y, y, ctx, stats):
+        relaxed = torch.where(self._in12(y, ctx), q_y, 0.0) + (1 - stats["q12"]).clamp(min=0) * p_y
+        return torch.where(ctx["relax"], relaxed, p_y)
+
     def induces_target(self, ctx):
         return ~ctx["relax"]
 
-    def node_alpha(self, s_c, z_c, c, ctx):
+    def node_alpha(self, s_c, p_c, c, ctx):
         return torch.where(ctx["relax"].unsqueeze(-1), self._in12(c, ctx).float(), s_c)
 
     def node_fallback(self, p, p_rest, ctx):
@@ -183,59 +201,83 @@ class Overshoot(_RuleBase):
         if self.min_p is not None:
             _check_range(self.name, "min_p", self.min_p, 0, 1, True, "(0, 1] or None")
 
-    def context(self, z, lse):
-        if self.min_p is None:
-            return {}
-        return {"z_thr": z.amax(-1) + math.log(self.min_p)}
+    def context(self, z, p):
+        return {} if self.min_p is None else {"thr": self.min_p * p.amax(-1)}
 
-    def _gate(self, z_v: Tensor, ctx: Context) -> Tensor | None:
-        if self.min_p is None:
-            return None
-        thr = ctx["z_thr"]
-        return z_v >= (thr.unsqueeze(-1) if z_v.dim() > thr.dim() else thr)
+    def _gate(self, p_v: Tensor, ctx: Context) -> Tensor | None:
+        return None if self.min_p is None else p_v >= _expand(ctx["thr"], p_v)
 
-    def accept_prob(self, p_x, q_x, z_x, x, ctx):
+    def accept_prob(self, p_x, q_x, x, ctx):
         a = (p_x / (self.lenience * q_x)).clamp_(max=1)
-        gate = self._gate(z_x, ctx)
+        gate = self._gate(p_x, ctx)
         return a if gate is None else a.masked_fill_(gate, 1.0)
 
-    def induced(self, p, q, z, ctx):
-        g = torch.minimum(q, p / self.lenience)  # q a(x), the accepted mass
-        gate = self._gate(z, ctx)
-        if gate is not None:
-            g = torch.where(gate, q, g)
-        rejected = (q - g).sum(-1, keepdim=True)  # 1 - beta
-        return g + rejected * _normalise(lossless_residual(p, q))
+    def _accepted_mass(self, p: Tensor, q: Tensor, ctx: Context) -> Tensor:
+        g = torch.minimum(q, p / self.lenience)  # q a(x)
+        gate = self._gate(p, ctx)
+        return g if gate is None else torch.where(gate, q, g)
 
-    def node_alpha(self, s_c, z_c, c, ctx):
+    def induced(self, p, q, ctx):
+        g = self._accepted_mass(p, q, ctx)
+        rejected = (q - g).sum(-1, keepdim=True)  # 1 - beta
+        r = lossless_residual(p, q)
+        return g + rejected * r / r.sum(-1, keepdim=True)
+
+    def chain_stats(self, p, q, ctx):
+        over = torch.sub(q, p, alpha=1 / self.lenience).clamp_(min=0)  # (q - p/l)+ = q - g off A
+        gate = self._gate(p, ctx)
+        if gate is not None:
+            over.masked_fill_(gate, 0.0)
+        return {"rejected": over.sum(-1), "tv": (p - q).clamp_(min=0).sum(-1)}
+
+    def prob_at(self, p_y, q_y, y, ctx, stats):
+        g = self._accepted_mass(p_y, q_y, ctx)
+        tv = stats["tv"]
+        r = torch.where(tv > 0, (p_y - q_y).clamp(min=0) / tv, p_y)
+        return g + stats["rejected"] * r
+
+    def node_alpha(self, s_c, p_c, c, ctx):
         a = (s_c / self.lenience).clamp(max=1)
-        gate = self._gate(z_c, ctx)
+        gate = self._gate(p_c, ctx)
         return a if gate is None else a.masked_fill(gate, 1.0)
 
 
 class _TruncationRule(_RuleBase):
-    """Accept x iff x in A = {z >= z_thr}; after rejecting x emit from p without x (chain)."""
+    """Accept x iff x in A = {p >= thr}; after rejecting x emit from p without x (chain)."""
 
-    def _threshold(self, z: Tensor, lse: Tensor) -> Tensor:
+    def _threshold(self, z: Tensor, p: Tensor) -> Tensor:
         raise NotImplementedError
 
-    def context(self, z, lse):
-        return {"z_thr": self._threshold(z, lse)}
+    def context(self, z, p):
+        return {"thr": self._threshold(z, p)}
 
-    def accept_prob(self, p_x, q_x, z_x, x, ctx):
-        return (z_x >= ctx["z_thr"]).float()
+    def _in_a(self, p_v: Tensor, ctx: Context) -> Tensor:
+        return p_v >= _expand(ctx["thr"], p_v)
 
-    def residual(self, p, q, z, x, ctx):
+    def accept_prob(self, p_x, q_x, x, ctx):
+        return self._in_a(p_x, ctx).float()
+
+    def residual(self, p, q, x, ctx):
         return p.scatter(-1, x.unsqueeze(-1), 0.0)
 
-    def induced(self, p, q, z, ctx):
-        in_a = z >= ctx["z_thr"].unsqueeze(-1)
-        t = torch.where(in_a, 0.0, q / (1 - p))  # q(x) / (1 - p(x)) for x outside A
-        total = t.sum(-1, keepdim=True)
-        return torch.where(in_a, q, 0.0) + p * (total - t).clamp_(min=0)
+    def _outside_terms(self, p: Tensor, q: Tensor, ctx: Context) -> Tensor:
+        """q(x) / (1 - p(x)) for x outside A, 0 inside: the rate at which rejected x feed y."""
+        return torch.where(self._in_a(p, ctx), 0.0, q / (1 - p))
 
-    def node_alpha(self, s_c, z_c, c, ctx):
-        return (z_c >= ctx["z_thr"].unsqueeze(-1)).float()
+    def induced(self, p, q, ctx):
+        t = self._outside_terms(p, q, ctx)
+        total = t.sum(-1, keepdim=True)
+        return torch.where(self._in_a(p, ctx), q, 0.0) + p * (total - t).clamp_(min=0)
+
+    def chain_stats(self, p, q, ctx):
+        return {"feed": self._outside_terms(p, q, ctx).sum(-1)}
+
+    def prob_at(self, p_y, q_y, y, ctx, stats):
+        t_y = self._outside_terms(p_y, q_y, ctx)
+        return torch.where(self._in_a(p_y, ctx), q_y, 0.0) + p_y * (stats["feed"] - t_y).clamp(min=0)
+
+    def node_alpha(self, s_c, p_c, c, ctx):
+        return self._in_a(p_c, ctx).float()
 
 
 @dataclass(frozen=True)
@@ -250,10 +292,11 @@ class Typical(_TruncationRule):
         _check_range(self.name, "epsilon", self.epsilon, 0, 1, True, "(0, 1]")
         _check_range(self.name, "delta", self.delta, 0, 1, True, "(0, 1]")
 
-    def _threshold(self, z, lse):
-        entropy = torch.special.entr(probs_from(z, lse)).sum(-1)  # [...]
-        log_thr = torch.clamp(math.log(self.delta) - entropy, max=math.log(self.epsilon))
-        return lse + log_thr
+    def _threshold(self, z, p):
+        # log p = z - z1 + log p1, so H = -log p1 - sum p (z - z1) (terms with p = 0 dropped)
+        shifted = (z - z.amax(-1, keepdim=True)).nan_to_num_(neginf=0.0).mul_(p)
+        entropy = -p.amax(-1).log() - shifted.sum(-1)  # [...]
+        return (self.delta * torch.exp(-entropy)).clamp(max=self.epsilon)
 
 
 @dataclass(frozen=True)
@@ -266,8 +309,8 @@ class MinP(_TruncationRule):
     def __post_init__(self):
         _check_range(self.name, "p_base", self.p_base, 0, 1, True, "(0, 1]")
 
-    def _threshold(self, z, lse):
-        return z.amax(-1) + math.log(self.p_base)
+    def _threshold(self, z, p):
+        return self.p_base * p.amax(-1)
 
 
 @dataclass(frozen=True)
@@ -281,16 +324,19 @@ class Cos(_RuleBase):
     def __post_init__(self):
         _check_range(self.name, "lam", self.lam, 0, 1, False, "[0, 1]")
 
-    def accept_prob(self, p_x, q_x, z_x, x, ctx):
+    def accept_prob(self, p_x, q_x, x, ctx):
         return (self.lam * (p_x / q_x) + (1 - self.lam)).clamp_(max=1)
 
-    def induced(self, p, q, z, ctx):
+    def induced(self, p, q, ctx):
         return self.lam * p + (1 - self.lam) * q
+
+    def prob_at(self, p_y, q_y, y, ctx, stats):
+        return self.lam * p_y + (1 - self.lam) * q_y
 
     def induces_target(self, ctx):
         return self.lam == 1
 
-    def node_alpha(self, s_c, z_c, c, ctx):
+    def node_alpha(self, s_c, p_c, c, ctx):
         # written so that s(c) = 1 gives exactly 1 and lam = 1 gives exactly s(c)
         return s_c if self.lam == 1 else 1 - self.lam * (1 - s_c)
 

@@ -183,3 +183,41 @@ def test_full_vocab_head_without_mapping(tmp_path):
     save_file(w, str(tmp_path / "model.safetensors"))
     loaded = load_eagle3(tmp_path, target)
     assert torch.equal(loaded.target_ids, torch.arange(V)) and bool(loaded.t2d.all())
+
+
+@pytest.mark.parametrize("use_head", [True, False])
+def test_chain_loop_is_lossless_at_t0(use_head):
+    """The measurement loop (draft, verify, crop both caches) reproduces plain greedy decoding."""
+    from scripts.measure_acceptance import ChainStats, chain_generate
+
+    target = tiny_target()
+    head, _ = make_head(target, vd=V)  # full vocabulary: some drafts get accepted
+    prompt = torch.randint(3, V, (7,), generator=torch.Generator().manual_seed(5)).tolist()
+    ids = torch.tensor([prompt])
+    with torch.no_grad():
+        for _ in range(20):
+            ids = torch.cat([ids, target(ids, use_cache=False).logits[:, -1:].argmax(-1)], 1)
+    stats = ChainStats()
+    out = chain_generate(target, head if use_head else None, prompt, k=4, temperature=0.0, max_new_tokens=20,
+                         eos_id=-5, gen=torch.Generator().manual_seed(0), stats=stats)
+    assert out == ids[0, 7:].tolist()
+    assert stats.forwards >= 1 and 1.0 <= stats.tau <= 5.0
+
+
+@pytest.mark.slow
+def test_shipped_head_loads_and_beats_trivial_drafter():
+    from rollout.eagle3 import default_head_path
+    from rollout.models import load_embedded_target
+    from scripts.measure_acceptance import held_out_prompts, measure
+
+    path = default_head_path()
+    size = sum(f.stat().st_size for f in path.iterdir())
+    assert size <= 30 * 2**20, f"shipped head is {size / 2**20:.1f} MB"
+    target, tok = load_embedded_target()
+    head = load_eagle3(path, target)
+    assert head.cfg.vocab_size == target.vocab_size and head.cfg.aux_layer_ids == target.aux_layer_ids
+    prompts = held_out_prompts(tok, n_arith=4, n_general=0)["arithmetic"]
+    for temperature in (0.0, 1.0):
+        eagle = measure(target, head, prompts, k=7, temperature=temperature, max_new_tokens=48, seed=0)
+        trivial = measure(target, None, prompts, k=7, temperature=temperature, max_new_tokens=48, seed=0)
+        assert eagle.tau > trivial.tau + 0.5, (temperature, eagle.tau, trivial.tau)

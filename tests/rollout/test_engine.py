@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_utils import PROMPTS, copy_head, tiny_target
+from test_engine_utils import PROMPTS, copy_head, single_thread, tiny_target, trained_head  # noqa: F401
 
 from rollout.config import ConfigError, from_dict
 from rollout.engine import Engine
@@ -20,9 +20,9 @@ SPECS = {
 
 
 @pytest.fixture(scope="module")
-def models():
+def models(single_thread):
     target = tiny_target()
-    return target, copy_head(target, draft_vocab=48)
+    return target, trained_head(target, draft_vocab=48)
 
 
 def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
@@ -33,7 +33,7 @@ def hf_greedy(target, prompt: list[int], n: int) -> list[int]:
 
 def test_autoregressive_greedy_matches_hf_generate(models):
     target, head = models
-    res = Engine(target, head).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=24))
+    res = Engine(target, head, num_threads=1).generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=24))
     for prompt, comp in zip(PROMPTS, res.completions):
         assert comp.prompt_ids == prompt
         assert comp.completion_ids == hf_greedy(target, prompt, 24)
@@ -44,7 +44,7 @@ def test_autoregressive_greedy_matches_hf_generate(models):
 @pytest.mark.parametrize("name", list(SPECS))
 def test_speculative_greedy_equals_autoregressive(models, name):
     target, head = models
-    engine = Engine(target, head)
+    engine = Engine(target, head, num_threads=1)
     sampling = SamplingParams(temperature=0, max_new_tokens=40)
     ref = engine.generate(PROMPTS, sampling, SpecConfig(mode="off"))
     res = engine.generate(PROMPTS, sampling, SPECS[name])
@@ -52,14 +52,14 @@ def test_speculative_greedy_equals_autoregressive(models, name):
         assert b.completion_ids == a.completion_ids
         assert b.behaviour_logprobs == [0.0] * len(b.completion_ids)
     kinds = [k for c in res.completions for k in c.kinds]
-    assert kinds.count(TokenKind.ACCEPTED) > 10, "the copy head should get drafts accepted"
-    assert res.tau > 1.2
+    assert kinds.count(TokenKind.ACCEPTED) > 20, "the trained head's drafts should be accepted"
+    assert res.tau > 1.3
     assert res.timings.target_forwards < ref.timings.target_forwards
 
 
 def test_mars_greedy_is_deterministic_and_may_take_second_token(models):
     target, head = models
-    engine = Engine(target, head)
+    engine = Engine(target, head, num_threads=1)
     sampling = SamplingParams(temperature=0, max_new_tokens=30)
     rule = VerifierConfig("mars", {"theta": 0.5})
     a = engine.generate(PROMPTS, sampling, SPECS["tree"], rule, seed=1)
@@ -69,7 +69,7 @@ def test_mars_greedy_is_deterministic_and_may_take_second_token(models):
 
 def test_stop_tokens_end_completions(models):
     target, head = models
-    engine = Engine(target, head)
+    engine = Engine(target, head, num_threads=1)
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=30))
     stop = greedy.completions[2].completion_ids[5]
     sampling = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=(stop,))
@@ -86,21 +86,21 @@ def test_stop_tokens_end_completions(models):
 @pytest.mark.parametrize("max_new", [1, 2, 7])
 def test_max_new_tokens_is_exact(models, max_new):
     target, head = models
-    res = Engine(target, head).generate(PROMPTS, SamplingParams(max_new_tokens=max_new), SPECS["chain-sampled"],
-                                        seed=3)
+    engine = Engine(target, head, num_threads=1)
+    res = engine.generate(PROMPTS, SamplingParams(max_new_tokens=max_new), SPECS["chain-sampled"], seed=3)
     assert [c.num_tokens for c in res.completions] == [max_new] * len(PROMPTS)
     assert res.timings.tokens == max_new * len(PROMPTS)
 
 
-def test_empty_prompt_list():
+def test_empty_prompt_list(single_thread):
     target = tiny_target()
-    res = Engine(target, copy_head(target)).generate([], SamplingParams(), SPECS["tree"])
+    res = Engine(target, copy_head(target), num_threads=1).generate([], SamplingParams(), SPECS["tree"])
     assert res.completions == [] and res.timings.tokens == 0
 
 
-def test_prompt_errors_and_context_cap():
+def test_prompt_errors_and_context_cap(single_thread):
     target = tiny_target(context=64)
-    engine = Engine(target, copy_head(target))
+    engine = Engine(target, copy_head(target), num_threads=1)
     with pytest.raises(ValueError, match="prompt 1 has 64 tokens but the target's context is 64"):
         engine.generate([[1, 2], [3] * 64], SamplingParams())
     with pytest.raises(ValueError, match="prompt 0 is empty"):
@@ -111,8 +111,8 @@ def test_prompt_errors_and_context_cap():
     assert [c.num_tokens for c in res.completions] == [4, 10]  # the first row hits the context
 
 
-def test_speculation_needs_a_head():
-    engine = Engine(tiny_target())
+def test_speculation_needs_a_head(single_thread):
+    engine = Engine(tiny_target(), num_threads=1)
     with pytest.raises(ValueError, match="needs a draft head"):
         engine.generate([[1, 2]], SamplingParams(), SPECS["tree"])
     assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=3)).completions[0].num_tokens == 3
@@ -121,7 +121,7 @@ def test_speculation_needs_a_head():
 @pytest.mark.parametrize("name", ["off", "chain-sampled", "chain-greedy", "tree"])
 def test_seeded_determinism(models, name):
     target, head = models
-    engine = Engine(target, head)
+    engine = Engine(target, head, num_threads=1)
     spec = SpecConfig(mode="off") if name == "off" else SPECS[name]
     sampling = SamplingParams(temperature=1.0, max_new_tokens=20)
     a, b, c = (engine.generate(PROMPTS, sampling, spec, seed=s) for s in (7, 7, 8))
@@ -132,7 +132,8 @@ def test_seeded_determinism(models, name):
 
 def test_rollout_batch_pads_completions(models):
     target, head = models
-    res = Engine(target, head).generate(PROMPTS, SamplingParams(max_new_tokens=6), SPECS["tree"], seed=0)
+    engine = Engine(target, head, num_threads=1)
+    res = engine.generate(PROMPTS, SamplingParams(max_new_tokens=6), SPECS["tree"], seed=0)
     batch = res.to_batch(policy_version=3)
     assert batch.completion_ids.shape == (len(PROMPTS), 6)
     assert batch.prompt_mask.sum(1).tolist() == [len(p) for p in PROMPTS]

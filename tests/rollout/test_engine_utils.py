@@ -1,15 +1,17 @@
 """Tiny models for the engine tests (no test functions here).
 
-The target is a random 4-layer Llama whose layers after the first are damped, so the
-input of layer 1 (an EAGLE-3 feature) is close to its final hidden state. The "copy" head
-maps that feature through the target's own final norm and lm_head, with its decoder layer
-silenced: it predicts, for the next position, what the target predicted for the current
-one. That drafter is accepted often enough (repeats, loops) to exercise every path of
-the engine without training anything.
+The target is a random 4-layer Llama whose layers after the first are damped. The draft
+head starts as a "copy" head (the layer-1 feature through the target's own final norm and
+lm_head, its decoder layer nearly silent) and ``trained_head`` then trains it for a few
+seconds with the training-time-test loss on sequences the target sampled, using the same
+pairing of tokens, features and positions as the engine. Its drafts are accepted often
+enough to exercise every path of the engine (and a wrong pairing in the engine would show
+up as a collapse of the acceptance length).
 """
 
 from __future__ import annotations
 
+import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -82,7 +84,7 @@ def _ttt_loss(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, probs
     return loss
 
 
-def trained_head(target: TargetModel, draft_vocab: int | None = None, steps: int = 150, seed: int = 1,
+def trained_head(target: TargetModel, draft_vocab: int | None = None, steps: int = 60, seed: int = 1,
                  ttt_steps: int = 3) -> Eagle3Head:
     """A head trained for a few seconds on sequences the target samples itself."""
     from rollout.engine import Engine
@@ -90,16 +92,26 @@ def trained_head(target: TargetModel, draft_vocab: int | None = None, steps: int
 
     head = copy_head(target, draft_vocab, seed)
     gen = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(0, target.vocab_size, (3,), generator=gen).tolist() for _ in range(48)]
-    res = Engine(target).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=29), seed=seed)
-    tokens = torch.tensor([c.prompt_ids + c.completion_ids for c in res.completions])  # [48, 32]
+    prompts = [torch.randint(0, target.vocab_size, (3,), generator=gen).tolist() for _ in range(24)]
+    engine = Engine(target, num_threads=torch.get_num_threads())
+    res = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=25), seed=seed)
+    tokens = torch.tensor([c.prompt_ids + c.completion_ids for c in res.completions])  # [24, 28]
     with torch.no_grad():
         out = target(tokens, use_cache=False)
     feats, probs = out.features, torch.softmax(out.logits, -1)
     head.train()
-    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=3e-3)
+    opt = torch.optim.Adam([p for p in head.parameters() if p.requires_grad], lr=5e-3)
     for _ in range(steps):
         opt.zero_grad()
         _ttt_loss(head, tokens, feats, probs, ttt_steps).backward()
         opt.step()
     return head.eval()
+
+
+@pytest.fixture(scope="module", autouse=False)
+def single_thread():
+    """Run a module's engines on one thread (tiny models; the CPU may be shared), then restore."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield 1
+    torch.set_num_threads(before)

@@ -11,8 +11,8 @@ import torch
 import yaml
 
 
-@pytest.fixture(scope="session")
-def tiny_policy_dir(tmp_path_factory) -> Path:
+def build_tiny_policy(out: Path) -> Path:
+    """A random 4-layer Llama with the real SmolLM2 tokenizer, saved as a HF folder."""
     from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
     from rollout.models import embedded_gguf_path
@@ -25,26 +25,34 @@ def tiny_policy_dir(tmp_path_factory) -> Path:
                       tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
                       pad_token_id=tok.pad_token_id)
     model = LlamaForCausalLM(cfg).eval()
-    out = tmp_path_factory.mktemp("tiny_policy")
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
 
 
-@pytest.fixture(scope="session")
-def tiny_head_dir(tiny_policy_dir, tmp_path_factory) -> Path:
+def build_tiny_head(policy_dir: Path, out: Path) -> Path:
+    """A random EAGLE-3 head for the tiny policy whose lm_head is the target's."""
     from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
     from rollout.models import TargetConfig, load_target
 
-    target, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    target, _ = load_target(TargetConfig(path=str(policy_dir)))
     torch.manual_seed(1)
     cfg = Eagle3Config.for_target(target)
     head = Eagle3Head(cfg, target.embed_tokens)
     with torch.no_grad():  # share the target's output embedding: a drafter that sometimes agrees
         head.lm_head.weight.copy_(target.model.get_output_embeddings().weight)
-    out = tmp_path_factory.mktemp("tiny_head")
     save_eagle3(head, out)
     return out
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory) -> Path:
+    return build_tiny_policy(tmp_path_factory.mktemp("tiny_policy"))
+
+
+@pytest.fixture(scope="session")
+def tiny_head_dir(tiny_policy_dir, tmp_path_factory) -> Path:
+    return build_tiny_head(tiny_policy_dir, tmp_path_factory.mktemp("tiny_head"))
 
 
 def write_config(path: Path, policy: Path, head: Path | None, out_dir: Path, **sections) -> Path:

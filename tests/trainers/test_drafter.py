@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, causal_mask
 from rollout.models import TargetModel
-from trainers.drafter import (DrafterConfig, estimated_tau, init_from_target, train_drafter, ttt_entropy_floor, ttt_forward, ttt_loss,
-                              ttt_mask)
+from trainers.drafter import (DrafterConfig, estimated_tau, init_from_target, train_drafter, ttt_entropy_floor,
+                              ttt_forward, ttt_loss, ttt_mask)
 from trainers.drafter_data import collate, draft_vocab, generate_batch, records_to_data
 from trainers.drafter_prompts import general_prompts
 
@@ -76,22 +76,24 @@ def test_ttt_equals_chain_drafting_at_inference():
             feats, toks = batch.features[r: r + 1, lo: i + 1], batch.tokens[r: r + 1, lo + 1: i + 2]
             pos = torch.arange(i + 1 - lo)[None]
             out = head(toks, feats, pos, causal_mask(1, i + 1 - lo))
-            torch.testing.assert_close(out.logits[0, -1], outs[0][1][r, i], rtol=1e-4, atol=1e-4)
+            step0 = head.logits_from_hidden(outs[0][1][r, i])
+            torch.testing.assert_close(out.logits[0, -1], step0, rtol=1e-4, atol=1e-4)
             hidden, kv = out.hidden[:, -1:], out.kv
             for s in range(1, steps):
                 tok = batch.tokens[r: r + 1, i + 1 + s: i + 2 + s]
                 p = torch.tensor([[i - lo + s]])
                 out = head(tok, hidden, p, torch.ones(1, 1, kv[0].shape[2] + 1, dtype=torch.bool), past=kv)
                 hidden, kv = out.hidden, out.kv
-                first, logits = outs[s]
-                torch.testing.assert_close(out.logits[0, 0], logits[r, i - first], rtol=1e-4, atol=1e-4)
+                first, hid = outs[s]
+                torch.testing.assert_close(out.logits[0, 0], head.logits_from_hidden(hid[r, i - first]),
+                                           rtol=1e-4, atol=1e-4)
 
 
 def test_init_from_target_reproduces_next_layer_input():
     target = tiny_target()
     data = tiny_data(target, n=3)
     head = make_head(target, data)
-    init_from_target(head, target)
+    init_from_target(head, target, "layer")
     ids = data.tokens[: int(data.offsets[1])][None]
     with torch.no_grad():
         feats = target(ids, use_cache=False).features
@@ -105,7 +107,7 @@ def test_few_steps_reduce_the_loss(tmp_path):
     data = tiny_data(target, n=16)
     head = make_head(target, data)
     cfg = DrafterConfig(draft_vocab_size=120, batch_size=8, epochs=30, lr=3e-3, warmup_steps=2,
-                        ttt_steps=3, out_dir=str(tmp_path), init_from_target=False)
+                        ttt_steps=3, out_dir=str(tmp_path), init="random")
     batch = collate(data, list(range(16)))
     with torch.no_grad():
         before, _ = ttt_loss(head, batch, 3, 0.8)
@@ -121,7 +123,7 @@ def test_resume_continues_identically(tmp_path):
     target = tiny_target()
     data = tiny_data(target, n=16)
     cfg = DrafterConfig(draft_vocab_size=120, batch_size=4, epochs=2, lr=1e-3, warmup_steps=2, ttt_steps=3,
-                        save_every=100, out_dir=str(tmp_path / "a"), init_from_target=True)
+                        save_every=100, out_dir=str(tmp_path / "a"))
     straight = make_head(target, data)
     init_from_target(straight, target)
     train_drafter(cfg, straight, data, progress=False, log=lambda *_: None)

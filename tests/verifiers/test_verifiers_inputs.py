@@ -238,6 +238,9 @@ def test_seeded_runs_are_deterministic(case):
 
 def test_lossless_behaviour_equals_target_and_relaxed_never_fires():
     res = _chain(b=64, k=5, temperature=0.7, top_p=0.9)
+    assert res.tokens.dtype == res.num_emitted.dtype == torch.long
+    assert res.kinds.dtype == torch.int8 and res.relaxed.dtype == torch.bool
+    assert res.behaviour_logprobs.dtype == res.target_logprobs.dtype == torch.float32
     assert torch.equal(res.behaviour_logprobs, res.target_logprobs)
     assert not res.relaxed.any()
     kinds = res.kinds

@@ -1,0 +1,220 @@
+"""Rollout throughput: our engine (autoregressive, chain, tree; several verifiers) against
+Hugging Face ``generate``, side by side on the same prompts and sampling settings.
+
+    python -m scripts.bench_rollout --batch-sizes 1,8,32 --max-new-tokens 128 --prompts 32 \\
+        --verifiers lossless,mars,overshoot --json OUT.json
+    python -m scripts.bench_rollout --quick          # a small smoke run
+
+Target: the embedded SmolLM2-135M-Instruct; drafter: the shipped EAGLE-3 head (or
+``--head``). Prompts: held-out arithmetic word problems with the chat template. For each
+batch size the prompts are split into batches of that size and generated one batch after
+the other; tokens/s = completion tokens / wall time (completions stop at EOS or the token
+limit). tau = mean tokens emitted per row per target forward. Speedups are over our
+autoregressive mode ("off") and over HF generate at the same batch size. rss_mb is the
+resident memory after the configuration, peak_rss_mb the process peak so far.
+``--repeat N`` then reruns one speculative configuration N times and reports the RSS
+after each run (memory growth check).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import time
+
+import torch
+
+from rollout.eagle3 import default_head_path, load_eagle3
+from rollout.engine import Engine, available_cores
+from rollout.models import load_embedded_target
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+
+VERIFIER_PARAMS = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=32)
+    ap.add_argument("--verifiers", default="lossless,mars,overshoot",
+                    help="comma list; mars uses theta=0.9, overshoot lenience=0.5")
+    ap.add_argument("--modes", default="chain,tree", help="speculative modes to run (comma list)")
+    ap.add_argument("--chain-k", type=int, default=5, help="chain length K")
+    ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
+    ap.add_argument("--tree", default="5,4,16", help="depth,top_k,total_tokens")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
+    ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 4 prompts, 32 tokens, batch 1,4")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.prompts, args.max_new_tokens = "1,4", 4, 32
+    return args
+
+
+def held_out_prompts(tok, n: int, seed: int) -> list[list[int]]:
+    """n held-out arithmetic problems (difficulties 1-3), chat-formatted token ids."""
+    from trainers.tasks import make_problems
+
+    per = -(-n // 3)
+    problems = [p for lv in (1, 2, 3) for p in make_problems(per, lv, "heldout", seed + 1000)]
+    out = []
+    for p in problems[:n]:
+        text = tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
+                                       add_generation_prompt=True)
+        out.append(tok(text, add_special_tokens=False)["input_ids"])
+    return out
+
+
+def rss_mb() -> float:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def peak_rss_mb() -> float:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def batches(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
+    return [prompts[i:i + size] for i in range(0, len(prompts), size)]
+
+
+def run_hf(model, prompts, size: int, sampling: SamplingParams, pad_id: int, seed: int) -> dict:
+    """HF generate (left padding), sampling like ours; counts tokens up to and including EOS."""
+    from transformers import GenerationConfig
+
+    gen_cfg = GenerationConfig(do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
+                               top_k=0, top_p=1.0, max_new_tokens=sampling.max_new_tokens,
+                               eos_token_id=list(sampling.stop_token_ids), pad_token_id=pad_id)
+    tokens, start = 0, time.perf_counter()
+    for i, group in enumerate(batches(prompts, size)):
+        width = max(len(p) for p in group)
+        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+        torch.manual_seed(seed + i)
+        with torch.inference_mode():
+            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
+        for row in out[:, width:].tolist():
+            stops = [j for j, t in enumerate(row) if t in sampling.stop_token_ids]
+            tokens += stops[0] + 1 if stops else len(row)
+    seconds = time.perf_counter() - start
+    return {"tokens": tokens, "seconds": seconds, "tau": 1.0}
+
+
+def run_ours(engine: Engine, prompts, size: int, sampling, spec, verifier, seed: int) -> dict:
+    tot = {"tokens": 0, "seconds": 0.0, "emitted": 0, "row_rounds": 0, "draft_s": 0.0, "verify_s": 0.0,
+           "other_s": 0.0}
+    for i, group in enumerate(batches(prompts, size)):
+        res = engine.generate(group, sampling, spec, verifier, seed=seed + i)
+        t = res.timings
+        tot["tokens"] += t.tokens
+        tot["seconds"] += t.total_s
+        tot["emitted"] += t.emitted
+        tot["row_rounds"] += t.row_rounds
+        for key in ("draft_s", "verify_s", "other_s"):
+            tot[key] += getattr(t, key)
+    tot["tau"] = tot.pop("emitted") / max(1, tot.pop("row_rounds"))
+    return tot
+
+
+def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
+    depth, top_k, total = (int(x) for x in args.tree.split(","))
+    specs = {"chain": SpecConfig(mode="chain", num_draft_tokens=args.chain_k, draft_sampling=args.draft_sampling),
+             "tree": SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total)}
+    names = [v for v in args.verifiers.split(",") if v]
+    return [(specs[m], VerifierConfig(v, VERIFIER_PARAMS.get(v, {}))) for m in args.modes.split(",") if m
+            for v in names]
+
+
+def describe(spec: SpecConfig) -> str:
+    if spec.mode == "chain":
+        return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}"
+    if spec.mode == "tree":
+        return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}"
+    return "off"
+
+
+def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
+    rows = []
+    configs = spec_configs(args)
+    for size in (int(b) for b in args.batch_sizes.split(",")):
+        base = {"batch": size}
+        found: dict[str, dict] = {}
+        if not args.no_hf:
+            found["hf"] = run_hf(target.model, prompts, size, sampling, tok.pad_token_id or 0, args.seed)
+            rows.append(base | {"mode": "hf generate", "verifier": "-"} | found["hf"] | mem())
+        found["off"] = run_ours(engine, prompts, size, sampling, SpecConfig(mode="off"), VerifierConfig(), args.seed)
+        rows.append(base | {"mode": "off", "verifier": "lossless"} | found["off"] | mem())
+        for spec, verifier in configs:
+            res = run_ours(engine, prompts, size, sampling, spec, verifier, args.seed)
+            rows.append(base | {"mode": describe(spec), "verifier": verifier.name} | res | mem())
+        for row in rows:
+            if row["batch"] == size:
+                speed = row["tokens"] / row["seconds"]
+                row["tokens_per_s"] = speed
+                row["speedup_vs_ar"] = speed / (found["off"]["tokens"] / found["off"]["seconds"])
+                if "hf" in found:
+                    row["speedup_vs_hf"] = speed / (found["hf"]["tokens"] / found["hf"]["seconds"])
+                print_row(row)
+    return rows
+
+
+def mem() -> dict:
+    return {"rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()}
+
+
+HEADER = f"{'batch':>5} {'mode':<22} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} {'RSS MB':>7}"
+
+
+def print_row(row: dict) -> None:
+    hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
+    print(f"{row['batch']:>5} {row['mode']:<22} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
+          f"{row['tau']:>5.2f} {row['speedup_vs_ar']:>6.2f} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
+
+
+def memory_check(args, engine, prompts, sampling) -> dict:
+    spec, verifier = spec_configs(args)[0]
+    size = max(int(b) for b in args.batch_sizes.split(","))
+    group = prompts[:size]
+    trace = []
+    for i in range(args.repeat):
+        engine.generate(group, sampling, spec, verifier, seed=args.seed + i)
+        trace.append(rss_mb())
+    print(f"memory: {args.repeat} x batch {size} ({describe(spec)}, {verifier.name}): RSS after run 1 "
+          f"{trace[0]:.0f} MB, after run {args.repeat} {trace[-1]:.0f} MB, peak {peak_rss_mb():.0f} MB")
+    return {"repeat": args.repeat, "batch": size, "mode": describe(spec), "verifier": verifier.name,
+            "rss_mb": trace, "peak_rss_mb": peak_rss_mb()}
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(available_cores())
+    target, tok = load_embedded_target()
+    head = load_eagle3(args.head or default_head_path(), target)
+    engine = Engine(target, head)
+    prompts = held_out_prompts(tok, args.prompts, args.seed)
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              stop_token_ids=(tok.eos_token_id,))
+    print(f"{len(prompts)} prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "
+          f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, threads={torch.get_num_threads()}, "
+          f"MKL_CBWR={os.environ.get('MKL_CBWR', '-')}")
+    engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), SpecConfig(mode="chain"))  # warm-up
+    print(HEADER)
+    rows = measure(args, target, tok, engine, prompts, sampling)
+    report = {"args": vars(args), "results": rows}
+    if args.repeat:
+        report["memory"] = memory_check(args, engine, prompts, sampling)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

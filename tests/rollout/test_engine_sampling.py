@@ -1,0 +1,157 @@
+"""Engine tests at T > 0: lossless speculation samples the target's distribution, every
+emitted token's behaviour log-prob is the closed-form induced distribution evaluated at
+the engine's own logits, and target log-probs match a cache-free recomputation."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+import torch
+from scipy.stats import chisquare
+from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head  # noqa: F401
+
+from rollout.engine import Engine
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from verifiers import TokenKind, induced_candidates, induced_chain, target_logprobs
+
+SPECS = {
+    "chain-sampled": SpecConfig(mode="chain", num_draft_tokens=3),
+    "chain-greedy": SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="greedy"),
+    "tree": SpecConfig(mode="tree", depth=3, top_k=3, total_tokens=8),
+}
+LOSSY = {
+    "mars": {"theta": 0.5},
+    "overshoot": {"lenience": 0.5},
+    "typical": {},
+    "min_p": {"p_base": 0.2},
+}
+
+
+@pytest.fixture(scope="module")
+def small(single_thread):
+    """A 12-token vocabulary (9 in the draft) for exact distributions."""
+    target = tiny_target(vocab=12, seed=3, logit_scale=4.0)
+    return target, trained_head(target, draft_vocab=9, seed=4)
+
+
+@pytest.fixture(scope="module")
+def models(single_thread):
+    target = tiny_target(vocab=64, seed=5)
+    return target, trained_head(target, draft_vocab=48, seed=6)
+
+
+def exact_three_token_law(target, prompt: list[int]) -> torch.Tensor:
+    """P(y1, y2, y3 | prompt) [V, V, V] from full forwards (no cache)."""
+    v = target.vocab_size
+    with torch.no_grad():
+        p1 = torch.softmax(target(torch.tensor([prompt]), use_cache=False).logits[0, -1], -1)
+        pairs = torch.tensor(list(itertools.product(range(v), repeat=2)))  # [V*V, 2]
+        seqs = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], 1)
+        logits = target(seqs, use_cache=False).logits  # [V*V, P+2, V]
+        p2 = torch.softmax(logits[:, -2], -1).view(v, v, v)[:, 0]  # p(y2 | y1): rows y1
+        p3 = torch.softmax(logits[:, -1], -1).view(v, v, v)  # p(y3 | y1, y2)
+    return p1[:, None, None] * p2[:, :, None] * p3
+
+
+def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Chi-square goodness of fit, pooling cells with expected count < 5 into one."""
+    n = counts.sum()
+    expected = probs.flatten().double() * n
+    counts = counts.flatten().double()
+    small_cells = expected < 5
+    obs, exp = counts[~small_cells], expected[~small_cells]
+    if small_cells.any():
+        obs = torch.cat([obs, counts[small_cells].sum()[None]])
+        exp = torch.cat([exp, expected[small_cells].sum()[None]])
+    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_lossless_samples_the_target_distribution(small, name):
+    target, head = small
+    engine = Engine(target, head, num_threads=1)
+    prompts = [[1, 5, 2, 7], [3]]
+    rows = 1500
+    res = engine.generate([p for p in prompts for _ in range(rows)], SamplingParams(max_new_tokens=3),
+                          SPECS[name], seed=11)
+    v = target.vocab_size
+    kinds = torch.tensor([c.kinds[1:] for c in res.completions])
+    assert (kinds == TokenKind.ACCEPTED).float().mean() > 0.1, "drafts must be accepted for the test to mean much"
+    for i, prompt in enumerate(prompts):
+        law = exact_three_token_law(target, prompt)
+        ys = torch.tensor([c.completion_ids for c in res.completions[i * rows:(i + 1) * rows]])
+        pair12 = torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v)
+        pair23 = torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v)
+        assert chi2_pvalue(pair12, law.sum(2)) > 1e-3
+        assert chi2_pvalue(pair23, law.sum(0)) > 1e-3
+    for c in res.completions:
+        assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
+
+
+def test_the_distribution_test_detects_a_lossy_rule(small):
+    """Power check: MARS with a low theta visibly changes the law of the first tokens."""
+    target, head = small
+    engine = Engine(target, head, num_threads=1)
+    prompt = [1, 5, 2, 7]
+    res = engine.generate([prompt] * 1500, SamplingParams(max_new_tokens=3), SPECS["chain-sampled"],
+                          VerifierConfig("mars", {"theta": 0.05}), seed=11)
+    v = target.vocab_size
+    ys = torch.tensor([c.completion_ids for c in res.completions])
+    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v),
+                       exact_three_token_law(target, prompt).sum(0)) < 1e-6
+
+
+def induced_logprob(rule, rec, sampling: SamplingParams) -> float:
+    kw = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
+    tl = rec.target_logits[None]
+    if rec.draft_logits is not None:
+        dist = induced_chain(rule, tl, rec.draft_logits[None], **kw)
+    elif rec.candidates is not None:
+        dist = induced_candidates(rule, tl, rec.candidates[None], **kw)
+    else:
+        dist = target_logprobs(tl, **kw).exp()
+    return float(dist[0, rec.token].log())
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("rule_name", ["lossless", *LOSSY])
+def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
+    target, head = models
+    engine = Engine(target, head, num_threads=1)
+    verifier = VerifierConfig(rule_name, LOSSY.get(rule_name, {}))
+    sampling = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=16)
+    res = engine.generate(PROMPTS, sampling, SPECS[name], verifier, seed=2, debug=True)
+    assert len(res.debug) == res.timings.tokens, "one debug record per emitted token"
+    rule = verifier.rule()
+    for rec in res.debug:
+        comp = res.completions[rec.row]
+        assert comp.completion_ids[rec.index] == rec.token
+        assert comp.behaviour_logprobs[rec.index] == pytest.approx(induced_logprob(rule, rec, sampling), abs=1e-4)
+        p = target_logprobs(rec.target_logits, sampling.temperature, sampling.top_k)
+        assert comp.target_logprobs[rec.index] == pytest.approx(float(p[rec.token]), abs=1e-4)
+    relaxed = sum(sum(c.relaxed) for c in res.completions)
+    if rule_name in ("mars", "overshoot"):
+        assert relaxed > 0, "the lossy branch should fire on this model"
+    if rule_name == "lossless":
+        assert relaxed == 0
+
+
+@pytest.mark.parametrize("name", ["off", *SPECS])
+def test_target_logprobs_match_a_cache_free_forward(models, name):
+    """Every emitted token's log p equals a plain forward over prompt + completion: the
+    caches, masks and positions are right after many rounds of mixed acceptance."""
+    target, head = models
+    engine = Engine(target, head, num_threads=1)
+    spec = SpecConfig(mode="off") if name == "off" else SPECS[name]
+    sampling = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, stop_token_ids=(7,))
+    res = engine.generate(PROMPTS * 2, sampling, spec, seed=5)
+    assert len({c.num_tokens for c in res.completions}) > 1, "rows should finish at different times"
+    for comp in res.completions:
+        seq = torch.tensor([comp.prompt_ids + comp.completion_ids])
+        with torch.no_grad():
+            logits = target(seq, use_cache=False).logits[0, len(comp.prompt_ids) - 1:-1]  # [C, V]
+        lp = target_logprobs(logits, 1.0, None, 0.95)
+        ref = lp.gather(1, torch.tensor(comp.completion_ids)[:, None])[:, 0]
+        assert comp.target_logprobs == pytest.approx(ref.tolist(), abs=2e-4)
+        assert comp.behaviour_logprobs == pytest.approx(ref.tolist(), abs=2e-4)
