@@ -35,6 +35,7 @@ class WorkerSpec:
     spec: SpecConfig
     verifier: VerifierConfig
     threads: int = 2
+    device: str = "cpu"
 
 
 @dataclass(frozen=True)
@@ -68,11 +69,12 @@ class RolloutWorker:
         torch.set_num_threads(spec.threads)
         self.spec = spec
         self.target, _ = load_target(spec.target)
+        self.target.to(spec.device)
         self.head = None
         if spec.drafter_path is not None and spec.spec.mode != "off":
             from rollout.eagle3 import load_eagle3
 
-            self.head = load_eagle3(spec.drafter_path, self.target)
+            self.head = load_eagle3(spec.drafter_path, self.target).to(spec.device)
         self.engine = Engine(self.target, self.head, num_threads=spec.threads)
         self.version = 0
 
@@ -97,8 +99,8 @@ class RolloutWorker:
         return os.getpid(), time.time()
 
 
-def remote_actor_class(num_cpus: float):
+def remote_actor_class(num_cpus: float, num_gpus: float = 0.0):
     """The Ray actor class for RolloutWorker (restarts are the pool's job, not Ray's)."""
     import ray
 
-    return ray.remote(num_cpus=num_cpus, max_restarts=0, max_task_retries=0)(RolloutWorker)
+    return ray.remote(num_cpus=num_cpus, num_gpus=num_gpus, max_restarts=0, max_task_retries=0)(RolloutWorker)

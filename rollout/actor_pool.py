@@ -30,13 +30,13 @@ class PoolStats:
 
 class RolloutPool:
     def __init__(self, spec: WorkerSpec, num_actors: int, *, num_cpus_per_actor: float = 1.0,
-                 max_restarts: int = 2):
+                 num_gpus_per_actor: float = 0.0, max_restarts: int = 2):
         import ray
 
         self._ray = ray
         self.spec = spec
         self.max_restarts = max_restarts
-        self._cls = remote_actor_class(num_cpus_per_actor)
+        self._cls = remote_actor_class(num_cpus_per_actor, num_gpus_per_actor)
         self.actors = [self._cls.remote(spec) for _ in range(num_actors)]
         self._weights_ref = None
         self.version = 0

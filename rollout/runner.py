@@ -43,6 +43,8 @@ class ModelRunner:
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.prefill_tokens = prefill_tokens
+        # logits = lm_head(final hidden) exactly (Llama family): the prefill can skip the lm_head
+        self._plain_lm_head = all(getattr(cfg, a, None) is None for a in ("final_logit_softcapping", "logit_scale"))
         if head is not None:
             self.draft_ids = head.target_ids.to(self.device)  # [Vd] target id of each draft id
         self.cache: RowKVCache | None = None
@@ -70,7 +72,7 @@ class ModelRunner:
             rows = slice(r0, min(b, r0 + rows_per_chunk))
             p_chunk = int(plen[rows].max())
             logits, f = self._prefill_chunk(ids[rows, :p_chunk], plen[rows], rows)
-            last_logits.append(logits.gather(1, (plen[rows] - 1)[:, None, None].expand(-1, 1, logits.shape[-1]))[:, 0])
+            last_logits.append(logits)
             if self.head is not None:
                 if feats is None:
                     feats = f.new_zeros(b, p_max, f.shape[-1])
@@ -81,14 +83,41 @@ class ModelRunner:
         return torch.cat(last_logits)
 
     def _prefill_chunk(self, ids: torch.Tensor, plen: torch.Tensor, rows: slice):
+        """Prefill rows ``rows``: logits ``[b, V]`` at each row's last prompt token and the
+        features ``[b, t, 3H]`` (None without a head) of every prompt token."""
         b, t = ids.shape
         self.cache.prepare(t, rows)
         pos = torch.arange(t, device=self.device)
         key_ok = (pos[None, :] < plen[:, None])  # [b, t]
         causal = pos[None, :] <= pos[:, None]  # [t, t]
         mask = causal[None] & (key_ok[:, None, :] | torch.eye(t, dtype=torch.bool, device=self.device)[None])
-        out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None], cache=self.cache)
-        return out.logits, out.features
+        last = (plen - 1)[:, None, None]
+        if not self._plain_lm_head:  # e.g. soft-capped logits: take them from the full forward
+            out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None], cache=self.cache)
+            return out.logits.gather(1, last.expand(b, 1, out.logits.shape[-1]))[:, 0], out.features
+        hidden, feats = self._body_forward(ids, pos[None].expand(b, t), mask[:, None])
+        last_hidden = hidden.gather(1, last.expand(b, 1, hidden.shape[-1]))[:, 0]  # [b, H]
+        return self.target.model.get_output_embeddings()(last_hidden).float(), feats
+
+    def _body_forward(self, ids, positions, mask):
+        """The target's decoder stack only (final norm included, no lm_head): the prefill
+        needs logits at one position per row, not over the whole prompt. Captures the
+        EAGLE-3 features like ``TargetModel.forward`` when there is a head."""
+        store: dict[int, torch.Tensor] = {}
+        handles = []
+        if self.head is not None:
+            for idx in sorted(set(self.target.aux_layer_ids)):
+                def hook(module, args, kwargs, idx=idx):
+                    store[idx] = args[0] if args else kwargs["hidden_states"]
+                handles.append(self.target.decoder_layers[idx].register_forward_pre_hook(hook, with_kwargs=True))
+        try:
+            out = self.target.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                               cache=self.cache, use_cache=True)
+        finally:
+            for h in handles:
+                h.remove()
+        feats = torch.cat([store[i] for i in self.target.aux_layer_ids], -1) if handles else None
+        return out.last_hidden_state, feats
 
     def set_first_tokens(self, tokens: torch.Tensor) -> None:
         """Record the first sampled token ``[B]``: it is pending, and closes the prompt's draft pairs."""

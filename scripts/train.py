@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     from trainers.loop import GRPOTrainer
 
     if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:
-        ray.init(num_cpus=cfg.ray.num_cpus, include_dashboard=False, log_to_driver=True)
+        ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False)
     else:
         ray.init(address=cfg.ray.address or "auto")
     try:

@@ -61,7 +61,8 @@ class GRPOTrainer:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
         self.policy_target, self.tokenizer = load_target(cfg.model.target)
-        self.policy = self.policy_target.model
+        self.device = _resolve_device(cfg.run.device)
+        self.policy = self.policy_target.model.to(self.device)
         self.policy.eval()  # no dropout; gradients still flow
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.policy.parameters(), lr=o.lr, betas=o.betas,
@@ -85,9 +86,10 @@ class GRPOTrainer:
         sampling = dataclasses.replace(r.sampling, stop_token_ids=self.stop_ids)
         drafter = self.cfg.model.drafter_path()
         spec = WorkerSpec(target=self.cfg.model.target, drafter_path=str(drafter) if drafter else None,
-                          sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor)
+                          sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor,
+                          device="cuda" if r.num_gpus_per_actor > 0 else "cpu")
         self.pool = RolloutPool(spec, r.num_actors, num_cpus_per_actor=r.threads_per_actor,
-                                max_restarts=r.max_restarts)
+                                num_gpus_per_actor=r.num_gpus_per_actor, max_restarts=r.max_restarts)
         self.pool.set_weights(self.policy.state_dict(), self.version)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -148,6 +150,8 @@ class GRPOTrainer:
             behaviour[i, : len(x.completion_ids)] = torch.tensor(x.behaviour_logprobs)
             target_lp[i, : len(x.completion_ids)] = torch.tensor(x.target_logprobs)
             relaxed[i, : len(x.completion_ids)] = torch.tensor(x.relaxed, dtype=torch.bool)
+        behaviour, target_lp, relaxed = (t.to(self.device) for t in (behaviour, target_lp, relaxed))
+        adv = adv.to(self.device)
         with torch.no_grad():
             old = [completion_logprobs(self.policy, prompts[a:a + mb], outs[a:a + mb], **kw) for a in range(0, n, mb)]
             logp_old = _pad_cat([o[0] for o in old], c_max)
@@ -216,6 +220,14 @@ class GRPOTrainer:
         print(f"\noutputs in {self.out_dir.resolve()}: metrics.jsonl, rollouts.jsonl, tb/, checkpoints/, "
               f"summary.md, plots/ ({', '.join(p.name for p in plots)})", flush=True)
         return rows
+
+
+def _resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("run.device is 'cuda' but no CUDA device is visible to the trainer")
+    return torch.device(name)
 
 
 def _pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:

@@ -21,6 +21,7 @@ from trainers.tasks import DIFFICULTIES
 
 BACKENDS = ("hf", "vllm")
 TASK_SOURCES = ("arithmetic", "jsonl")
+DEVICES = ("cpu", "cuda", "auto")
 
 
 def _positive_int(path: str, value) -> None:
@@ -44,20 +45,21 @@ class RunConfig:
     steps: optimizer steps. seed: seeds prompts, rollouts and the trainer.
     checkpoint_every: save every n steps (and at the end); 0 = only at the end.
     resume: continue from the newest checkpoint in out_dir when there is one.
-    eval_prompts: held-out problems scored (greedy) before and after training; 0 = none."""
+    device: where the trainer's policy lives: "cpu", "cuda" or "auto" (cuda when present)."""
 
     out_dir: str = "runs/default"
     steps: int = 8
     seed: int = 0
     checkpoint_every: int = 2
     resume: bool = True
-    eval_prompts: int = 0
+    device: str = "cpu"
 
     def __post_init__(self) -> None:
         _positive_int("steps", self.steps)
         _non_negative_int("seed", self.seed)
         _non_negative_int("checkpoint_every", self.checkpoint_every)
-        _non_negative_int("eval_prompts", self.eval_prompts)
+        if self.device not in DEVICES:
+            raise ConfigError("device", f"unknown device {self.device!r}", allowed=DEVICES)
         if not isinstance(self.resume, bool):
             raise ConfigError("resume", f"must be true or false, got {self.resume!r}")
 
@@ -91,11 +93,13 @@ class ModelConfig:
 class RolloutConfig:
     """backend: "hf" (our engine) or "vllm" (not available yet).
     num_actors: Ray rollout actors; threads_per_actor: torch threads in each.
+    num_gpus_per_actor: GPUs Ray reserves for each actor; > 0 runs its engine on cuda.
     max_restarts: how often a dead actor is restarted within one step before giving up."""
 
     backend: str = "hf"
     num_actors: int = 1
     threads_per_actor: int = 2
+    num_gpus_per_actor: float = 0.0
     max_restarts: int = 2
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecConfig = field(default_factory=SpecConfig)
@@ -109,6 +113,9 @@ class RolloutConfig:
         _positive_int("num_actors", self.num_actors)
         _positive_int("threads_per_actor", self.threads_per_actor)
         _non_negative_int("max_restarts", self.max_restarts)
+        if isinstance(self.num_gpus_per_actor, bool) or not isinstance(self.num_gpus_per_actor, (int, float)) \
+                or self.num_gpus_per_actor < 0:
+            raise ConfigError("num_gpus_per_actor", f"must be a number >= 0, got {self.num_gpus_per_actor!r}")
 
 
 @dataclass(frozen=True)

@@ -79,6 +79,6 @@ def write_config(path: Path, policy: Path, head: Path | None, out_dir: Path, **s
 def local_ray():
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()

@@ -138,3 +138,11 @@ def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_di
         assert rows_resumed[1][key] == pytest.approx(rows_full[1][key], rel=1e-6, abs=1e-9), key
     for (name, a), b in zip(full.policy.state_dict().items(), resumed.policy.state_dict().values()):
         assert torch.equal(a, b), name
+
+
+@pytest.mark.parametrize("name", ["default", "gpu"])
+def test_shipped_configs_validate(name):
+    from pathlib import Path
+
+    cfg = load_train_config(Path(__file__).parents[2] / "configs" / f"{name}.yaml")
+    assert cfg.rollouts_per_step >= cfg.grpo.group_size

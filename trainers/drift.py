@@ -1,0 +1,275 @@
+"""Drift diagnostics: what each verifier does to the sampling distribution, the speed and the task.
+
+Vocabulary (verifier terms as in ``verifiers``: p, q, induced distribution P, behaviour log-prob):
+- **configuration**: one (verifier, speculation mode) pair, or one matched baseline.
+- **matched baseline**: plain sampling from the target, no speculation, with the same
+  truncation set A as the rule (the lossy-verification study's point: a truncation rule's
+  speed and accuracy must be compared with truncation *sampling* on the target, not with
+  plain sampling). ``min_p`` and ``typical`` rules are matched with sampling from p
+  restricted to their A (for ``typical`` that is eta-style sampling); every other rule,
+  including the min-p-gated overshoot cap (its P keeps the full support of p: the gate only
+  changes acceptance inside A), is matched with plain target sampling ("plain"), which is
+  also the lossless rule without speculation. When the gated overshoot's own min-p set was
+  run as a baseline, it is reported as a secondary comparison.
+- **per-token drift**: at each emitted token's position, TV(P, p), KL(P || p), H(P), H(p)
+  and the uncovered mass (the untruncated target's mass on {P == 0}), from the closed-form P
+  of ``verifiers.induced_chain`` / ``induced_candidates`` at the exact logits the verifier
+  saw (``Engine.generate(debug=True)``). Baselines' P is p restricted to A.
+- **sequence log importance ratio**: sum_t (log p(y_t) - log P(y_t)) over a completion; the
+  weights exp(.) have an effective sample size ESS = (sum w)^2 / (n sum w^2) in [0, 1].
+
+This module holds the study's config, the verifier specs and the matched baselines;
+``trainers.drift_run`` generates and reduces, ``trainers.drift_report`` computes the
+statistics and tables, ``trainers.drift_plots`` draws them and reads training runs.
+Timings are taken with ``debug=True`` for every configuration alike (the record copies
+cost a few percent).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from rollout.config import ConfigError
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+
+SOURCES = ("tasks", "jsonl", "general")
+MODES = ("chain", "tree")
+TRUNCATION_RULES = ("min_p", "typical")
+DEFAULT_VERIFIERS = ("lossless", "mars:theta=0.9", "mars:theta=0.7", "overshoot:lenience=0.5",
+                     "overshoot:lenience=0.5,min_p=0.1", "typical:epsilon=0.3,delta=0.9", "min_p:p_base=0.1")
+PLAIN = "plain"
+
+
+# ----------------------------------------------------------------------------- verifier specs
+def _value(text: str) -> Any:
+    low = text.strip().lower()
+    if low in ("none", "null"):
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"parameter value {text!r} is not a number") from None
+
+
+def parse_verifier(spec: str | dict) -> VerifierConfig:
+    """``"name"`` or ``"name:k=v,k=v"`` (or a mapping ``{name, params}``) -> VerifierConfig."""
+    if isinstance(spec, dict):
+        return VerifierConfig(spec.get("name"), dict(spec.get("params") or {}))
+    name, _, rest = str(spec).partition(":")
+    params = {}
+    for part in filter(None, (s.strip() for s in rest.split(","))):
+        key, eq, val = part.partition("=")
+        if not eq:
+            raise ValueError(f"verifier {spec!r}: parameter {part!r} must be key=value")
+        params[key.strip()] = _value(val)
+    return VerifierConfig(name.strip(), params)
+
+
+def verifier_label(v: VerifierConfig) -> str:
+    """Canonical spec string: ``name`` or ``name:k=v,...`` (parameters in given order)."""
+    if not v.params:
+        return v.name
+    return v.name + ":" + ",".join(f"{k}={_fmt(x)}" for k, x in v.params.items())
+
+
+def _fmt(x: Any) -> str:
+    return "none" if x is None else f"{x:g}" if isinstance(x, float) else str(x)
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass(frozen=True)
+class DriftConfig:
+    """One drift study (``configs/drift.yaml``).
+
+    source: ``tasks`` (arithmetic problems), ``jsonl`` (``jsonl_path``) or ``general``
+        (general instructions, no accuracy). difficulties: task levels (1..4) for ``tasks``.
+    prompts: prompts per configuration, split evenly over the difficulties.
+    split / prompt_seed: which problems are drawn.
+    verifiers: spec strings (see :func:`parse_verifier`); lossless is added when missing (it
+        is the speed reference). modes: speculative modes (chain, tree); chain / tree: their
+        SpecConfig. baselines: also run the matched baselines (mode off).
+    temperature, top_k, top_p, max_new_tokens: target sampling (stop at the tokenizer's EOS).
+    batch_size: prompts per ``generate`` call; seed: generation seed (batch i uses seed + i).
+    target: model folder or .gguf (null = the embedded SmolLM2); head: ``default`` (the
+        shipped head), ``random`` (a random head sharing the target's lm_head) or a folder.
+    num_threads: torch threads (null = all cores); out: output directory.
+    """
+
+    source: str = "tasks"
+    difficulties: tuple[int, ...] = (1, 2)
+    prompts: int = 200
+    jsonl_path: str | None = None
+    split: str = "heldout"
+    prompt_seed: int = 0
+    verifiers: tuple[str, ...] = DEFAULT_VERIFIERS
+    modes: tuple[str, ...] = ("chain",)
+    chain: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", num_draft_tokens=5))
+    tree: SpecConfig = field(default_factory=lambda: SpecConfig(mode="tree", depth=5, top_k=4, total_tokens=16))
+    baselines: bool = True
+    temperature: float = 1.0
+    top_k: int | None = None
+    top_p: float | None = None
+    max_new_tokens: int = 128
+    batch_size: int = 8
+    seed: int = 0
+    target: str | None = None
+    head: str = "default"
+    num_threads: int | None = None
+    out: str = "runs/drift"
+
+    def __post_init__(self) -> None:
+        if self.source not in SOURCES:
+            raise ConfigError("source", f"unknown prompt source {self.source!r}", allowed=SOURCES)
+        if self.source == "jsonl" and not self.jsonl_path:
+            raise ConfigError("jsonl_path", "source 'jsonl' needs a file path")
+        diffs = tuple(self.difficulties) if isinstance(self.difficulties, (list, tuple)) else None
+        if not diffs or any(d not in (1, 2, 3, 4) for d in diffs):
+            raise ConfigError("difficulties", f"must be a non-empty list of levels, got {self.difficulties!r}",
+                              allowed=(1, 2, 3, 4))
+        modes = tuple(self.modes) if isinstance(self.modes, (list, tuple)) else (self.modes,)
+        if not modes or any(m not in MODES for m in modes):
+            raise ConfigError("modes", f"bad speculative modes {self.modes!r}", allowed=MODES)
+        if self.chain.mode != "chain" or self.tree.mode != "tree":
+            raise ConfigError("chain" if self.chain.mode != "chain" else "tree", "its mode must match its name")
+        for name in ("prompts", "max_new_tokens", "batch_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(name, f"must be an integer >= 1, got {v!r}")
+        if not isinstance(self.head, str) or not self.head:
+            raise ConfigError("head", "must be 'default', 'random' or a head folder")
+        object.__setattr__(self, "difficulties", diffs)
+        object.__setattr__(self, "modes", tuple(dict.fromkeys(modes)))
+        object.__setattr__(self, "verifiers", self._parsed_verifiers())
+        self.sampling(None)  # validates temperature / top_k / top_p as ConfigErrors
+
+    def _parsed_verifiers(self) -> tuple[str, ...]:
+        specs = self.verifiers
+        if isinstance(specs, (str, dict)):
+            specs = [specs]
+        if not isinstance(specs, (list, tuple)) or not specs:
+            raise ConfigError("verifiers", "must be a non-empty list of verifier specs")
+        labels = []
+        for spec in specs:
+            try:
+                labels.append(verifier_label(parse_verifier(spec)))
+            except ConfigError as err:
+                raise ConfigError(f"verifiers[{spec!r}].{err.field}", str(err).split(": ", 1)[1]) from None
+            except ValueError as err:
+                raise ConfigError("verifiers", str(err)) from None
+        if "lossless" not in labels:
+            labels.insert(0, "lossless")
+        return tuple(dict.fromkeys(labels))
+
+    def sampling(self, eos: int | None) -> SamplingParams:
+        return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
+                              max_new_tokens=self.max_new_tokens, stop_token_ids=() if eos is None else (eos,))
+
+    def spec(self, mode: str) -> SpecConfig:
+        return SpecConfig(mode="off") if mode == "off" else getattr(self, mode)
+
+
+# ----------------------------------------------------------------------------- matched baselines
+class TruncationSampling:
+    """Sampling from p restricted to a rule's set A = {p >= thr} (A from ``rule.context``).
+
+    Written as a verification rule that never accepts a candidate and whose fallback and
+    residual are p on A, so it runs through the engine like any verifier (use mode ``off``:
+    then P = p_A / p(A) at every position) and its behaviour log-probs come out exact.
+    """
+
+    def __init__(self, base):
+        self.base = base
+        self.name = f"sampling[{base.name}]"
+
+    def context(self, z, p):
+        return self.base.context(z, p)
+
+    def _keep(self, p, ctx):  # p on A, 0 elsewhere [..., V]
+        thr = ctx["thr"]
+        return torch.where(p >= (thr.unsqueeze(-1) if p.dim() > thr.dim() else thr), p, 0.0)
+
+    def accept_prob(self, p_x, q_x, x, ctx):
+        return torch.zeros_like(p_x)
+
+    def residual(self, p, q, x, ctx):
+        return self._keep(p, ctx)
+
+    def induced(self, p, q, ctx):
+        kept = self._keep(p, ctx)
+        return kept / kept.sum(-1, keepdim=True)
+
+    def chain_stats(self, p, q, ctx):
+        return {"mass": self._keep(p, ctx).sum(-1)}
+
+    def prob_at(self, p_y, q_y, y, ctx, stats):
+        return self._keep(p_y, ctx) / stats["mass"]
+
+    def induces_target(self, ctx):
+        return False
+
+    def node_alpha(self, s_c, p_c, c, ctx):
+        return torch.zeros_like(s_c)
+
+    def node_fallback(self, p, p_rest, ctx):
+        return self._keep(p, ctx)
+
+    def greedy_second(self, logits):
+        return None
+
+
+@dataclass(frozen=True)
+class TruncationSamplingConfig(VerifierConfig):
+    """A VerifierConfig whose rule is :class:`TruncationSampling` over the named truncation rule."""
+
+    def __post_init__(self) -> None:
+        if self.name not in TRUNCATION_RULES:
+            raise ConfigError("name", f"{self.name!r} has no truncation set", allowed=TRUNCATION_RULES)
+        super().__post_init__()
+
+    def rule(self):
+        return TruncationSampling(super().rule())
+
+
+def baseline_key(v: VerifierConfig) -> str:
+    """The matched baseline of verifier ``v``: ``plain`` or ``sampling[<truncation rule spec>]``."""
+    return f"sampling[{verifier_label(v)}]" if v.name in TRUNCATION_RULES else PLAIN
+
+
+def secondary_baseline_key(v: VerifierConfig) -> str | None:
+    """The gated overshoot's min-p set as a truncation baseline (reported when it was run)."""
+    gate = v.params.get("min_p") if v.name == "overshoot" else None
+    return None if gate is None else f"sampling[min_p:p_base={_fmt(float(gate))}]"
+
+
+@dataclass(frozen=True)
+class RunSpec:
+    """One configuration to run: engine arguments plus how it is compared."""
+
+    key: str
+    kind: str  # "verifier" | "baseline"
+    mode: str  # "off" | "chain" | "tree"
+    verifier: VerifierConfig
+    baseline: str | None = None
+    secondary: str | None = None
+
+
+def plan_runs(cfg: DriftConfig) -> list[RunSpec]:
+    """Baselines first (plain, then truncation sets), then every verifier in every mode."""
+    parsed = [parse_verifier(s) for s in cfg.verifiers]
+    runs: list[RunSpec] = []
+    if cfg.baselines:
+        runs.append(RunSpec(PLAIN, "baseline", "off", VerifierConfig("lossless")))
+        for v in parsed:
+            key = baseline_key(v)
+            if key != PLAIN and all(r.key != key for r in runs):
+                runs.append(RunSpec(key, "baseline", "off", TruncationSamplingConfig(v.name, dict(v.params))))
+    keys = {r.key for r in runs}
+    for mode in cfg.modes:
+        for v in parsed:
+            sec = secondary_baseline_key(v)
+            runs.append(RunSpec(f"{verifier_label(v)}@{mode}", "verifier", mode, v,
+                                baseline_key(v) if cfg.baselines else None, sec if sec in keys else None))
+    return runs
