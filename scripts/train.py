@@ -10,11 +10,14 @@ local Ray is started and stopped by this process.
 
 from __future__ import annotations
 
-import argparse
 import os
-import sys
 
-from rollout.config import ConfigError
+os.environ.setdefault("MKL_CBWR", "AVX2")  # before torch loads MKL (actors inherit it): fast small matmuls on AMD
+
+import argparse  # noqa: E402
+import sys  # noqa: E402
+
+from rollout.config import ConfigError  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -89,11 +89,13 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-resume", action="store_true", help="ignore a checkpoint in out_dir")
     ap.add_argument("--regenerate-data", action="store_true")
     ap.add_argument("--data-only", action="store_true", help="generate (or check) the cached data and stop")
+    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (overrides the config; 1 is "
+                    "faster than 2 when other processes load the CPU)")
     ap.add_argument("--stop-at", type=int, default=None, help="stop at this optimizer step (resume later)")
     args = ap.parse_args(argv)
     cfg = from_dict(DrafterConfig, load_yaml(args.config))
-    if cfg.threads:
-        torch.set_num_threads(cfg.threads)
+    if args.threads or cfg.threads:
+        torch.set_num_threads(args.threads or cfg.threads)
     device = resolve_device(cfg.device)
     target, tok = load_target(cfg.target)
     target = target.to(device)

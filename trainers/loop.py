@@ -136,56 +136,67 @@ class GRPOTrainer:
         return metrics
 
     def update(self, completions, adv: torch.Tensor) -> tuple[dict[str, float], list[dict]]:
-        """Corrected GRPO loss over the batch, one optimizer step, weight broadcast."""
-        s, c = self.cfg.rollout.sampling, self.cfg
+        """Corrected GRPO loss over the batch, one optimizer step, weight broadcast.
+
+        With one gradient step per batch, pi_old is the policy as it is now: its log-probs
+        come from the same forward as the gradient (detached), with no extra pass. The
+        importance weights of a micro-batch need only its own sequences, so the
+        per-sequence modes are exact; the logged weight statistics cover the whole batch.
+        """
+        c = self.cfg
         prompts = [x.prompt_ids for x in completions]
         outs = [x.completion_ids for x in completions]
         n, mb = len(completions), c.optim.micro_batch
-        kw = dict(temperature=s.temperature, top_k=s.top_k, top_p=s.top_p, pad_id=self.pad_id)
-        c_max = max((len(o) for o in outs), default=0)
-        behaviour = torch.zeros(n, c_max)
-        target_lp = torch.zeros(n, c_max)
-        relaxed = torch.zeros(n, c_max, dtype=torch.bool)
-        for i, x in enumerate(completions):
-            behaviour[i, : len(x.completion_ids)] = torch.tensor(x.behaviour_logprobs)
-            target_lp[i, : len(x.completion_ids)] = torch.tensor(x.target_logprobs)
-            relaxed[i, : len(x.completion_ids)] = torch.tensor(x.relaxed, dtype=torch.bool)
-        behaviour, target_lp, relaxed = (t.to(self.device) for t in (behaviour, target_lp, relaxed))
+        behaviour, target_lp, relaxed, mask = self._rollout_tensors(completions)
         adv = adv.to(self.device)
-        with torch.no_grad():
-            old = [completion_logprobs(self.policy, prompts[a:a + mb], outs[a:a + mb], **kw) for a in range(0, n, mb)]
-            logp_old = _pad_cat([o[0] for o in old], c_max)
-            mask = _pad_cat([o[1] for o in old], c_max).bool()
-            ref = None
-            if self.reference is not None:
-                ref = _pad_cat([completion_logprobs(self.reference, prompts[a:a + mb], outs[a:a + mb], **kw)[0]
-                                for a in range(0, n, mb)], c_max)
-        weights, keep, is_stats = importance_weights(logp_old, behaviour, mask, c.correction)
         total_tokens = mask.sum().clamp(min=1).item()
+        logp_old = torch.zeros_like(behaviour)
         self.optimizer.zero_grad(set_to_none=True)
-        loss_sum, pg_stats = 0.0, {}
+        loss_sum, clip_frac = 0.0, 0.0
         for a in range(0, n, mb):
             sl = slice(a, a + mb)
-            logp_new = _pad_cat([completion_logprobs(self.policy, prompts[sl], outs[sl], **kw)[0]], c_max)
-            loss, pg_stats = policy_loss(logp_new, logp_old[sl], adv[sl], mask[sl], is_weights=weights[sl],
-                                         ref_logp=None if ref is None else ref[sl], **c.grpo.loss_kwargs())
+            logp_new = self._logprobs(self.policy, prompts[sl], outs[sl], mask.shape[1])
+            logp_old[sl] = logp_new.detach()
+            weights, _, _ = importance_weights(logp_old[sl], behaviour[sl], mask[sl], c.correction)
+            ref = None
+            if self.reference is not None:
+                with torch.no_grad():
+                    ref = self._logprobs(self.reference, prompts[sl], outs[sl], mask.shape[1])
+            loss, pg_stats = policy_loss(logp_new, logp_old[sl], adv[sl], mask[sl], is_weights=weights,
+                                         ref_logp=ref, **c.grpo.loss_kwargs())
             share = (mask[sl].sum().item() / total_tokens) if c.grpo.aggregation == "token" else (len(outs[sl]) / n)
             (loss * share).backward()
             loss_sum += loss.item() * share
+            clip_frac += pg_stats["clip_frac"] * share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
                                                    c.optim.grad_clip if c.optim.grad_clip > 0 else float("inf"))
         self.optimizer.step()
         self.version += 1
         self.pool.set_weights(self.policy.state_dict(), self.version)
+        weights, _, is_stats = importance_weights(logp_old, behaviour, mask, c.correction)
         stale = ((logp_old - target_lp).abs() * mask).max().item() if mask.any() else 0.0
-        metrics = dict(is_stats, loss=loss_sum, grad_norm=float(grad_norm), clip_frac=pg_stats.get("clip_frac", 0.0),
+        metrics = dict(is_stats, loss=loss_sum, grad_norm=float(grad_norm), clip_frac=clip_frac,
                        relaxed_frac=relaxed_fraction(relaxed, mask), rollout_vs_trainer_logp_max=stale)
-        records = [dict(completion_ids=outs[i], behaviour_logprobs=[round(v, 6) for v in behaviour[i, :len(outs[i])].tolist()],
-                        target_logprobs=[round(v, 6) for v in target_lp[i, :len(outs[i])].tolist()],
-                        policy_logprobs=[round(v, 6) for v in logp_old[i, :len(outs[i])].tolist()],
-                        relaxed=relaxed[i, :len(outs[i])].int().tolist(), weights=[round(v, 6) for v in weights[i, :len(outs[i])].tolist()])
-                   for i in range(n)]
-        return metrics, records
+        return metrics, _records(outs, behaviour, target_lp, logp_old, relaxed, weights)
+
+    def _rollout_tensors(self, completions) -> tuple[torch.Tensor, ...]:
+        """behaviour, rollout-time target log-probs, relaxed flags and the token mask, [N, C]."""
+        n, c_max = len(completions), max((x.num_tokens for x in completions), default=0)
+        behaviour, target_lp = torch.zeros(n, c_max), torch.zeros(n, c_max)
+        relaxed, mask = torch.zeros(n, c_max, dtype=torch.bool), torch.zeros(n, c_max, dtype=torch.bool)
+        for i, x in enumerate(completions):
+            k = x.num_tokens
+            behaviour[i, :k] = torch.tensor(x.behaviour_logprobs)
+            target_lp[i, :k] = torch.tensor(x.target_logprobs)
+            relaxed[i, :k] = torch.tensor(x.relaxed, dtype=torch.bool)
+            mask[i, :k] = True
+        return tuple(t.to(self.device) for t in (behaviour, target_lp, relaxed, mask))
+
+    def _logprobs(self, model, prompts, outs, width: int) -> torch.Tensor:
+        s = self.cfg.rollout.sampling
+        logp, _ = completion_logprobs(model, prompts, outs, temperature=s.temperature, top_k=s.top_k,
+                                      top_p=s.top_p, pad_id=self.pad_id)
+        return torch.nn.functional.pad(logp, (0, width - logp.shape[1]))
 
     # ------------------------------------------------------------------ the run
     def run(self) -> list[dict]:
@@ -230,5 +241,11 @@ def _resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
-def _pad_cat(parts: list[torch.Tensor], width: int) -> torch.Tensor:
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts], dim=0)
+def _records(outs, behaviour, target_lp, logp_old, relaxed, weights) -> list[dict]:
+    """Per completion, what rollouts.jsonl keeps for drift diagnostics after the fact."""
+    def row(t: torch.Tensor, i: int) -> list[float]:
+        return [round(v, 6) for v in t[i, : len(outs[i])].tolist()]
+
+    return [dict(completion_ids=list(outs[i]), behaviour_logprobs=row(behaviour, i), target_logprobs=row(target_lp, i),
+                 policy_logprobs=row(logp_old, i), relaxed=relaxed[i, : len(outs[i])].int().tolist(),
+                 weights=row(weights, i)) for i in range(len(outs))]

@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from .checks import check_candidate_inputs, check_generator, raise_if_bad_rows
-from .induced import (NodeQuantities, candidate_diagnostics, checked_softmax, greedy_accepts,
+from .induced import (NodeQuantities, candidate_diagnostics, checked_softmax, greedy_choice,
                       node_quantities)
 from .processing import CHUNK_ELEMENTS, process_logits, sample_inverse_cdf
 from .results import CandidateResult, empty_candidate_result
@@ -64,13 +64,9 @@ def _greedy(rule, raw, cands) -> tuple[Tensor, ...]:
     top, v1 = raw.max(-1)
     if not bool(torch.isfinite(top).all()):
         raise_if_bad_rows("target_logits", raw, top)
-    ok = greedy_accepts(rule, raw, cands) & (cands >= 0)  # [N, m]
-    any_ok = ok.any(-1)
-    first = ok.int().argmax(-1, keepdim=True) if cands.shape[1] else torch.zeros_like(v1)[:, None]
-    y = torch.where(any_ok, cands.gather(-1, first).squeeze(-1) if cands.shape[1] else v1, v1)
-    index = torch.where(any_ok, first.squeeze(-1), -1)
+    y, index = greedy_choice(rule, raw, cands)
     target = torch.where(y == v1, 0.0, float("-inf"))  # MARS may accept v2, where p = 0
-    return y, index, torch.zeros_like(target), target, any_ok & (y != v1)
+    return y, index, torch.zeros_like(target), target, (index >= 0) & (y != v1)
 
 
 def verify_candidates(rule: VerificationRule, target_logits: Tensor, candidates: Tensor, *,

@@ -87,18 +87,15 @@ def _assemble(x, n_acc, final_tok, final_kind, acc_vals, final_vals) -> tuple[Te
     """Lay out accepted entries [B, K] (positions < n_acc) and each row's final entry [B]
     (position n_acc) as [B, K+1] tensors; padding is -1 (tokens, kinds) or 0 (values)."""
     b, k = x.shape
-    n = n_acc.unsqueeze(-1)
-    col = torch.arange(k + 1, device=x.device)
-    is_acc, is_fin = col < n, col == n  # [B, K+1]
-    pad = x.new_zeros(b, 1)
+    n = n_acc.unsqueeze(-1)  # [B, 1]
+    is_acc = torch.arange(k + 1, device=x.device) < n  # [B, K+1]
 
     def lay(acc: Tensor, fin: Tensor, fill) -> Tensor:
-        acc = torch.cat([acc, pad.to(acc.dtype)], 1)
-        fin = fin.unsqueeze(-1).to(acc.dtype)
-        return torch.where(is_acc, acc, torch.where(is_fin, fin, acc.new_full((), fill)))
+        out = torch.cat([acc, acc.new_full((b, 1), fill)], 1).masked_fill_(~is_acc, fill)
+        return out.scatter_(1, n, fin.unsqueeze(-1).to(acc.dtype))
 
     tokens = lay(x, final_tok, -1)
-    kinds = lay(torch.zeros_like(x), final_kind, int(TokenKind.PAD)).to(torch.int8)
+    kinds = lay(torch.zeros_like(x, dtype=torch.int8), final_kind, int(TokenKind.PAD))
     return (tokens, n_acc + 1, kinds, *(lay(a, f, 0) for a, f in zip(acc_vals, final_vals)))
 
 

@@ -44,7 +44,7 @@ def node_quantities(rule: VerificationRule, z: Tensor, p: Tensor, cands: Tensor)
     alpha = rule.node_alpha(s_c, p.gather(-1, cc), cc, ctx)
     alpha = torch.where(valid, alpha, 0.0)
     fallback = rule.node_fallback(p, p_rest, ctx)
-    log_reach = torch.cat([torch.zeros_like(alpha[:, :1]), torch.log1p(-alpha).cumsum(-1)], -1)
+    log_reach = torch.cat([alpha.new_zeros(alpha.shape[0], 1), torch.log1p(-alpha).cumsum(-1)], -1)
     return NodeQuantities(p, s_c, alpha, fallback, fallback.sum(-1), log_reach)
 
 
@@ -74,6 +74,19 @@ def greedy_accepts(rule: VerificationRule, target_logits: Tensor, tokens: Tensor
     if second is not None:
         ok |= second[0] & (tokens == second[1])
     return ok
+
+
+def greedy_choice(rule: VerificationRule, target_logits: Tensor, cands: Tensor) -> tuple[Tensor, Tensor]:
+    """T = 0 at N nodes: (emitted token [N], index of the accepted candidate [N] or -1): the
+    first candidate the rule's greedy test accepts, else the argmax."""
+    v1 = target_logits.argmax(-1)
+    if cands.shape[1] == 0:
+        return v1, torch.full_like(v1, -1)
+    ok = greedy_accepts(rule, target_logits, cands) & (cands >= 0)  # [N, m]
+    any_ok = ok.any(-1)
+    first = ok.int().argmax(-1, keepdim=True)
+    y = torch.where(any_ok, cands.gather(-1, first).squeeze(-1), v1)
+    return y, torch.where(any_ok, first.squeeze(-1), -1)
 
 
 def _chunks(n: int, row_elems: int):
@@ -114,9 +127,7 @@ def induced_candidates(rule: VerificationRule, target_logits: Tensor, candidates
     n, v = target_logits.shape
     with torch.no_grad():
         if temperature == 0:
-            ok = greedy_accepts(rule, target_logits, candidates) & (candidates >= 0)
-            first = candidates.gather(-1, ok.int().argmax(-1, keepdim=True)).squeeze(-1)
-            return one_hot(torch.where(ok.any(-1), first, target_logits.argmax(-1)), v)
+            return one_hot(greedy_choice(rule, target_logits, candidates.long())[0], v)
         z = process_logits(target_logits, temperature, top_k, top_p)
         p = checked_softmax("target_logits", target_logits, z)
         return induced_from_nodes(node_quantities(rule, z, p, candidates.long()), candidates.long())
@@ -180,4 +191,4 @@ def candidate_diagnostics(rule: VerificationRule, target_logits: Tensor, candida
 
 __all__ = ["NodeQuantities", "node_quantities", "induced_from_nodes", "induced_chain",
            "induced_candidates", "distribution_metrics", "chain_diagnostics",
-           "candidate_diagnostics", "greedy_accepts", "one_hot", "checked_softmax"]
+           "candidate_diagnostics", "greedy_accepts", "greedy_choice", "one_hot", "checked_softmax"]

@@ -63,7 +63,7 @@ def lossless_residual(p: Tensor, q: Tensor) -> Tensor:
     """Unnormalised R = (p - q)+ [..., V]; p itself on rows where p <= q everywhere (TV = 0 guard)."""
     w = (p - q).clamp_(min=0)
     empty = w.sum(-1, keepdim=True) <= 0  # [..., 1]
-    return torch.where(empty, p, w)
+    return torch.where(empty, p, w) if bool(empty.any()) else w
 
 
 def _lossless_accept(p_x: Tensor, q_x: Tensor) -> Tensor:
@@ -228,7 +228,9 @@ class Overshoot(_RuleBase):
         gate = self._gate(p, ctx)
         if gate is not None:
             over.masked_fill_(gate, 0.0)
-        return {"rejected": over.sum(-1), "tv": (p - q).clamp_(min=0).sum(-1)}
+        diff = p - q  # TV = sum (p - q)+ = (|p - q|_1 + sum (p - q)) / 2, without a clamp pass
+        tv = (torch.linalg.vector_norm(diff, 1, dim=-1) + diff.sum(-1)) / 2
+        return {"rejected": over.sum(-1), "tv": tv}
 
     def prob_at(self, p_y, q_y, y, ctx, stats):
         g = self._accepted_mass(p_y, q_y, ctx)

@@ -130,13 +130,18 @@ def test_empty_batches(temperature):
                               temperature=1.0).shape == (0, 10)
 
 
-def test_candidates_with_no_candidate_sample_from_p():
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("temperature", [0.0, 1.0])
+def test_nodes_without_candidates_sample_from_p(case, temperature):
+    rule = make_rule(case)
     target, _ = candidate_inputs(0, 3, 1, 10)
-    empty = torch.full((3, 2), -1)
-    P = induced_candidates(get_rule("overshoot", lenience=0.5), target, empty, temperature=1.0)
-    torch.testing.assert_close(P, target_probs(target, 1.0))
-    res = verify_candidates(LOSSLESS, target, empty, temperature=1.0, generator=torch.Generator())
-    assert (res.accepted_index == -1).all()
+    for empty in (torch.full((3, 2), -1), torch.zeros(3, 0, dtype=torch.long)):
+        P = induced_candidates(rule, target, empty, temperature=temperature)
+        torch.testing.assert_close(P, target_probs(target, temperature))
+        res = verify_candidates(rule, target, empty, temperature=temperature,
+                                generator=torch.Generator(), diagnostics=True)
+        assert (res.accepted_index == -1).all()
+        torch.testing.assert_close(res.behaviour_logprobs, res.target_logprobs)
 
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
@@ -271,3 +276,42 @@ def test_diagnostics(case):
     out = verify_candidates(rule, target[:, 0], cands, temperature=1.0,
                             generator=torch.Generator(), diagnostics=True)
     assert all(t.shape == (16,) for t in out.diagnostics.values())
+
+
+@pytest.mark.parametrize("vocab", [10, 4096, 49152, 5003])
+def test_top2_matches_topk(vocab):
+    """The two-level top-2 search (large vocabularies) returns exactly torch.topk's answer."""
+    from verifiers.processing import top2
+
+    g = torch.Generator().manual_seed(vocab)
+    z = torch.randn(3, 5, vocab, generator=g)
+    z[0, 0, 7] = -math.inf
+    z[1, 2, :] = -math.inf
+    z[1, 2, vocab - 1] = 0.0  # a single finite logit: z2 = -inf
+    z1, z2, v1, v2 = top2(z)
+    ref = z.topk(2, -1)
+    assert torch.equal(z1, ref.values[..., 0]) and torch.equal(z2, ref.values[..., 1])
+    assert torch.equal(v1[z2 > -math.inf], ref.indices[..., 0][z2 > -math.inf])
+    assert torch.equal(v2[z2 > -math.inf], ref.indices[..., 1][z2 > -math.inf])
+    assert int(v1[1, 2]) == vocab - 1
+
+
+@pytest.mark.parametrize("case", [("mars", {"theta": 0.9}), ("typical", {}), ("overshoot", {"lenience": 0.5, "min_p": 0.2})],
+                         ids=["mars", "typical", "overshoot-gate"])
+def test_large_vocabulary_matches_reference(case):
+    """V = 4096 takes the block top-2 path and the chunked pass (several chunks)."""
+    from verifiers.reference import reference_chain
+
+    rule = make_rule(case)
+    g = torch.Generator().manual_seed(2)
+    target = 6 * torch.randn(40, 4, 4096, generator=g) + 12  # peaked and positive (MARS relaxes)
+    draft = target[:, :3] + 0.3 * torch.randn(40, 3, 4096, generator=g)  # close: long accepted runs
+    x = torch.multinomial(torch.softmax(draft, -1).reshape(-1, 4096), 1,
+                          generator=torch.Generator().manual_seed(0)).reshape(40, 3)
+    res = verify_chain(rule, target, draft, x, temperature=1.0, generator=torch.Generator().manual_seed(4))
+    ref = reference_chain(rule, target, draft, x, temperature=1.0, generator=torch.Generator().manual_seed(4))
+    for b, row in enumerate(ref):
+        assert res.tokens[b, :len(row)].tolist() == [t for t, *_ in row]
+        torch.testing.assert_close(res.behaviour_logprobs[b, :len(row)],
+                                   torch.tensor([lp for _, _, lp, _ in row]), atol=1e-5, rtol=1e-5)
+    assert res.num_emitted.float().mean() > 1.5

@@ -224,3 +224,25 @@ def test_closed_forms_follow_the_verification_table(case):
     for r in range(12):
         p, q = torch.softmax(target[r, 0], -1), torch.softmax(draft[r, 0], -1)
         torch.testing.assert_close(P[r], _table_P(*case, p, q, target[r, 0]), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_identical_draft_and_target(case):
+    """p == q: TV = 0, the residual guard (R := p) keeps every closed form finite; lossless
+    and overshoot accept every draft."""
+    from verifiers.rules import lossless_residual
+
+    rule = make_rule(case)
+    target, _, x = chain_inputs(9, 32, 3, 10, 1.0, 6.0 if case[0] == "mars" else 0.0)
+    draft = target[:, :3].clone()
+    x = torch.multinomial(torch.softmax(draft, -1).reshape(-1, 10), 1,
+                          generator=torch.Generator().manual_seed(0)).reshape(32, 3)
+    p = torch.softmax(target[:, 0], -1)
+    assert torch.equal(lossless_residual(p, p), p)
+    P = induced_chain(rule, target[:, 0], draft[:, 0], temperature=1.0)
+    assert torch.isfinite(P).all()
+    torch.testing.assert_close(P.sum(-1), torch.ones(32), atol=1e-5, rtol=0)
+    res = verify_chain(rule, target, draft, x, temperature=1.0, generator=torch.Generator().manual_seed(0))
+    assert torch.isfinite(res.behaviour_logprobs[res.tokens >= 0]).all()
+    if case[0] in ("lossless", "overshoot", "cos"):
+        assert (res.num_emitted == 4).all()

@@ -1,0 +1,149 @@
+"""Time chain verification against one softmax over the same logits and one target forward.
+
+    python -m scripts.bench_verifiers [--json OUT] [--repeats 30] [--threads 2]
+
+For B in {1, 8, 64}, K = 7, V = 49152 (the embedded SmolLM2's vocabulary), every rule:
+``verify_chain`` without diagnostics (median of repeats after a warm-up), next to one
+``torch.softmax`` over the same target logits [B, K+1, V] timed interleaved with it (so
+both see the same machine load). The goal is a ratio <= 4. At B = 8 it is also compared
+with one forward of a randomly initialised LlamaForCausalLM of SmolLM2-135M's exact
+shape (timing does not depend on the weights): 8 new tokens per row over a 200-token KV
+prefix; the goal is < 5% of that forward.
+
+Inputs: target logits 15 + 3 N(0, 1) (positive, like SmolLM2's, so MARS's ratio test
+relaxes some positions), draft logits = target + N(0, 1), drafts sampled from q.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+
+import torch
+
+from verifiers import get_rule, verify_chain
+
+RULES = [("lossless", {}), ("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
+         ("overshoot", {"lenience": 0.5, "min_p": 0.1}), ("typical", {}), ("min_p", {}),
+         ("cos", {"lam": 0.5})]
+
+
+def _label(name: str, params: dict) -> str:
+    return name + ("(" + ", ".join(f"{k}={v}" for k, v in params.items()) + ")" if params else "")
+
+
+def _inputs(b: int, k: int, v: int, temperature: float, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    target = 15 + 3 * torch.randn(b, k + 1, v, generator=g)
+    draft = target[:, :k] + torch.randn(b, k, v, generator=g)
+    q = torch.softmax(draft / temperature, -1).reshape(-1, v)
+    x = torch.multinomial(q, 1, generator=g).reshape(b, k)
+    return target, draft, x
+
+
+def _interleaved(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
+    """Median seconds of each function, calling them round-robin."""
+    for _ in range(warmup):
+        for fn in fns.values():
+            fn()
+    times = {name: [] for name in fns}
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def bench_verification(batches, k, v, temperature, repeats) -> list[dict]:
+    rows = []
+    for b in batches:
+        target, draft, x = _inputs(b, k, v, temperature)
+        fns = {"softmax": lambda: torch.softmax(target, -1)}
+        emitted = {}
+        for name, params in RULES:
+            rule, gen = get_rule(name, **params), torch.Generator().manual_seed(1)
+            label = _label(name, params)
+            fns[label] = (lambda r=rule, g=gen: verify_chain(r, target, draft, x, temperature=temperature,
+                                                             generator=g))
+            emitted[label] = float(fns[label]().num_emitted.float().mean())
+        med = _interleaved(fns, repeats)
+        for label in emitted:
+            rows.append({"B": b, "rule": label, "verify_ms": med[label] * 1e3,
+                         "softmax_ms": med["softmax"] * 1e3, "ratio": med[label] / med["softmax"],
+                         "mean_emitted": emitted[label]})
+    return rows
+
+
+def bench_target_forward(batch: int, new: int, prefix: int, repeats: int) -> float:
+    """Median ms of one forward of `new` tokens per row over a `prefix`-token KV cache."""
+    from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                         num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         tie_word_embeddings=True, max_position_embeddings=8192,
+                         rope_theta=100000.0, rms_norm_eps=1e-5)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).eval()
+    ids = torch.randint(0, 49152, (batch, prefix + new))
+    with torch.no_grad():
+        cache = DynamicCache(config=config)
+        model(ids[:, :prefix], cache=cache, use_cache=True)
+
+        def step():
+            model(ids[:, prefix:], cache=cache, use_cache=True)
+            cache.crop(-new)  # back to the prefix for the next repeat
+
+        return _interleaved({"forward": step}, repeats, warmup=2)["forward"] * 1e3
+
+
+def _table(rows: list[dict], forward_ms: float | None) -> str:
+    head = f"{'B':>3} {'rule':<32} {'verify ms':>10} {'softmax ms':>11} {'ratio':>6} {'emitted':>8}"
+    if forward_ms is not None:
+        head += f" {'% fwd':>6}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        line = (f"{r['B']:>3} {r['rule']:<32} {r['verify_ms']:>10.2f} {r['softmax_ms']:>11.2f} "
+                f"{r['ratio']:>6.2f} {r['mean_emitted']:>8.2f}")
+        if forward_ms is not None:
+            line += f" {100 * r['verify_ms'] / forward_ms:>5.1f}%" if r["B"] == 8 else f" {'':>6}"
+        lines.append(line)
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json", help="also write the results to this JSON file")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--k", type=int, default=7)
+    ap.add_argument("--vocab", type=int, default=49152)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--no-model", action="store_true", help="skip the target-forward comparison")
+    args = ap.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats)
+    forward_ms = None if args.no_model else bench_target_forward(8, 8, 200, max(5, args.repeats // 3))
+    load = os.getloadavg()
+    print(f"torch {torch.__version__}, {args.threads} threads, K = {args.k}, V = {args.vocab}, "
+          f"T = {args.temperature}, median of {args.repeats}; load average {load[0]:.1f} on "
+          f"{os.cpu_count()} CPUs (other processes skew every figure)")
+    if forward_ms is not None:
+        print(f"target forward (SmolLM2-135M shape, B = 8, 8 new tokens, 200-token prefix): "
+              f"{forward_ms:.1f} ms")
+    print(_table(rows, forward_ms))
+    result = {"threads": args.threads, "k": args.k, "vocab": args.vocab, "load_average": load[0],
+              "temperature": args.temperature, "repeats": args.repeats,
+              "target_forward_ms": forward_ms, "rows": rows}
+    if args.json:
+        with open(args.json, "w") as fh:
+            json.dump(result, fh, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
