@@ -54,10 +54,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 4 prompts, 32 tokens, batch 1,4")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2")
     args = ap.parse_args(argv)
     if args.quick:
-        args.batch_sizes, args.prompts, args.max_new_tokens = "1,4", 4, 32
+        args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
     return args
 
 
@@ -144,27 +144,31 @@ def describe(spec: SpecConfig) -> str:
 
 
 def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
+    """Per batch size: HF generate, our autoregressive mode, then every speculative config;
+    each row is printed as soon as it is measured."""
     rows = []
-    configs = spec_configs(args)
     for size in (int(b) for b in args.batch_sizes.split(",")):
-        base = {"batch": size}
-        found: dict[str, dict] = {}
-        if not args.no_hf:
-            found["hf"] = run_hf(target.model, prompts, size, sampling, tok.pad_token_id or 0, args.seed)
-            rows.append(base | {"mode": "hf generate", "verifier": "-"} | found["hf"] | mem())
-        found["off"] = run_ours(engine, prompts, size, sampling, SpecConfig(mode="off"), VerifierConfig(), args.seed)
-        rows.append(base | {"mode": "off", "verifier": "lossless"} | found["off"] | mem())
-        for spec, verifier in configs:
-            res = run_ours(engine, prompts, size, sampling, spec, verifier, args.seed)
-            rows.append(base | {"mode": describe(spec), "verifier": verifier.name} | res | mem())
-        for row in rows:
-            if row["batch"] == size:
-                speed = row["tokens"] / row["seconds"]
-                row["tokens_per_s"] = speed
-                row["speedup_vs_ar"] = speed / (found["off"]["tokens"] / found["off"]["seconds"])
-                if "hf" in found:
-                    row["speedup_vs_hf"] = speed / (found["hf"]["tokens"] / found["hf"]["seconds"])
+        ref: dict[str, float] = {}
+
+        def add(mode: str, verifier: str, res: dict) -> None:
+            row = {"batch": size, "mode": mode, "verifier": verifier} | res | mem()
+            row["tokens_per_s"] = row["tokens"] / row["seconds"]
+            ref.setdefault(mode, row["tokens_per_s"])
+            row["speedup_vs_ar"] = row["tokens_per_s"] / ref["off"] if "off" in ref else None
+            row["speedup_vs_hf"] = row["tokens_per_s"] / ref["hf generate"] if "hf generate" in ref else None
+            rows.append(row)
+            if mode != "hf generate":
                 print_row(row)
+
+        if not args.no_hf:
+            add("hf generate", "-", run_hf(target.model, prompts, size, sampling, tok.pad_token_id or 0, args.seed))
+        add("off", "lossless", run_ours(engine, prompts, size, sampling, SpecConfig(mode="off"), VerifierConfig(),
+                                        args.seed))
+        if not args.no_hf:
+            rows[-2]["speedup_vs_ar"] = ref["hf generate"] / ref["off"]
+            print_row(rows[-2])
+        for spec, verifier in spec_configs(args):
+            add(describe(spec), verifier.name, run_ours(engine, prompts, size, sampling, spec, verifier, args.seed))
     return rows
 
 
@@ -176,9 +180,9 @@ HEADER = f"{'batch':>5} {'mode':<22} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'
 
 
 def print_row(row: dict) -> None:
-    hf = f"{row['speedup_vs_hf']:.2f}" if "speedup_vs_hf" in row else "-"
+    ar, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in ("speedup_vs_ar", "speedup_vs_hf"))
     print(f"{row['batch']:>5} {row['mode']:<22} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {row['speedup_vs_ar']:>6.2f} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
+          f"{row['tau']:>5.2f} {ar:>6} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
 
 
 def memory_check(args, engine, prompts, sampling) -> dict:

@@ -54,7 +54,7 @@ class DrafterConfig:
     target: TargetConfig = field(default_factory=TargetConfig)
     data: DrafterDataConfig = field(default_factory=DrafterDataConfig)
     draft_vocab_size: int = 8192
-    init: str = "lm_head"
+    init: str = "random"
     ttt_steps: int = 7
     step_weight: float = 0.8
     epochs: int = 2
@@ -222,7 +222,7 @@ INIT_MODES = ("random", "lm_head", "layer")
 
 
 @torch.no_grad()
-def init_from_target(head: Eagle3Head, target: TargetModel, mode: str = "layer") -> None:
+def init_from_target(head: Eagle3Head, target: TargetModel, mode: str) -> None:
     """Initialise ``head`` from the target.
 
     "random": nothing. "lm_head": norm and lm_head from the target's final norm and (tied)

@@ -172,7 +172,7 @@ def step_stats(records: list[dict]) -> dict[str, float]:
         "stale_abs_mean": float((cat["policy_logprobs"] - cat["target_logprobs"]).abs().mean()) if n else 0.0,
         "weight_min": float(w.min()) if n else 0.0, "weight_mean": float(w.mean()) if n else 0.0,
         "weight_max": float(w.max()) if n else 0.0,
-        "weight_ess": float(w.sum() ** 2 / (n * (w * w).sum())) if n and (w * w).sum() > 0 else 0.0,
+        "weight_ess": min(1.0, float(w.sum() ** 2 / (n * (w * w).sum()))) if n and (w * w).sum() > 0 else 0.0,
         "masked_frac": float((w == 0).double().mean()) if n else 0.0,
         "seq_log_ratio_mean": float(seq.mean()), "seq_ess": sequence_ess(seq),
     }

@@ -78,7 +78,7 @@ def sequence_ess(log_w: torch.Tensor) -> float:
     if log_w.numel() == 0:
         return 1.0
     w = torch.exp(log_w.double() - log_w.max())
-    return float(w.sum() ** 2 / (w.numel() * (w * w).sum()))
+    return min(1.0, float(w.sum() ** 2 / (w.numel() * (w * w).sum())))
 
 
 def position_profile(data: RunData, key: str) -> list[float | None]:

@@ -13,8 +13,6 @@ fallback token by inverse CDF. T = 0 draws nothing.
 
 from __future__ import annotations
 
-import dataclasses
-
 import torch
 from torch import Tensor
 

@@ -88,10 +88,10 @@ def _assemble(x, n_acc, final_tok, final_kind, acc_vals, final_vals) -> tuple[Te
     (position n_acc) as [B, K+1] tensors; padding is -1 (tokens, kinds) or 0 (values)."""
     b, k = x.shape
     n = n_acc.unsqueeze(-1)  # [B, 1]
-    is_acc = torch.arange(k + 1, device=x.device) < n  # [B, K+1]
+    after = torch.arange(k + 1, device=x.device) >= n  # [B, K+1]: not an accepted entry
 
     def lay(acc: Tensor, fin: Tensor, fill) -> Tensor:
-        out = torch.cat([acc, acc.new_full((b, 1), fill)], 1).masked_fill_(~is_acc, fill)
+        out = torch.cat([acc, acc.new_full((b, 1), fill)], 1).masked_fill_(after, fill)
         return out.scatter_(1, n, fin.unsqueeze(-1).to(acc.dtype))
 
     tokens = lay(x, final_tok, -1)
@@ -156,7 +156,8 @@ def _final_tokens(rule, target, draft, x, pos, n_acc, u_final, temperature, top_
 
 def _behaviour(rule, x, pos, a, n_acc, fin: _Final, t_lp_acc, t_lp_fin) -> tuple[Tensor, Tensor]:
     """log P(y) for accepted [B, K] and final [B] tokens: log p(y) where P == p; elsewhere the
-    rule's closed form at y, floored by the realised path's probability (a term of P(y), > 0)."""
+    rule's closed form at y, floored by the realised path's probability (a term of P(y), > 0;
+    fmax also replaces a NaN from a degenerate closed form)."""
     b, k = x.shape
     exact = rule.induces_target(pos.ctx)
     if exact is True:
@@ -165,7 +166,7 @@ def _behaviour(rule, x, pos, a, n_acc, fin: _Final, t_lp_acc, t_lp_fin) -> tuple
     ctx_k = {key: val[:, :k] for key, val in pos.ctx.items()}
     P_acc = rule.prob_at(pos.p_x, pos.q_x, x, ctx_k, pos.stats).double()
     floor_acc = pos.q_x.double() * a.double()
-    acc = torch.where(exact[:, :k], t_lp_acc, torch.maximum(P_acc, floor_acc).log().float())
+    acc = torch.where(exact[:, :k], t_lp_acc, torch.fmax(P_acc, floor_acc).log().float())
     if k == 0:
         return acc, t_lp_fin
     jq = n_acc.clamp(max=k - 1).unsqueeze(-1)
@@ -177,7 +178,7 @@ def _behaviour(rule, x, pos, a, n_acc, fin: _Final, t_lp_acc, t_lp_fin) -> tuple
     floor_fin = (pos.q_x.gather(1, jq).squeeze(-1).double()
                  * (1 - a.gather(1, jq).squeeze(-1).double()) * r_y)
     lossy = ~exact.gather(1, n_acc.unsqueeze(-1)).squeeze(-1) & (n_acc < k)  # bonus: P = p
-    fin_lp = torch.where(lossy, torch.maximum(P_fin, floor_fin).log().float(), t_lp_fin)
+    fin_lp = torch.where(lossy, torch.fmax(P_fin, floor_fin).log().float(), t_lp_fin)
     return acc, fin_lp
 
 

@@ -35,13 +35,14 @@ def node_quantities(rule: VerificationRule, z: Tensor, p: Tensor, cands: Tensor)
     ctx = rule.context(z, p)
     valid = cands >= 0
     cc = cands.clamp(min=0)
-    p_c = p.gather(-1, cc) * valid  # [N, m]
-    covered = torch.zeros_like(p).scatter_add_(-1, cc, valid.to(p.dtype)) > 0
-    p_rest = p.masked_fill(covered, 0.0)  # p without any candidate
+    p_at = p.gather(-1, cc)  # [N, m]
+    p_c = p_at * valid
+    # p without any candidate; padding slots (index 0) write p back (amin resolves duplicates)
+    p_rest = p.scatter_reduce(-1, cc, torch.where(valid, 0.0, p_at), reduce="amin")
     # remaining mass when c_i is examined: non-candidates plus c_i..c_m (no cancellation)
     remaining = p_rest.sum(-1, keepdim=True) + p_c.flip(-1).cumsum(-1).flip(-1)
     s_c = torch.where(remaining > 0, p_c / remaining, 0.0).clamp_(max=1)
-    alpha = rule.node_alpha(s_c, p.gather(-1, cc), cc, ctx)
+    alpha = rule.node_alpha(s_c, p_at, cc, ctx)
     alpha = torch.where(valid, alpha, 0.0)
     fallback = rule.node_fallback(p, p_rest, ctx)
     log_reach = torch.cat([alpha.new_zeros(alpha.shape[0], 1), torch.log1p(-alpha).cumsum(-1)], -1)
@@ -187,8 +188,3 @@ def candidate_diagnostics(rule: VerificationRule, target_logits: Tensor, candida
             P = induced_from_nodes(node_quantities(rule, z, p, candidates[sl]), candidates[sl])
         parts.append(distribution_metrics(P, p, _untruncated(raw, temperature, p, top_k, top_p)))
     return {key: torch.cat([d[key] for d in parts]) for key in parts[0]}
-
-
-__all__ = ["NodeQuantities", "node_quantities", "induced_from_nodes", "induced_chain",
-           "induced_candidates", "distribution_metrics", "chain_diagnostics",
-           "candidate_diagnostics", "greedy_accepts", "greedy_choice", "one_hot", "checked_softmax"]

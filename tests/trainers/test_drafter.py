@@ -125,11 +125,11 @@ def test_resume_continues_identically(tmp_path):
     cfg = DrafterConfig(draft_vocab_size=120, batch_size=4, epochs=2, lr=1e-3, warmup_steps=2, ttt_steps=3,
                         save_every=100, out_dir=str(tmp_path / "a"))
     straight = make_head(target, data)
-    init_from_target(straight, target)
+    init_from_target(straight, target, "lm_head")
     train_drafter(cfg, straight, data, progress=False, log=lambda *_: None)
     cfg_b = dataclasses.replace(cfg, out_dir=str(tmp_path / "b"))
     first = make_head(target, data)
-    init_from_target(first, target)
+    init_from_target(first, target, "lm_head")
     train_drafter(cfg_b, first, data, progress=False, log=lambda *_: None, stop_at=5)  # interrupted mid-epoch 2
     second = make_head(target, data)  # a fresh process: new head, state from the checkpoint
     train_drafter(cfg_b, second, data, progress=False, log=lambda *_: None)

@@ -10,7 +10,7 @@ import torch
 from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs, make_rule
 
 from verifiers import (RULES, VerificationRule, get_rule, induced_candidates, induced_chain,
-                       target_probs, verify_candidates, verify_chain)
+                       target_probs, verify_chain)
 from verifiers.reference import brute_force_candidates, brute_force_chain
 
 
@@ -246,3 +246,15 @@ def test_identical_draft_and_target(case):
     assert torch.isfinite(res.behaviour_logprobs[res.tokens >= 0]).all()
     if case[0] in ("lossless", "overshoot", "cos"):
         assert (res.num_emitted == 4).all()
+
+
+def test_candidate_zero_next_to_padding():
+    """Token 0 as a real candidate in a padded row (padding also indexes 0 internally)."""
+    target, _ = candidate_inputs(13, 4, 1, 6)
+    cands = torch.tensor([[0, -1, -1], [-1, -1, -1], [3, 0, -1], [2, 1, 0]])
+    for rule in (get_rule("lossless"), get_rule("overshoot", lenience=0.5)):
+        P = induced_candidates(rule, target, cands, temperature=1.0)
+        brute = brute_force_candidates(rule, target, cands, temperature=1.0)
+        torch.testing.assert_close(P.double(), brute, atol=1e-6, rtol=0)
+    torch.testing.assert_close(induced_candidates(get_rule("lossless"), target, cands, temperature=1.0),
+                               target_probs(target, 1.0), atol=1e-6, rtol=0)

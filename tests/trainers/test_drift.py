@@ -1,0 +1,353 @@
+"""Drift diagnostics (trainers.drift*, scripts.drift) on tiny random models and controlled logits."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from rollout.config import ConfigError, from_dict
+from rollout.eagle3 import Eagle3Config, Eagle3Head
+from rollout.engine import Engine
+from rollout.models import TargetModel
+from rollout.outputs import DebugRecord
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from trainers.drift import (DriftConfig, TruncationSamplingConfig, baseline_key, parse_verifier, plan_runs,
+                            verifier_label)
+from trainers.drift_plots import from_run, step_stats
+from trainers.drift_report import build_report, compare_accuracy, sequence_ess, wilson, write_outputs
+from trainers.drift_run import run_all, token_drift
+from verifiers import get_rule, target_probs
+
+# ----------------------------------------------------------------------------- tiny models
+CHARS = "0123456789 +-=?:.,'abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ"
+
+
+class CharTokenizer:
+    """Ids 0-2 are pad/bos/eos; then one id per character of CHARS; the rest decode to ''."""
+
+    eos_token_id = 2
+
+    def __init__(self):
+        self.ids = {c: i + 3 for i, c in enumerate(CHARS)}
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        assert not tokenize and add_generation_prompt
+        return "U:" + messages[-1]["content"] + "\nA:"
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [self.ids.get(c, self.ids["?"]) for c in text]}
+
+    def decode(self, ids, skip_special_tokens=True):
+        return "".join(CHARS[i - 3] for i in ids if 3 <= i < 3 + len(CHARS))
+
+
+VOCAB = 96
+
+
+def tiny_target(seed: int = 0) -> TargetModel:
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
+                      tie_word_embeddings=False)
+    model = LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():
+        model.lm_head.weight.mul_(12.0)  # peaked (median max p ~0.2) so truncation sets and caps bite
+        for layer in model.model.layers[1:]:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+    return TargetModel(model)
+
+
+def near_copy_head(target: TargetModel, noise: float = 0.3, seed: int = 1) -> Eagle3Head:
+    """A head that reads the layer-1 feature through the target's norm and a perturbed lm_head:
+    q is close to p but not equal, so lossy rules visibly move P away from p."""
+    torch.manual_seed(seed)
+    h = target.hidden_size
+    cfg = Eagle3Config(hidden_size=h, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+                       head_dim=16, vocab_size=VOCAB, draft_vocab_size=VOCAB, target_hidden_size=h,
+                       aux_layer_ids=target.aux_layer_ids)
+    head = Eagle3Head(cfg, target.embed_tokens).eval()
+    block = list(target.aux_layer_ids).index(1)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, block * h:(block + 1) * h] = torch.eye(h)
+        head.midlayer.self_attn.o_proj.weight.mul_(0.05)
+        head.midlayer.mlp.down_proj.weight.mul_(0.05)
+        head.norm.weight.copy_(target.model.model.norm.weight)
+        w = target.model.lm_head.weight
+        head.lm_head.weight.copy_(w + noise * w.std() * torch.randn_like(w))
+    return head
+
+
+@pytest.fixture(scope="module")
+def models():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    target = tiny_target()
+    yield target, near_copy_head(target), CharTokenizer()
+    torch.set_num_threads(before)
+
+
+LADDER = ("lossless", "mars:theta=0.97", "mars:theta=0.9", "mars:theta=0.5", "overshoot:lenience=0.9",
+          "overshoot:lenience=0.5", "overshoot:lenience=0.1")
+
+
+@pytest.fixture(scope="module")
+def quick_report(models, tmp_path_factory):
+    """A quick-mode study on the tiny models: the default verifiers plus a theta / lenience ladder."""
+    target, head, tok = models
+    cfg = from_dict(DriftConfig, {"difficulties": [1, 2], "prompts": 8, "modes": ["chain", "tree"],
+                                  "verifiers": list(DriftConfig().verifiers) + list(LADDER),
+                                  "max_new_tokens": 24, "batch_size": 8, "num_threads": 1})
+    runs = run_all(cfg, target, head, tok, progress=False)
+    report = build_report(runs, {"test": True})
+    out = tmp_path_factory.mktemp("drift")
+    files = write_outputs(report, out)
+    return report, out, files
+
+
+# ----------------------------------------------------------------------------- config and specs
+def test_verifier_specs_parse_and_label():
+    v = parse_verifier("overshoot:lenience=0.5,min_p=0.1")
+    assert v.name == "overshoot" and v.params == {"lenience": 0.5, "min_p": 0.1}
+    assert verifier_label(v) == "overshoot:lenience=0.5,min_p=0.1"
+    assert verifier_label(parse_verifier({"name": "mars", "params": {"theta": 0.7}})) == "mars:theta=0.7"
+    assert baseline_key(parse_verifier("min_p:p_base=0.2")) == "sampling[min_p:p_base=0.2]"
+    assert baseline_key(parse_verifier("typical:epsilon=0.3,delta=0.9")) == "sampling[typical:epsilon=0.3,delta=0.9]"
+    assert baseline_key(v) == "plain"  # the gated cap keeps the full support: matched with plain sampling
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"source": "web"}, "source"), ({"modes": ["chain", "beam"]}, "modes"), ({"difficulties": [5]}, "difficulties"),
+    ({"verifiers": ["mars:theta=2"]}, "verifiers"), ({"verifiers": ["nope"]}, "verifiers"),
+    ({"prompts": 0}, "prompts"), ({"temperature": -1.0}, "temperature"), ({"source": "jsonl"}, "jsonl_path"),
+    ({"tree": {"mode": "chain"}}, "tree"), ({"colour": 1}, "colour"),
+])
+def test_config_errors_name_the_field(data, field):
+    with pytest.raises(ConfigError) as err:
+        from_dict(DriftConfig, data)
+    assert field in err.value.field
+
+
+def test_plan_adds_lossless_and_matched_baselines():
+    cfg = DriftConfig(verifiers=("mars:theta=0.9", "min_p:p_base=0.1", "overshoot:lenience=0.5,min_p=0.1"),
+                      modes=("chain", "tree"))
+    runs = {r.key: r for r in plan_runs(cfg)}
+    assert {"plain", "sampling[min_p:p_base=0.1]", "lossless@chain", "lossless@tree"} <= set(runs)
+    assert runs["plain"].mode == runs["sampling[min_p:p_base=0.1]"].mode == "off"
+    assert runs["min_p:p_base=0.1@tree"].baseline == "sampling[min_p:p_base=0.1]"
+    assert runs["overshoot:lenience=0.5,min_p=0.1@chain"].secondary == "sampling[min_p:p_base=0.1]"
+    assert runs["mars:theta=0.9@chain"].secondary is None
+
+
+# ----------------------------------------------------------------------------- per-token drift
+def _records(n: int = 400, v: int = 40, seed: int = 0, chain: bool = True) -> list[DebugRecord]:
+    g = torch.Generator().manual_seed(seed)
+    z = 2.5 * torch.randn(n, v, generator=g) + 6.0  # positive top logits: MARS's ratio test applies
+    d = z + 1.5 * torch.randn(n, v, generator=g)
+    out = []
+    for i in range(n):
+        tok = int(torch.argmax(z[i]))
+        if chain:
+            out.append(DebugRecord(row=0, index=i, step_position=0, token=tok, target_logits=z[i], draft_logits=d[i]))
+        else:
+            cands = torch.topk(d[i], 3).indices
+            out.append(DebugRecord(row=0, index=i, step_position=0, token=int(cands[0]), target_logits=z[i],
+                                   candidates=cands))
+    return out
+
+
+@pytest.mark.parametrize("chain", [True, False])
+def test_drift_is_zero_for_lossless_and_grows_as_rules_loosen(chain):
+    records = _records(chain=chain)
+    s = SamplingParams(temperature=1.0)
+
+    def mean_tv(spec):
+        return float(token_drift(parse_verifier(spec).rule(), records, s)["tv"].mean())
+
+    lossless = token_drift(get_rule("lossless"), records, s)
+    assert lossless["tv"].abs().max() < 1e-5 and lossless["kl"].abs().max() < 1e-5
+    mars = [mean_tv(f"mars:theta={t}") for t in (1.0, 0.95, 0.9, 0.8, 0.6)]
+    over = [mean_tv(f"overshoot:lenience={l}") for l in (1.0, 0.8, 0.5, 0.3, 0.1)]
+    assert mars[0] < 1e-5 and over[0] < 1e-5
+    assert all(b > a for a, b in zip(mars, mars[1:])), mars
+    assert all(b > a for a, b in zip(over, over[1:])), over
+
+
+def test_truncation_sampling_rule_is_p_restricted_to_a():
+    records = _records(n=50, chain=False)
+    s = SamplingParams(temperature=1.0)
+    cfg = TruncationSamplingConfig("min_p", {"p_base": 0.2})
+    d = token_drift(cfg.rule(), records, s)
+    p = target_probs(torch.stack([r.target_logits for r in records]), 1.0)
+    mass_a = torch.where(p >= 0.2 * p.amax(-1, keepdim=True), p, 0.0).sum(-1).double()
+    torch.testing.assert_close(d["tv"], 1 - mass_a, atol=1e-5, rtol=0)
+    torch.testing.assert_close(d["kl"], -mass_a.log(), atol=1e-5, rtol=0)
+    torch.testing.assert_close(d["uncovered"], 1 - mass_a, atol=1e-5, rtol=0)
+
+
+def test_truncation_baseline_through_the_engine_samples_inside_a(models):
+    target, head, _ = models
+    res = Engine(target, head, num_threads=1).generate(
+        [[5, 6, 7], [9, 10]], SamplingParams(temperature=1.0, max_new_tokens=20), SpecConfig(mode="off"),
+        TruncationSamplingConfig("min_p", {"p_base": 0.3}), seed=3, debug=True)
+    for r in res.debug:
+        p = target_probs(r.target_logits[None].float(), 1.0)[0]
+        keep = p >= 0.3 * p.max()
+        assert keep[r.token], "a truncation baseline emitted a token outside A"
+        expected = math.log(p[r.token] / p[keep].sum())
+        assert abs(res.completions[r.row].behaviour_logprobs[r.index] - expected) < 1e-4
+
+
+# ----------------------------------------------------------------------------- the study on tiny models
+CONFIG_FIELDS = {
+    "key", "kind", "mode", "verifier", "params", "baseline", "secondary_baseline", "n_prompts", "n_tokens",
+    "mean_length", "tau", "tokens_per_s", "time_s", "target_forwards", "tv", "kl", "entropy_P", "entropy_p",
+    "relaxed_frac", "uncovered", "seq_log_ratio", "seq_ess", "behaviour_logprob_max_err", "accuracy",
+    "per_difficulty", "per_position", "speedup_vs_lossless", "speedup_vs_autoregressive", "vs_baseline",
+    "vs_secondary",
+}
+NUMERIC = ("tau", "tokens_per_s", "entropy_P", "entropy_p", "relaxed_frac", "seq_ess", "speedup_vs_lossless",
+           "speedup_vs_autoregressive")
+
+
+def check_every_field(configs: dict) -> None:
+    for key, r in configs.items():
+        assert set(r) == CONFIG_FIELDS, (key, set(r) ^ CONFIG_FIELDS)
+        for f in NUMERIC:
+            assert isinstance(r[f], float) and math.isfinite(r[f]), (key, f, r[f])
+        assert set(r["tv"]) == {"mean", "p50", "p90", "p99"} and r["tv"]["mean"] is not None
+        assert {"mean", "p50", "p90", "p99", "inf_frac"} == set(r["kl"])
+        assert {"k", "n", "mean", "ci_low", "ci_high"} == set(r["accuracy"]) and r["accuracy"]["n"] == r["n_prompts"]
+        assert r["behaviour_logprob_max_err"] < 1e-3, (key, r["behaviour_logprob_max_err"])
+        if r["kind"] == "verifier":
+            assert set(r["vs_baseline"]) >= {"baseline", "diff", "diff_ci_low", "diff_ci_high", "p_value",
+                                             "intervals_overlap", "per_difficulty"}
+
+
+def test_quick_study_json_has_every_field(quick_report):
+    report, out, files = quick_report
+    configs = json.loads((out / "drift.json").read_text())["configurations"]
+    assert len(configs) == 3 + 2 * len(set(DriftConfig().verifiers) | set(LADDER))
+    check_every_field(configs)
+    assert configs["overshoot:lenience=0.5,min_p=0.1@tree"]["vs_secondary"]["baseline"] == "sampling[min_p:p_base=0.1]"
+    assert set(configs["lossless@chain"]["per_difficulty"]) == {"1", "2"}
+    for name in ("drift.md", "speed_vs_accuracy.png", "drift_by_position.png", "accuracy_gap_by_difficulty.png"):
+        assert (out / name).stat().st_size > 0
+    assert "mars:theta=0.9@chain" in (out / "drift.md").read_text()
+
+
+def test_lossless_has_no_drift_and_baselines_are_exact(quick_report):
+    c = quick_report[0]["configurations"]
+    for key in ("lossless@chain", "lossless@tree", "plain"):
+        assert c[key]["tv"]["p99"] < 1e-5 and abs(c[key]["kl"]["mean"]) < 1e-5, key
+        assert c[key]["relaxed_frac"] == 0.0 and abs(c[key]["seq_log_ratio"]["mean"]) < 1e-4
+        assert c[key]["seq_ess"] > 0.999
+    trunc = c["sampling[min_p:p_base=0.1]"]
+    assert trunc["uncovered"]["mean"] > 0 and trunc["entropy_P"] < trunc["entropy_p"]
+    assert c["plain"]["tau"] == 1.0 and c["lossless@chain"]["tau"] > 1.2  # the near-copy head drafts well
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_study_drift_grows_as_theta_and_lenience_fall(quick_report, mode):
+    c = quick_report[0]["configurations"]
+    mars = [c[f"{s}@{mode}"]["tv"]["mean"] for s in LADDER[1:4]]
+    over = [c[f"{s}@{mode}"]["tv"]["mean"] for s in LADDER[4:]]
+    assert mars[0] > 1e-3 and over[0] > 1e-3
+    assert mars == sorted(mars) and over == sorted(over), (mars, over)
+    assert c[f"mars:theta=0.2@{mode}"]["relaxed_frac"] > c[f"mars:theta=0.95@{mode}"]["relaxed_frac"]
+
+
+# ----------------------------------------------------------------------------- statistics
+def test_wilson_and_comparisons():
+    lo, hi = wilson(5, 10)
+    assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
+    assert wilson(0, 10)[0] == 0.0 and abs(wilson(0, 10)[1] - 0.2775) < 1e-4
+    a = {"k": 30, "n": 100, "ci_low": wilson(30, 100)[0], "ci_high": wilson(30, 100)[1]}
+    b = {"k": 50, "n": 100, "ci_low": wilson(50, 100)[0], "ci_high": wilson(50, 100)[1]}
+    g = compare_accuracy(a, b)
+    assert abs(g["diff"] + 0.2) < 1e-12 and g["diff_ci_low"] < -0.2 < g["diff_ci_high"] < 0
+    assert g["p_value"] < 0.01 and not g["intervals_overlap"]
+    assert compare_accuracy(a, a)["p_value"] == 1.0 and compare_accuracy(a, a)["intervals_overlap"]
+    log_w = torch.tensor([0.0, 0.0, math.log(3.0)], dtype=torch.float64)
+    assert abs(sequence_ess(log_w) - 25 / 33) < 1e-12 and sequence_ess(torch.zeros(4)) == 1.0
+    assert abs(sequence_ess(log_w + 1000.0) - 25 / 33) < 1e-12  # scale-free and overflow-safe
+
+
+# ----------------------------------------------------------------------------- CLI and --from-run
+def test_cli_quick_on_a_saved_tiny_model(tiny_policy_dir, tiny_head_dir, tmp_path):
+    from scripts.drift import main
+
+    out = tmp_path / "quick"
+    rc = main(["--quick", "--target", str(tiny_policy_dir), "--head", str(tiny_head_dir), "--out", str(out),
+               "--max-new-tokens", "8", "--threads", "1", "--no-progress", "--modes", "chain",
+               "--verifiers", "lossless;mars:theta=0.5;min_p:p_base=0.1"])
+    assert rc == 0
+    configs = json.loads((out / "drift.json").read_text())["configurations"]
+    assert set(configs) == {"plain", "sampling[min_p:p_base=0.1]", "lossless@chain", "mars:theta=0.5@chain",
+                            "min_p:p_base=0.1@chain"}
+    check_every_field(configs)
+    assert main(["--quick", "--modes", "beam"]) == 2
+
+
+def _synthetic_run(path, steps: int = 3, per_step: int = 4):
+    g = torch.Generator().manual_seed(0)
+    lines = []
+    for s in range(1, steps + 1):
+        for _ in range(per_step):
+            n = 5
+            beh = (-torch.rand(n, generator=g) * 2).tolist()
+            tgt = [b - 0.1 * s for b in beh]  # drift grows with the step
+            pol = [t + 0.05 for t in tgt]
+            lines.append(json.dumps({"step": s, "completion_ids": list(range(n)), "behaviour_logprobs": beh,
+                                     "target_logprobs": tgt, "policy_logprobs": pol, "relaxed": [1, 0, 0, 1, 0],
+                                     "weights": [math.exp(p - b) for p, b in zip(pol, beh)], "reward": 1.0 * (s > 1),
+                                     "text": "x"}))
+    (path / "rollouts.jsonl").write_text("\n".join(lines) + "\n")
+
+
+def test_from_run_plots_drift_over_steps(tmp_path):
+    _synthetic_run(tmp_path)
+    files = from_run(tmp_path, tmp_path / "drift")
+    rows = json.loads((tmp_path / "drift" / "run_drift.json").read_text())["steps"]
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for s, r in enumerate(rows, start=1):
+        assert abs(r["kl_P_p_k1"] - 0.1 * s) < 1e-9 and r["relaxed_frac"] == 0.4 and r["tokens"] == 20
+        assert abs(r["kl_P_pi_k1"] - (0.1 * s - 0.05)) < 1e-9
+        assert abs(r["stale_abs_mean"] - 0.05) < 1e-9 and 0 < r["weight_ess"] <= 1
+    assert rows[2]["kl_P_p_k3"] > rows[0]["kl_P_p_k3"] and rows[0]["reward_mean"] == 0.0
+    assert all(f.stat().st_size > 0 for f in files)
+    from scripts.drift import main
+
+    assert main(["--from-run", str(tmp_path), "--out", str(tmp_path / "cli")]) == 0
+    assert (tmp_path / "cli" / "drift_over_steps.png").is_file()
+
+
+def test_from_run_rejects_bad_records(tmp_path):
+    (tmp_path / "rollouts.jsonl").write_text(json.dumps({"step": 1, "completion_ids": [1]}) + "\n")
+    with pytest.raises(ValueError, match="missing fields"):
+        from_run(tmp_path, tmp_path / "out")
+    assert step_stats([{"behaviour_logprobs": [0.0], "target_logprobs": [0.0], "policy_logprobs": [0.0],
+                        "relaxed": [0], "weights": [1.0], "reward": 1.0}])["seq_ess"] == 1.0
+
+
+# ----------------------------------------------------------------------------- embedded model
+@pytest.mark.slow
+def test_lossless_accuracy_matches_plain_sampling_on_the_embedded_model(tmp_path):
+    """Lossless speculation samples from p: its accuracy lies within the plain baseline's interval."""
+    from rollout.eagle3 import default_head_path
+    from trainers.drift_run import load_models
+
+    head = "default" if default_head_path().exists() else "random"
+    cfg = DriftConfig(difficulties=(1,), prompts=48, verifiers=("lossless",), max_new_tokens=64, batch_size=8,
+                      head=head, out=str(tmp_path))
+    target, head_model, tok = load_models(cfg)
+    report = build_report(run_all(cfg, target, head_model, tok, progress=False), {})
+    c = report["configurations"]
+    assert c["lossless@chain"]["tv"]["p99"] < 1e-5
+    gap = c["lossless@chain"]["vs_baseline"]
+    assert gap["intervals_overlap"] and gap["p_value"] > 0.01, gap
