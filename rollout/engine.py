@@ -30,8 +30,8 @@ from rollout.outputs import DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.runner import ModelRunner, sample_draft
 from rollout.sequences import RoundOutput, SequenceTable
-from rollout.tree import Tree, chain_tree, draft_tree, root_tree, walk
-from verifiers import TokenKind, verify_chain
+from rollout.tree import chain_tree, draft_tree, root_tree, walk
+from verifiers import verify_chain
 
 
 def available_cores() -> int:
@@ -135,7 +135,7 @@ class Engine:
         call.timings.verify_s += time.perf_counter() - t0
         call.timings.target_forwards += 1
         call.runner.set_first_tokens(res.tokens[:, 0])
-        self._finish_round(call, res, None, first=True)
+        self._finish_round(call, res, first=True)
 
     def _round(self, call: _Call) -> None:
         spec, runner = call.spec, call.runner
@@ -157,7 +157,7 @@ class Engine:
         self._tick(call, t1 - t0, t2 - t1)
         runner.commit(res.counts, res.counts.tolist(), res.tokens.clamp(min=0), feats,
                       res.path if tree.mask is not None else None)
-        self._finish_round(call, res, tree)
+        self._finish_round(call, res)
 
     def _chain_round(self, call: _Call, t0: float) -> None:
         runner = call.runner
@@ -176,7 +176,7 @@ class Engine:
             call.record = [(k, None, logits[:, k], full_draft[:, k] if k < tokens.shape[1] else None)
                            for k in range(block.shape[1])]
         runner.commit(counts, counts.tolist(), res.tokens.clamp(min=0), feats, None)
-        self._finish_round(call, res, None)
+        self._finish_round(call, res)
 
     def _draft_chain(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft K tokens per row: draft ids ``[B, K]`` and their draft logits ``[B, K, Vd]``."""
@@ -203,7 +203,7 @@ class Engine:
         t.rounds += 1
         t.row_rounds += len(call.table)
 
-    def _finish_round(self, call: _Call, res, tree: Tree | None, first: bool = False) -> None:
+    def _finish_round(self, call: _Call, res, first: bool = False) -> None:
         """Hand the emitted tokens to the bookkeeping; drop finished rows everywhere."""
         counts = getattr(res, "num_emitted", None)
         counts = res.counts if counts is None else counts

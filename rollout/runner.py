@@ -9,8 +9,10 @@ Vocabulary:
   ``block_mask [B|1, T, T]`` which block tokens each one sees (None = causal).
 - **draft pair j**: the draft head's input at draft slot j is the token ``x_{j+1}`` with
   the target feature ``f_j`` of the position before it (the feature that predicted it);
-  its output predicts ``x_{j+2}``. Speculative draft steps pair a drafted token with the
-  draft's own output hidden state instead of ``f``.
+  its output predicts ``x_{j+2}``; its RoPE position is j (0 at the first prompt token).
+  Speculative draft step s pairs the s-th drafted token with the draft's own output hidden
+  state of step s-1, at position j + s. This is the convention ``trainers/drafter.py``
+  trains with (training-time test), so inference sees what training saw.
 - **waiting pairs**: pairs whose target features are known but which the draft has not
   consumed yet: the whole prompt after the prefill, the accepted path plus the pending
   token after each round. ``draft_root`` consumes them (that is the draft's step 0) and
@@ -23,12 +25,42 @@ All row-indexed tensors follow the live order of ``rollout.sequences.SequenceTab
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
+import torch.nn.functional as F
 
 from rollout.kv_cache import RowKVCache
 from verifiers.processing import draft_logits as scale_draft_logits
 
 DRAFT_POSITION_OFFSET = 0  # draft pair j sits at RoPE position j + this offset
+GQA_ATTENTION = "rollout_sdpa_gqa"
+
+
+def _sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
+    """SDPA with grouped kv heads and a mask, without materialising repeated keys/values
+    (transformers' own sdpa path repeats them whenever a mask is given). Outputs [B, T, H, D]."""
+    assert attention_mask is not None, "the engine always passes an explicit mask"
+    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
+                                         enable_gqa=key.shape[1] != query.shape[1])
+    return out.transpose(1, 2).contiguous(), None
+
+
+@contextmanager
+def _gqa_attention(target):
+    """On CPU, run the target's sdpa attention through :func:`_sdpa_gqa` for the duration."""
+    config = target.model.config
+    if target.device.type != "cpu" or config._attn_implementation != "sdpa":
+        yield
+        return
+    from transformers import AttentionInterface
+
+    AttentionInterface.register(GQA_ATTENTION, _sdpa_gqa)
+    config._attn_implementation = GQA_ATTENTION
+    try:
+        yield
+    finally:
+        config._attn_implementation = "sdpa"
 
 
 class ModelRunner:
@@ -41,7 +73,6 @@ class ModelRunner:
         self.dtype = target.dtype
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
-        self.max_context = int(getattr(cfg, "max_position_embeddings", 1 << 30))
         self.prefill_tokens = prefill_tokens
         # logits = lm_head(final hidden) exactly (Llama family): the prefill can skip the lm_head
         self._plain_lm_head = all(getattr(cfg, a, None) is None for a in ("final_logit_softcapping", "logit_scale"))
@@ -93,7 +124,9 @@ class ModelRunner:
         mask = causal[None] & (key_ok[:, None, :] | torch.eye(t, dtype=torch.bool, device=self.device)[None])
         last = (plen - 1)[:, None, None]
         if not self._plain_lm_head:  # e.g. soft-capped logits: take them from the full forward
-            out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None], cache=self.cache)
+            with _gqa_attention(self.target):
+                out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None],
+                                  cache=self.cache)
             return out.logits.gather(1, last.expand(b, 1, out.logits.shape[-1]))[:, 0], out.features
         hidden, feats = self._body_forward(ids, pos[None].expand(b, t), mask[:, None])
         last_hidden = hidden.gather(1, last.expand(b, 1, hidden.shape[-1]))[:, 0]  # [b, H]
@@ -111,8 +144,9 @@ class ModelRunner:
                     store[idx] = args[0] if args else kwargs["hidden_states"]
                 handles.append(self.target.decoder_layers[idx].register_forward_pre_hook(hook, with_kwargs=True))
         try:
-            out = self.target.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                               cache=self.cache, use_cache=True)
+            with _gqa_attention(self.target):
+                out = self.target.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                                   cache=self.cache, use_cache=True)
         finally:
             for h in handles:
                 h.remove()
@@ -153,7 +187,8 @@ class ModelRunner:
             in_block = (rel >= 0) & (rel < t)
             seen = block_mask.expand(b, t, t).gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, kv_len))
             mask = (rel < 0)[:, None, :] | (seen & in_block[:, None, :])  # [B, T, L]
-        out = self.target(tokens, position_ids=positions, attention_mask=mask[:, None], cache=self.cache)
+        with _gqa_attention(self.target):
+            out = self.target(tokens, position_ids=positions, attention_mask=mask[:, None], cache=self.cache)
         return out.logits, out.features
 
     def commit(self, counts: torch.Tensor, host_counts: list[int], emitted: torch.Tensor,

@@ -36,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     ap.add_argument("--config", help="YAML with DriftConfig fields (configs/drift.yaml)")
-    ap.add_argument("--quick", action="store_true", help=f"overlay {QUICK_CONFIG.name}: a few prompts, short completions")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"overlay {QUICK_CONFIG.name}: a few prompts, short completions")
     ap.add_argument("--prompts", type=int, help="prompts per configuration (split over the difficulties)")
     ap.add_argument("--difficulties", type=_ints, help="task difficulties, e.g. 1,2")
     ap.add_argument("--modes", type=_strs(","), help="speculative modes: chain,tree")

@@ -38,6 +38,15 @@ def _plt():
     return plt
 
 
+def _colours(n: int) -> list:
+    """n distinct colours (tab20 beyond 10 series)."""
+    cmap = _plt().get_cmap("tab10" if n <= 10 else "tab20")
+    return [cmap(i % cmap.N) for i in range(n)]
+
+
+LINESTYLE = {"off": "--", "chain": "-", "tree": "-."}
+
+
 def _save(fig, path: Path) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=100)
@@ -48,8 +57,8 @@ def _save(fig, path: Path) -> Path:
 # ----------------------------------------------------------------------------- the study
 def plot_speed_accuracy(configs: dict[str, dict], path: Path) -> Path:
     plt = _plt()
-    fig, ax = plt.subplots(figsize=(8, 5))
-    colours = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    fig, ax = plt.subplots(figsize=(10, 5))
+    colours = _colours(len(configs))
     for i, (key, r) in enumerate(configs.items()):
         acc, x = r["accuracy"], r["speedup_vs_autoregressive"]
         if acc["mean"] is None or x is None:
@@ -61,7 +70,7 @@ def plot_speed_accuracy(configs: dict[str, dict], path: Path) -> Path:
             ax.annotate(key, (x, acc["mean"]), fontsize=7, xytext=(4, -10), textcoords="offset points")
             continue
         marker = "o" if r["mode"] == "chain" else "^"
-        c = colours[i % len(colours)]
+        c = colours[i]
         ax.errorbar([x], [acc["mean"]], yerr=err, fmt=marker, color=c, capsize=3, label=key)
         if base and base["accuracy"]["mean"] is not None and base["speedup_vs_autoregressive"] is not None:
             ax.plot([base["speedup_vs_autoregressive"], x], [base["accuracy"]["mean"], acc["mean"]], ":", color=c, lw=1)
@@ -69,24 +78,23 @@ def plot_speed_accuracy(configs: dict[str, dict], path: Path) -> Path:
     ax.set_ylabel("accuracy (95% Wilson interval)")
     ax.set_title("speed against accuracy; stars: matched baselines (no speculation)")
     ax.grid(alpha=0.3)
-    ax.legend(fontsize=7, loc="best")
+    ax.legend(fontsize=7, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 
 def plot_drift_positions(configs: dict[str, dict], path: Path) -> Path:
     plt = _plt()
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
-    for key, r in configs.items():
-        style = "--" if r["kind"] == "baseline" else "-"
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
+    for (key, r), colour in zip(configs.items(), _colours(len(configs))):
         for ax, metric in zip(axes, ("tv", "kl")):
             ys = [math.nan if v is None else v for v in r["per_position"][metric]]
             if ys:
-                ax.plot(range(len(ys)), ys, style, lw=1, label=key)
+                ax.plot(range(len(ys)), ys, LINESTYLE[r["mode"]], color=colour, lw=1, label=key)
     for ax, title in zip(axes, ("mean TV(P, p)", "mean KL(P || p)")):
         ax.set_xlabel("position in the completion")
         ax.set_title(title)
         ax.grid(alpha=0.3)
-    axes[0].legend(fontsize=6)
+    axes[1].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.01, 0.5))
     return _save(fig, path)
 
 

@@ -140,9 +140,10 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
             if base is None:
                 r[field_name] = None
                 continue
+            per_d = {d: compare_accuracy(v["accuracy"], base["per_difficulty"][d]["accuracy"])
+                     for d, v in r["per_difficulty"].items() if d in base["per_difficulty"]}
             r[field_name] = {"baseline": base_key, **compare_accuracy(r["accuracy"], base["accuracy"]),
-                             "per_difficulty": {d: compare_accuracy(v["accuracy"], base["per_difficulty"][d]["accuracy"])
-                                                for d, v in r["per_difficulty"].items() if d in base["per_difficulty"]}}
+                             "per_difficulty": per_d}
     return results
 
 

@@ -8,7 +8,6 @@ right after each batch and dropped, so memory stays bounded by one batch of reco
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import torch
@@ -154,45 +153,40 @@ def _add_batch(data: RunData, res, batch: list[PromptItem], rule, sampling: Samp
         data.timings[key] = data.timings.get(key, 0.0) + float(getattr(t, key))
 
 
-def run_configuration(engine, spec: RunSpec, items: list[PromptItem], cfg: DriftConfig, tokenizer,
-                      bar=None) -> RunData:
-    """Generate every prompt under ``spec`` in batches of ``cfg.batch_size``; reduce as we go."""
+def run_batch(engine, data: RunData, batch: list[PromptItem], index: int, cfg: DriftConfig, tokenizer) -> None:
+    """Generate batch number ``index`` under ``data.spec`` (seed ``cfg.seed + index``) and reduce it."""
+    spec = data.spec
     sampling = cfg.sampling(getattr(tokenizer, "eos_token_id", None))
-    rule = spec.verifier.rule()
-    data = RunData(spec)
-
-    def decode(ids):
-        return tokenizer.decode(ids, skip_special_tokens=True)
-
-    for b, start in enumerate(range(0, len(items), cfg.batch_size)):
-        batch = items[start:start + cfg.batch_size]
-        res = engine.generate([it.ids for it in batch], sampling, cfg.spec(spec.mode), spec.verifier,
-                              seed=cfg.seed + b, debug=True)
-        _add_batch(data, res, batch, rule, sampling, decode)
-        del res  # drop the records (full-vocabulary logits) before the next batch
-        if bar is not None:
-            bar.update(1)
-    return data
+    res = engine.generate([it.ids for it in batch], sampling, cfg.spec(spec.mode), spec.verifier,
+                          seed=cfg.seed + index, debug=True)
+    _add_batch(data, res, batch, spec.verifier.rule(), sampling,
+               lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
+    # the records (full-vocabulary logits) are dropped with ``res`` here
 
 
 def run_all(cfg: DriftConfig, target, head, tokenizer, *, progress: bool = True) -> list[RunData]:
-    """Run every configuration of :func:`plan_runs` on the prompt set (tqdm bar when ``progress``)."""
+    """Run every configuration of :func:`plan_runs` on the prompt set (tqdm bar when ``progress``).
+
+    Batches are the outer loop and configurations the inner one, so that a load change on a
+    shared machine slows every configuration alike (the speed comparisons stay fair).
+    """
     from tqdm import tqdm
 
     from rollout.engine import Engine
 
     items = build_prompts(cfg, tokenizer)
-    runs = plan_runs(cfg)
-    if head is None and any(r.mode != "off" for r in runs):
+    runs = [RunData(spec) for spec in plan_runs(cfg)]
+    if head is None and any(r.spec.mode != "off" for r in runs):
         raise ValueError("speculative modes need a draft head")
     engine = Engine(target, head, num_threads=cfg.num_threads)
-    n_batches = math.ceil(len(items) / cfg.batch_size)
-    out = []
-    with tqdm(total=len(runs) * n_batches, unit="batch", disable=not progress, dynamic_ncols=True) as bar:
-        for spec in runs:
-            bar.set_postfix_str(spec.key)
-            out.append(run_configuration(engine, spec, items, cfg, tokenizer, bar))
-    return out
+    starts = range(0, len(items), cfg.batch_size)
+    with tqdm(total=len(runs) * len(starts), unit="batch", disable=not progress, dynamic_ncols=True) as bar:
+        for b, start in enumerate(starts):
+            for data in runs:
+                bar.set_postfix_str(f"batch {b + 1}/{len(starts)} {data.spec.key}")
+                run_batch(engine, data, items[start:start + cfg.batch_size], b, cfg, tokenizer)
+                bar.update(1)
+    return runs
 
 
 def load_models(cfg: DriftConfig):
