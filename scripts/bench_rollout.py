@@ -45,9 +45,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verifiers", default="lossless,mars,overshoot",
                     help="comma list; mars uses theta=0.9, overshoot lenience=0.5")
     ap.add_argument("--modes", default="chain,tree", help="speculative modes to run (comma list)")
-    ap.add_argument("--chain-k", type=int, default=5, help="chain length K")
+    ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
-    ap.add_argument("--tree", default="5,4,16", help="depth,top_k,total_tokens")
+    ap.add_argument("--tree", default="4,4,12", help="depth,top_k,total_tokens (';' separates several)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
@@ -127,12 +127,19 @@ def run_ours(engine: Engine, prompts, size: int, sampling, spec, verifier, seed:
 
 
 def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
-    depth, top_k, total = (int(x) for x in args.tree.split(","))
-    specs = {"chain": SpecConfig(mode="chain", num_draft_tokens=args.chain_k, draft_sampling=args.draft_sampling),
-             "tree": SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total)}
+    specs = []
+    for mode in (m for m in args.modes.split(",") if m):
+        if mode == "chain":
+            specs += [SpecConfig(mode="chain", num_draft_tokens=int(k), draft_sampling=args.draft_sampling)
+                      for k in args.chain_k.split(",")]
+        elif mode == "tree":
+            for shape in args.tree.split(";"):
+                depth, top_k, total = (int(x) for x in shape.split(","))
+                specs.append(SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total))
+        else:
+            raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
     names = [v for v in args.verifiers.split(",") if v]
-    return [(specs[m], VerifierConfig(v, VERIFIER_PARAMS.get(v, {}))) for m in args.modes.split(",") if m
-            for v in names]
+    return [(spec, VerifierConfig(v, VERIFIER_PARAMS.get(v, {}))) for spec in specs for v in names]
 
 
 def describe(spec: SpecConfig) -> str:
