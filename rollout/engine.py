@@ -94,7 +94,8 @@ class Engine:
         budgets = self._budgets(prompts, sampling.max_new_tokens)
         start = time.perf_counter()
         dev = self.target.device
-        call = _Call(runner=ModelRunner(self.target, self.head, self.prefill_tokens),
+        head = self.head if spec.speculative else None  # plain decoding pays nothing for the draft
+        call = _Call(runner=ModelRunner(self.target, head, self.prefill_tokens),
                      table=SequenceTable(prompts, budgets, sampling.stop_token_ids), rule=verifier.rule(),
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None)

@@ -52,6 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
+    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2")
@@ -208,10 +209,10 @@ def memory_check(args, engine, prompts, sampling) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    torch.set_num_threads(available_cores())
+    threads = args.threads or available_cores()
     target, tok = load_embedded_target()
     head = load_eagle3(args.head or default_head_path(), target)
-    engine = Engine(target, head)
+    engine = Engine(target, head, num_threads=threads)  # sets torch's threads for HF generate too
     prompts = held_out_prompts(tok, args.prompts, args.seed)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))

@@ -50,7 +50,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--target", help="target model folder or .gguf (default: the embedded SmolLM2)")
     ap.add_argument("--head", help="'default' (shipped head), 'random', or a head folder")
-    ap.add_argument("--threads", dest="num_threads", type=int)
+    ap.add_argument("--threads", dest="num_threads", type=int, help="torch threads (1 is best on a shared CPU)")
+    ap.add_argument("--speed-basis", dest="speed_basis", choices=("wall", "cpu"),
+                    help="speedups from wall time or from CPU time of the generate calls")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false", default=None)
     ap.add_argument("--out", help="output directory")
     ap.add_argument("--no-plots", action="store_true")
@@ -60,7 +62,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 FLAG_FIELDS = ("prompts", "difficulties", "modes", "verifiers", "source", "jsonl_path", "max_new_tokens",
-               "batch_size", "temperature", "seed", "target", "head", "num_threads", "baselines", "out")
+               "batch_size", "temperature", "seed", "target", "head", "num_threads", "baselines", "out", "speed_basis")
 
 
 def build_config(args: argparse.Namespace):

@@ -37,6 +37,7 @@ from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 
 SOURCES = ("tasks", "jsonl", "general")
 MODES = ("chain", "tree")
+SPEED_BASES = ("wall", "cpu")
 TRUNCATION_RULES = ("min_p", "typical")
 DEFAULT_VERIFIERS = ("lossless", "mars:theta=0.9", "mars:theta=0.7", "overshoot:lenience=0.5",
                      "overshoot:lenience=0.5,min_p=0.1", "typical:epsilon=0.3,delta=0.9", "min_p:p_base=0.1")
@@ -96,6 +97,9 @@ class DriftConfig:
     target: model folder or .gguf (null = the embedded SmolLM2); head: ``default`` (the
         shipped head), ``random`` (a random head sharing the target's lm_head) or a folder.
     num_threads: torch threads (null = all cores); out: output directory.
+    speed_basis: ``wall`` (tokens per second) or ``cpu`` (tokens per CPU-second of the
+        generate calls: fairer on a shared machine, best with num_threads 1): which speedup
+        the table and the speed plot show (the JSON has both).
     """
 
     source: str = "tasks"
@@ -119,6 +123,7 @@ class DriftConfig:
     head: str = "default"
     num_threads: int | None = None
     out: str = "runs/drift"
+    speed_basis: str = "wall"
 
     def __post_init__(self) -> None:
         if self.source not in SOURCES:
@@ -138,6 +143,8 @@ class DriftConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ConfigError(name, f"must be an integer >= 1, got {v!r}")
+        if self.speed_basis not in SPEED_BASES:
+            raise ConfigError("speed_basis", f"unknown speed basis {self.speed_basis!r}", allowed=SPEED_BASES)
         if not isinstance(self.head, str) or not self.head:
             raise ConfigError("head", "must be 'default', 'random' or a head folder")
         object.__setattr__(self, "difficulties", diffs)

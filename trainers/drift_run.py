@@ -8,6 +8,7 @@ right after each batch and dropped, so memory stays bounded by one batch of reco
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -105,7 +106,8 @@ class RunData:
     uncovered, relaxed (0/1), position (index in the completion), logP_err (|log P(y) from
     the closed form - the engine's behaviour log-prob|). Per completion: seq_log_ratio
     (sum log p - log P from the engine's log-probs), reward (None without an answer),
-    difficulty, length. timings: summed ``rollout.outputs.Timings`` counters.
+    difficulty, length. timings: summed ``rollout.outputs.Timings`` counters, plus cpu_s, the
+    process CPU time of the ``generate`` calls (robust to other jobs on a shared machine).
     """
 
     spec: RunSpec
@@ -157,8 +159,10 @@ def run_batch(engine, data: RunData, batch: list[PromptItem], index: int, cfg: D
     """Generate batch number ``index`` under ``data.spec`` (seed ``cfg.seed + index``) and reduce it."""
     spec = data.spec
     sampling = cfg.sampling(getattr(tokenizer, "eos_token_id", None))
+    cpu0 = time.process_time()
     res = engine.generate([it.ids for it in batch], sampling, cfg.spec(spec.mode), spec.verifier,
                           seed=cfg.seed + index, debug=True)
+    data.timings["cpu_s"] = data.timings.get("cpu_s", 0.0) + time.process_time() - cpu0
     _add_batch(data, res, batch, spec.verifier.rule(), sampling,
                lambda ids: tokenizer.decode(ids, skip_special_tokens=True))
     # the records (full-vocabulary logits) are dropped with ``res`` here

@@ -125,7 +125,7 @@ def test_verifier_specs_parse_and_label():
     ({"source": "web"}, "source"), ({"modes": ["chain", "beam"]}, "modes"), ({"difficulties": [5]}, "difficulties"),
     ({"verifiers": ["mars:theta=2"]}, "verifiers"), ({"verifiers": ["nope"]}, "verifiers"),
     ({"prompts": 0}, "prompts"), ({"temperature": -1.0}, "temperature"), ({"source": "jsonl"}, "jsonl_path"),
-    ({"tree": {"mode": "chain"}}, "tree"), ({"colour": 1}, "colour"),
+    ({"tree": {"mode": "chain"}}, "tree"), ({"colour": 1}, "colour"), ({"speed_basis": "gpu"}, "speed_basis"),
 ])
 def test_config_errors_name_the_field(data, field):
     with pytest.raises(ConfigError) as err:
@@ -209,9 +209,10 @@ CONFIG_FIELDS = {
     "mean_length", "tau", "tokens_per_s", "time_s", "target_forwards", "tv", "kl", "entropy_P", "entropy_p",
     "relaxed_frac", "uncovered", "seq_log_ratio", "seq_ess", "behaviour_logprob_max_err", "accuracy",
     "per_difficulty", "per_position", "speedup_vs_lossless", "speedup_vs_autoregressive", "vs_baseline",
-    "vs_secondary",
+    "vs_secondary", "tokens_per_cpu_s", "cpu_s", "cpu_speedup_vs_lossless", "cpu_speedup_vs_autoregressive",
 }
-NUMERIC = ("tau", "tokens_per_s", "entropy_P", "entropy_p", "relaxed_frac", "seq_ess", "speedup_vs_autoregressive")
+NUMERIC = ("tau", "tokens_per_s", "tokens_per_cpu_s", "entropy_P", "entropy_p", "relaxed_frac", "seq_ess",
+           "speedup_vs_autoregressive", "cpu_speedup_vs_autoregressive")
 
 
 def check_every_field(configs: dict) -> None:
@@ -224,7 +225,7 @@ def check_every_field(configs: dict) -> None:
         assert {"k", "n", "mean", "ci_low", "ci_high"} == set(r["accuracy"]) and r["accuracy"]["n"] == r["n_prompts"]
         assert r["behaviour_logprob_max_err"] < 1e-3, (key, r["behaviour_logprob_max_err"])
         if r["kind"] == "verifier":
-            assert isinstance(r["speedup_vs_lossless"], float)
+            assert isinstance(r["speedup_vs_lossless"], float) and isinstance(r["cpu_speedup_vs_lossless"], float)
             assert set(r["vs_baseline"]) >= {"baseline", "diff", "diff_ci_low", "diff_ci_high", "p_value",
                                              "intervals_overlap", "per_difficulty"}
 
