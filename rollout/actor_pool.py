@@ -78,6 +78,7 @@ class RolloutPool:
         shards = self.make_shards(request_ids, prompts, seed)
         self.stats.shards += len(shards)
         pending = {self.actors[i].generate.remote(s): (i, s) for i, s in enumerate(shards)}
+        self._dispatched(shards)
         results: dict[int, ShardResult] = {}
         restarts = 0
         while pending:
@@ -97,6 +98,9 @@ class RolloutPool:
                                    f"expected {self.version}")
             results[shard.shard_id] = res
         return self._collect(request_ids, results), [results[k] for k in sorted(results)]
+
+    def _dispatched(self, shards: list[Shard]) -> None:
+        """Called once a step's shards are submitted (a seam for failure-injection tests)."""
 
     @staticmethod
     def _collect(request_ids: list[str], results: dict[int, ShardResult]) -> list[Completion]:

@@ -10,8 +10,10 @@ Target: the embedded SmolLM2-135M-Instruct; drafter: the shipped EAGLE-3 head (o
 batch size the prompts are split into batches of that size and generated one batch after
 the other; tokens/s = completion tokens / wall time (completions stop at EOS or the token
 limit). tau = mean tokens emitted per row per target forward. Speedups are over our
-autoregressive mode ("off") and over HF generate at the same batch size. rss_mb is the
-resident memory after the configuration, peak_rss_mb the process peak so far.
+autoregressive mode ("off") and over HF generate at the same batch size. All
+configurations run on each batch of prompts before the next batch (interleaved), so a
+change of machine load hits them alike. rss_mb is the largest resident memory seen after
+a run of the configuration, peak_rss_mb the process peak.
 ``--repeat N`` then reruns one speculative configuration N times and reports the RSS
 after each run (memory growth check).
 """
@@ -25,6 +27,7 @@ os.environ.setdefault("MKL_CBWR", "AVX2")  # before torch loads MKL: fast small 
 import argparse  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
+import sys  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
@@ -47,7 +50,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", default="chain,tree", help="speculative modes to run (comma list)")
     ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
-    ap.add_argument("--tree", default="4,4,12", help="depth,top_k,total_tokens (';' separates several)")
+    ap.add_argument("--tree", default="3,4,8", help="depth,top_k,total_tokens (';' separates several)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
@@ -89,42 +92,33 @@ def batches(prompts: list[list[int]], size: int) -> list[list[list[int]]]:
     return [prompts[i:i + size] for i in range(0, len(prompts), size)]
 
 
-def run_hf(model, prompts, size: int, sampling: SamplingParams, pad_id: int, seed: int) -> dict:
-    """HF generate (left padding), sampling like ours; counts tokens up to and including EOS."""
+def run_hf(model, group: list[list[int]], sampling: SamplingParams, pad_id: int, seed: int) -> dict:
+    """HF generate on one batch (left padding), sampling like ours; counts tokens up to and
+    including the first stop token."""
     from transformers import GenerationConfig
 
     gen_cfg = GenerationConfig(do_sample=sampling.temperature > 0, temperature=sampling.temperature or None,
                                top_k=0, top_p=1.0, max_new_tokens=sampling.max_new_tokens,
                                eos_token_id=list(sampling.stop_token_ids), pad_token_id=pad_id)
-    tokens, start = 0, time.perf_counter()
-    for i, group in enumerate(batches(prompts, size)):
-        width = max(len(p) for p in group)
-        ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
-        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
-        torch.manual_seed(seed + i)
-        with torch.inference_mode():
-            out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
-        for row in out[:, width:].tolist():
-            stops = [j for j, t in enumerate(row) if t in sampling.stop_token_ids]
-            tokens += stops[0] + 1 if stops else len(row)
+    width = max(len(p) for p in group)
+    ids = torch.tensor([[pad_id] * (width - len(p)) + p for p in group])
+    mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in group])
+    torch.manual_seed(seed)
+    start = time.perf_counter()
+    with torch.inference_mode():
+        out = model.generate(input_ids=ids, attention_mask=mask, generation_config=gen_cfg)
     seconds = time.perf_counter() - start
-    return {"tokens": tokens, "seconds": seconds, "tau": 1.0}
+    tokens = 0
+    for row in out[:, width:].tolist():
+        stops = [j for j, t in enumerate(row) if t in sampling.stop_token_ids]
+        tokens += stops[0] + 1 if stops else len(row)
+    return {"tokens": tokens, "seconds": seconds, "emitted": tokens, "row_rounds": tokens}
 
 
-def run_ours(engine: Engine, prompts, size: int, sampling, spec, verifier, seed: int) -> dict:
-    tot = {"tokens": 0, "seconds": 0.0, "emitted": 0, "row_rounds": 0, "draft_s": 0.0, "verify_s": 0.0,
-           "other_s": 0.0}
-    for i, group in enumerate(batches(prompts, size)):
-        res = engine.generate(group, sampling, spec, verifier, seed=seed + i)
-        t = res.timings
-        tot["tokens"] += t.tokens
-        tot["seconds"] += t.total_s
-        tot["emitted"] += t.emitted
-        tot["row_rounds"] += t.row_rounds
-        for key in ("draft_s", "verify_s", "other_s"):
-            tot[key] += getattr(t, key)
-    tot["tau"] = tot.pop("emitted") / max(1, tot.pop("row_rounds"))
-    return tot
+def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, seed: int) -> dict:
+    t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
+    return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
+            "draft_s": t.draft_s, "verify_s": t.verify_s, "other_s": t.other_s}
 
 
 def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
@@ -152,36 +146,36 @@ def describe(spec: SpecConfig) -> str:
 
 
 def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
-    """Per batch size: HF generate, our autoregressive mode, then every speculative config;
-    each row is printed as soon as it is measured."""
+    """Per batch size, every configuration on every batch of prompts, interleaved batch by
+    batch (so a change of machine load during the run hits all configurations alike)."""
     rows = []
+    pad_id = tok.pad_token_id or 0
     for size in (int(b) for b in args.batch_sizes.split(",")):
-        ref: dict[str, float] = {}
-
-        def add(mode: str, verifier: str, res: dict) -> None:
-            row = {"batch": size, "mode": mode, "verifier": verifier} | res | mem()
-            row["tokens_per_s"] = row["tokens"] / row["seconds"]
-            ref.setdefault(mode, row["tokens_per_s"])
-            row["speedup_vs_ar"] = row["tokens_per_s"] / ref["off"] if "off" in ref else None
-            row["speedup_vs_hf"] = row["tokens_per_s"] / ref["hf generate"] if "hf generate" in ref else None
+        configs = [] if args.no_hf else [("hf generate", "-", None, None)]
+        configs.append(("off", "lossless", SpecConfig(mode="off"), VerifierConfig()))
+        configs += [(describe(spec), v.name, spec, v) for spec, v in spec_configs(args)]
+        totals: list[dict] = [{} for _ in configs]
+        groups = batches(prompts, size)
+        for i, group in enumerate(groups):
+            for (mode, _, spec, verifier), tot in zip(configs, totals):
+                seed = args.seed + i
+                res = run_hf(target.model, group, sampling, pad_id, seed) if spec is None else \
+                    run_ours(engine, group, sampling, spec, verifier, seed)
+                for key, value in res.items():
+                    tot[key] = tot.get(key, 0) + value
+                tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
+            print(f"  batch {size}: {i + 1}/{len(groups)} batches done", file=sys.stderr, flush=True)
+        speeds = {mode: tot["tokens"] / tot["seconds"] for (mode, *_), tot in zip(configs, totals)}
+        for (mode, vname, _, _), tot in zip(configs, totals):
+            row = {"batch": size, "mode": mode, "verifier": vname} | tot
+            row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
+            row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
+            row["tokens_per_s"] = speeds[mode]
+            row["speedup_vs_ar"] = speeds[mode] / speeds["off"]
+            row["speedup_vs_hf"] = speeds[mode] / speeds["hf generate"] if "hf generate" in speeds else None
             rows.append(row)
-            if mode != "hf generate":
-                print_row(row)
-
-        if not args.no_hf:
-            add("hf generate", "-", run_hf(target.model, prompts, size, sampling, tok.pad_token_id or 0, args.seed))
-        add("off", "lossless", run_ours(engine, prompts, size, sampling, SpecConfig(mode="off"), VerifierConfig(),
-                                        args.seed))
-        if not args.no_hf:
-            rows[-2]["speedup_vs_ar"] = ref["hf generate"] / ref["off"]
-            print_row(rows[-2])
-        for spec, verifier in spec_configs(args):
-            add(describe(spec), verifier.name, run_ours(engine, prompts, size, sampling, spec, verifier, args.seed))
+            print_row(row)
     return rows
-
-
-def mem() -> dict:
-    return {"rss_mb": rss_mb(), "peak_rss_mb": peak_rss_mb()}
 
 
 HEADER = f"{'batch':>5} {'mode':<22} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} {'RSS MB':>7}"

@@ -64,7 +64,7 @@ def plot_speed_accuracy(configs: dict[str, dict], path: Path, basis: str = "wall
         acc, x = r["accuracy"], r[speed]
         if acc["mean"] is None or x is None:
             continue
-        err = [[acc["mean"] - acc["ci_low"]], [acc["ci_high"] - acc["mean"]]]
+        err = [[max(0.0, acc["mean"] - acc["ci_low"])], [max(0.0, acc["ci_high"] - acc["mean"])]]
         base = configs.get(r["baseline"]) if r["baseline"] else None
         if r["kind"] == "baseline":
             ax.errorbar([x], [acc["mean"]], yerr=err, fmt="*", ms=14, color="black", capsize=3)
@@ -112,8 +112,8 @@ def plot_difficulty_gap(configs: dict[str, dict], path: Path) -> Path:
             if g and g["diff"] is not None:
                 xs.append(i + (j - (len(diffs) - 1) / 2) * width)
                 ys.append(g["diff"])
-                lo.append(g["diff"] - g["diff_ci_low"])
-                hi.append(g["diff_ci_high"] - g["diff"])
+                lo.append(max(0.0, g["diff"] - g["diff_ci_low"]))
+                hi.append(max(0.0, g["diff_ci_high"] - g["diff"]))
         ax.bar(xs, ys, width, yerr=[lo, hi], capsize=2, label=f"difficulty {d}")
     ax.axhline(0, color="black", lw=0.8)
     ax.set_xticks(range(len(rows)), [k for k, _ in rows], rotation=35, ha="right", fontsize=7)

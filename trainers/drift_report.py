@@ -47,7 +47,9 @@ def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
     denom = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denom
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    return max(0.0, centre - half), min(1.0, centre + half)
+    lo = 0.0 if k == 0 else min(p, max(0.0, centre - half))  # exact ends where rounding would cross p
+    hi = 1.0 if k == n else max(p, min(1.0, centre + half))
+    return lo, hi
 
 
 def accuracy_stats(rewards: list[float]) -> dict:

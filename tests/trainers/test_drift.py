@@ -272,6 +272,9 @@ def test_wilson_and_comparisons():
     lo, hi = wilson(5, 10)
     assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
     assert wilson(0, 10)[0] == 0.0 and abs(wilson(0, 10)[1] - 0.2775) < 1e-4
+    for n in range(1, 200):  # the interval always holds k / n, with exact ends at 0 and n
+        assert wilson(0, n)[0] == 0.0 and wilson(n, n)[1] == 1.0
+        assert all(wilson(k, n)[0] <= k / n <= wilson(k, n)[1] for k in range(n + 1))
     a = {"k": 30, "n": 100, "ci_low": wilson(30, 100)[0], "ci_high": wilson(30, 100)[1]}
     b = {"k": 50, "n": 100, "ci_low": wilson(50, 100)[0], "ci_high": wilson(50, 100)[1]}
     g = compare_accuracy(a, b)
@@ -348,8 +351,8 @@ def test_lossless_accuracy_matches_plain_sampling_on_the_embedded_model(tmp_path
     from trainers.drift_run import load_models
 
     head = "default" if default_head_path().exists() else "random"
-    cfg = DriftConfig(difficulties=(1,), prompts=48, verifiers=("lossless",), max_new_tokens=64, batch_size=8,
-                      head=head, out=str(tmp_path))
+    cfg = DriftConfig(difficulties=(1,), prompts=48, verifiers=("lossless",), max_new_tokens=64, batch_size=16,
+                      head=head, num_threads=1, out=str(tmp_path))
     target, head_model, tok = load_models(cfg)
     report = build_report(run_all(cfg, target, head_model, tok, progress=False), {})
     c = report["configurations"]

@@ -5,8 +5,6 @@ actor loses no rollout, and resume reproduces the uninterrupted run."""
 from __future__ import annotations
 
 import json
-import threading
-import time
 
 import pytest
 import torch
@@ -106,18 +104,23 @@ def test_killed_actor_loses_no_rollout(tiny_policy_dir, tiny_head_dir, local_ray
     spec = WorkerSpec(TargetConfig(path=str(tiny_policy_dir)), str(tiny_head_dir),
                       SamplingParams(max_new_tokens=48), SpecConfig(mode="chain", num_draft_tokens=3),
                       VerifierConfig("lossless"), threads=1)
-    pool = RolloutPool(spec, 2, num_cpus_per_actor=1, max_restarts=2)
+    class KillAfterDispatch(RolloutPool):
+        """Kills actor 0 right after its shard was submitted: the shard is lost mid-flight."""
+
+        armed = False
+
+        def _dispatched(self, shards):
+            if self.armed:
+                self.armed = False
+                self.kill_actor(0)
+
+    pool = KillAfterDispatch(spec, 2, num_cpus_per_actor=1, max_restarts=2)
     prompts = [[1 + i, 20 + i, 300 + i] for i in range(8)]
     ids = [f"r{i}" for i in range(8)]
     try:
         reference, _ = pool.generate(ids, prompts, seed=5)
-        box = {}
-        worker = threading.Thread(target=lambda: box.update(out=pool.generate(ids, prompts, seed=5)))
-        worker.start()
-        time.sleep(1.0)  # the shards are in flight now
-        pool.kill_actor(0)
-        worker.join(timeout=300)
-        completions, shards = box["out"]
+        pool.armed = True
+        completions, shards = pool.generate(ids, prompts, seed=5)
     finally:
         pool.shutdown()
     assert pool.stats.restarts == 1
