@@ -13,6 +13,9 @@ from __future__ import annotations
 import os
 
 os.environ.setdefault("MKL_CBWR", "AVX2")  # before torch loads MKL (actors inherit it): fast small matmuls on AMD
+# A local Ray starts its workers at nice 15; the rollout actors are the job's main work, so
+# they should not yield the CPU to every other process on a shared machine.
+os.environ.setdefault("RAY_worker_niceness", "0")
 
 import argparse  # noqa: E402
 import sys  # noqa: E402

@@ -30,54 +30,152 @@ from .rules import Context, VerificationRule
 
 
 @dataclasses.dataclass
-class _Positions:
-    """Per-position quantities of a batch (no full vocabulary rows)."""
+class _Rows:
+    """Everything the rest of the verification needs from the full vocabulary rows of a batch
+    (no [..., V] tensors). j_f = min(n_acc, K-1) is where the final token's draft-side values
+    live (a bonus row's are never read)."""
 
     p_x: Tensor  # [B, K] p(x_j)
     q_x: Tensor  # [B, K] q(x_j)
     p_probe: Tensor  # [B, K+1] one entry of each p row: NaN iff the target row is bad
     q_probe: Tensor  # [B, K] the same for q
-    ctx: Context  # rule context, each [B, K+1]
-    stats: dict[str, Tensor]  # rule chain statistics, each [B, K]
+    ctx: Context  # rule context at the drafted positions, each [B, K]
+    a: Tensor  # [B, K] acceptance probabilities a(x_j)
+    n_acc: Tensor  # [B] length of the accepted prefix
+    stats: dict[str, Tensor]  # rule chain statistics, each [B, K]; 0 after position j_f
+    y: Tensor  # [B] the final token
+    p_y: Tensor  # [B] p(y) at the final position
+    q_y: Tensor  # [B] q(y) at position j_f (unused for bonus rows)
+    r_y: Tensor  # [B] float64 w(y) / sum w, w the weights y was sampled from
+
+    @staticmethod
+    def cat(parts: list[_Rows]) -> _Rows:
+        """Concatenate the chunks of a batch along the batch dim."""
+        if len(parts) == 1:
+            return parts[0]
+        out = {}
+        for field in dataclasses.fields(_Rows):
+            vals = [getattr(part, field.name) for part in parts]
+            out[field.name] = ({key: torch.cat([val[key] for val in vals]) for key in vals[0]}
+                               if isinstance(vals[0], dict) else torch.cat(vals))
+        return _Rows(**out)
 
 
-def _position_pass(rule, target, draft, x, temperature, top_k, top_p) -> _Positions:
-    """The one pass over the logits, in chunks of whole batch rows sized to stay in cache:
-    softmaxes, gathers at the draft tokens, rule context and chain statistics."""
-    b, k1, v = target.shape
-    step = max(1, CHUNK_ELEMENTS // (k1 * v))
-    parts = []
-    for s in range(0, b, step):
-        xs = x[s:s + step].unsqueeze(-1)  # [b, K, 1]
-        zt = process_logits(target[s:s + step], temperature, top_k, top_p)  # [b, K+1, V]
-        p = torch.softmax(zt, -1)
-        ctx = rule.context(zt, p)
-        q = torch.softmax(draft_logits(draft[s:s + step], temperature), -1)  # [b, K, V]
-        p_k = p[:, :-1]
-        gathered = (p_k.gather(-1, xs).squeeze(-1), q.gather(-1, xs).squeeze(-1), p[..., 0],
-                    q[..., 0])
-        stats = rule.chain_stats(p_k, q, {key: val[:, :-1] for key, val in ctx.items()})
-        parts.append((*gathered, ctx, stats))
-    if len(parts) == 1:
-        return _Positions(*parts[0])
-    cat = [torch.cat([part[i] for part in parts]) for i in range(4)]
-    ctx, stats = ({key: torch.cat([part[i][key] for part in parts]) for key in parts[0][i]}
-                  for i in (4, 5))
-    return _Positions(*cat, ctx, stats)
+def _rows(logits: Tensor, index: Tensor) -> Tensor:
+    """logits[b, index[b]] [B, V] for logits [B, L, V] (a flat index_select: a plain row copy)."""
+    b, length, v = logits.shape
+    flat = index if b == 1 else index + torch.arange(b, device=index.device) * length
+    return logits.reshape(b * length, v).index_select(0, flat)
 
 
-def _check_positions(pos: _Positions, target, draft, x) -> None:
+def _at(values: Tensor, index: Tensor) -> Tensor:
+    """values[b, index[b, 0]] [B] for values [B, L] and index [B, 1]."""
+    return values.gather(1, index).squeeze(1)
+
+
+def _stats_upto(rule, p: Tensor, q: Tensor, ctx_k: Context, j_f: Tensor) -> dict[str, Tensor]:
+    """``rule.chain_stats`` at positions j <= j_f[b] only, the only ones a result reads (accepted
+    positions and the final one); 0 elsewhere. Each row's statistic is the same reduction of the
+    same row as over the whole block. With several threads at least two rows are reduced, so
+    that no single-row reduction is split across threads (which would change its rounding)."""
+    b, k, v = q.shape
+    if not getattr(rule, "full_row_stats", False) or k == 0:
+        return rule.chain_stats(p[:, :k], q, ctx_k)
+    min_rows = min(2, b * k) if torch.get_num_threads() > 1 else 1
+    if b == 1:  # a prefix of positions: views, no copies
+        m = max(int(j_f[0]) + 1, min_rows)
+        if m == k:
+            return rule.chain_stats(p[:, :k], q, ctx_k)
+        stats = rule.chain_stats(p[:, :m], q[:, :m], {key: val[:, :m] for key, val in ctx_k.items()})
+        return {key: torch.nn.functional.pad(val, (0, k - m)) for key, val in stats.items()}
+    need = (torch.arange(k, device=q.device) <= j_f.unsqueeze(-1)).flatten()  # [B*K]
+    rows = need.nonzero().squeeze(-1)  # flat b*K + j
+    n = rows.numel()
+    if 4 * n > 3 * b * k or n < min_rows:  # copying the rows would cost more than it saves
+        return rule.chain_stats(p[:, :k], q, ctx_k)
+    p_rows = p.reshape(b * (k + 1), v).index_select(0, rows + rows // k)  # row b*(K+1) + j
+    q_rows = q.reshape(b * k, v).index_select(0, rows)
+    ctx_rows = {key: val.reshape(b * k)[rows] for key, val in ctx_k.items()}
+    stats = rule.chain_stats(p_rows, q_rows, ctx_rows)
+    return {key: val.new_zeros(b * k).index_copy_(0, rows, val).view(b, k)
+            for key, val in stats.items()}
+
+
+def _final_rows(rule, p, q, x, ctx_k, n_acc, j_f, u_final) -> tuple[Tensor, ...]:
+    """Sample each row's final token from its residual at n_acc (or from p_K: the bonus), reusing
+    the chunk's p and q rows; returns (y, p(y), q(y), w(y) / sum w)."""
+    k = x.shape[1]
+    p_f = _rows(p, n_acc)  # [B, V]
+    bonus = n_acc == k
+    n_bonus = int(bonus.sum())
+    if n_bonus == len(bonus):
+        q_f, w = p_f, p_f
+    else:
+        q_f = _rows(q, j_f)
+        idx = j_f.unsqueeze(-1)
+        # a bonus row's residual (from position K-1's context) is replaced by p below
+        w = rule.residual(p_f, q_f, _at(x, idx), {key: _at(val, idx) for key, val in ctx_k.items()})
+        if n_bonus:
+            w = torch.where(bonus.unsqueeze(-1), p_f, w)
+    # clamp: a no-op for valid rows; keeps a bad (NaN) row in range until the checks raise
+    y = sample_inverse_cdf(w, u_final).clamp_(max=p.shape[-1] - 1).unsqueeze(-1)
+    r_y = w.gather(-1, y).squeeze(-1).double() / w.sum(-1, dtype=torch.float64)
+    return y.squeeze(-1), p_f.gather(-1, y).squeeze(-1), q_f.gather(-1, y).squeeze(-1), r_y
+
+
+def _drafted_context(rule, z: Tensor, p: Tensor, k: int) -> Context:
+    """The rule context at the drafted positions 0..K-1 only: nothing reads position K's (its
+    token is a bonus, P = p there). With several threads and a single row, the context is taken
+    over both rows instead, so that no one-row reduction is split across threads."""
+    if k * z.shape[0] == 1 and torch.get_num_threads() > 1:
+        return {key: val[:, :k] for key, val in rule.context(z, p).items()}
+    return rule.context(z[:, :k], p[:, :k])
+
+
+def _softmax(z: Tensor, out: Tensor | None) -> Tensor:
+    """torch.softmax over the last dim, written into ``out`` (same shape) when given."""
+    if out is None:
+        return torch.softmax(z, -1)
+    return torch.ops.aten._softmax.out(z, -1, False, out=out)
+
+
+def _verify_rows(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p,
+                 buffers: tuple[Tensor, Tensor] | None = None) -> _Rows:
+    """Everything that reads full vocabulary rows, for one chunk of batch rows: softmaxes, gathers
+    at the draft tokens, rule context, the accept decisions, the rule's chain statistics (only
+    where a result reads them) and the final token (from the chunk's own p and q rows).
+    ``buffers``: storage for p and q reused across chunks (fresh pages cost more than the math)."""
+    b, k = x.shape
+    zt = process_logits(target, temperature, top_k, top_p)  # [b, K+1, V]
+    p = _softmax(zt, None if buffers is None else buffers[0][:b])
+    ctx_k = _drafted_context(rule, zt, p, k)
+    del zt
+    q = _softmax(draft_logits(draft, temperature), None if buffers is None else buffers[1][:b])
+    xs = x.unsqueeze(-1)
+    p_x, q_x = p[:, :k].gather(-1, xs).squeeze(-1), q.gather(-1, xs).squeeze(-1)
+    a = rule.accept_prob(p_x, q_x, x, ctx_k)
+    n_acc = (u_accept < a).int().cumprod(-1).sum(-1)  # [b], length of the accepted prefix
+    j_f = n_acc.clamp(max=k - 1)  # where the final token's draft-side values live
+    stats = _stats_upto(rule, p, q, ctx_k, j_f)
+    fin = _final_rows(rule, p, q, x, ctx_k, n_acc, j_f, u_final)
+    p_probe, q_probe = p[..., 0], q[..., 0]
+    if buffers is not None:  # the next chunk overwrites p and q
+        p_probe, q_probe = p_probe.clone(), q_probe.clone()
+    return _Rows(p_x, q_x, p_probe, q_probe, ctx_k, a, n_acc, stats, *fin)
+
+
+def _check_rows(rows: _Rows, target, draft, x) -> None:
     """Raise for NaN/+inf/all -inf logit rows and for draft tokens that q gives zero mass
     (one host sync: NaN propagates through the probe sums)."""
-    probes = [pos.p_probe.sum(), pos.q_probe.sum()]
-    if pos.q_x.numel():
-        probes.append(pos.q_x.amin())
+    probes = [rows.p_probe.sum(), rows.q_probe.sum()]
+    if rows.q_x.numel():
+        probes.append(rows.q_x.amin())
     checks = torch.stack(probes).tolist()
     if all(c == c for c in checks) and (len(checks) == 2 or checks[2] > 0):
         return
-    raise_if_bad_rows("target_logits", target, pos.p_probe)
-    raise_if_bad_rows("draft_logits", draft, pos.q_probe)
-    b, j = (pos.q_x <= 0).nonzero()[0].tolist()
+    raise_if_bad_rows("target_logits", target, rows.p_probe)
+    raise_if_bad_rows("draft_logits", draft, rows.q_probe)
+    b, j = (rows.q_x <= 0).nonzero()[0].tolist()
     raise ValueError(f"draft_tokens[{b}, {j}] = {int(x[b, j])} has zero probability under the draft "
                      "distribution q (chain drafts must be sampled from q at the same temperature; "
                      "use verify_candidates for deterministic drafts)")
@@ -86,12 +184,12 @@ def _check_positions(pos: _Positions, target, draft, x) -> None:
 def _assemble(x, n_acc, final_tok, final_kind, acc_vals, final_vals) -> tuple[Tensor, ...]:
     """Lay out accepted entries [B, K] (positions < n_acc) and each row's final entry [B]
     (position n_acc) as [B, K+1] tensors; padding is -1 (tokens, kinds) or 0 (values)."""
-    b, k = x.shape
+    k = x.shape[1]
     n = n_acc.unsqueeze(-1)  # [B, 1]
     after = torch.arange(k + 1, device=x.device) >= n  # [B, K+1]: not an accepted entry
 
     def lay(acc: Tensor, fin: Tensor, fill) -> Tensor:
-        out = torch.cat([acc, acc.new_full((b, 1), fill)], 1).masked_fill_(after, fill)
+        out = torch.nn.functional.pad(acc, (0, 1), value=fill).masked_fill_(after, fill)
         return out.scatter_(1, n, fin.unsqueeze(-1).to(acc.dtype))
 
     tokens = lay(x, final_tok, -1)
@@ -119,89 +217,62 @@ def _greedy_chain(rule, target, draft, x) -> ChainResult:
     return ChainResult(tokens, num, b_lp, t_lp, kinds, rel)
 
 
-@dataclasses.dataclass
-class _Final:
-    """Each row's final position n_acc (the first rejection, or K for the bonus)."""
-
-    tokens: Tensor  # [B] the sampled token y
-    p_y: Tensor  # [B] p(y) at the final position
-    q_y: Tensor  # [B] q(y) at position min(n_acc, K-1) (unused for bonus rows)
-    weights: Tensor  # [B, V] what y was sampled from (unnormalised)
-
-
-def _rows(logits: Tensor, index: Tensor) -> Tensor:
-    """logits[b, index[b]] [B, V] for logits [B, L, V] (a flat index_select: a plain row copy)."""
-    b, length, v = logits.shape
-    flat = index + torch.arange(b, device=index.device) * length
-    return logits.reshape(b * length, v).index_select(0, flat)
-
-
-def _final_tokens(rule, target, draft, x, pos, n_acc, u_final, temperature, top_k, top_p) -> _Final:
-    """Sample each row's final token from its residual at n_acc (or from p_K: the bonus)."""
-    k = x.shape[1]
-    p = torch.softmax(process_logits(_rows(target, n_acc), temperature, top_k, top_p), -1)  # [B, V]
-    bonus = (n_acc == k).tolist()
-    if all(bonus):
-        q, w = p, p
-    else:
-        jq = n_acc.clamp(max=k - 1)
-        q = torch.softmax(draft_logits(_rows(draft, jq), temperature), -1)
-        ctx = {key: val.gather(1, n_acc.unsqueeze(-1)).squeeze(-1) for key, val in pos.ctx.items()}
-        w = rule.residual(p, q, x.gather(1, jq.unsqueeze(-1)).squeeze(-1), ctx)
-        if any(bonus):
-            w = torch.where((n_acc == k).unsqueeze(-1), p, w)
-    y = sample_inverse_cdf(w, u_final).unsqueeze(-1)
-    return _Final(y.squeeze(-1), p.gather(-1, y).squeeze(-1), q.gather(-1, y).squeeze(-1), w)
-
-
-def _behaviour(rule, x, pos, a, n_acc, fin: _Final, t_lp_acc, t_lp_fin) -> tuple[Tensor, Tensor]:
-    """log P(y) for accepted [B, K] and final [B] tokens: log p(y) where P == p; elsewhere the
-    rule's closed form at y, floored by the realised path's probability (a term of P(y), > 0;
-    fmax also replaces a NaN from a degenerate closed form)."""
+def _behaviour(rule, x, rows: _Rows, exact, t_lp_acc, t_lp_fin) -> tuple[Tensor, Tensor]:
+    """log P(y) for accepted [B, K] and final [B] tokens: log p(y) where P == p (``exact``: a bool
+    or a [B, K] mask); elsewhere the rule's closed form at y, floored by the realised path's
+    probability (a term of P(y), > 0; fmax also replaces a NaN from a degenerate closed form)."""
     b, k = x.shape
-    exact = rule.induces_target(pos.ctx)
     if exact is True:
         return t_lp_acc, t_lp_fin
-    exact = torch.zeros(b, k + 1, dtype=torch.bool, device=x.device) | exact
-    ctx_k = {key: val[:, :k] for key, val in pos.ctx.items()}
-    P_acc = rule.prob_at(pos.p_x, pos.q_x, x, ctx_k, pos.stats).double()
-    floor_acc = pos.q_x.double() * a.double()
-    acc = torch.where(exact[:, :k], t_lp_acc, torch.fmax(P_acc, floor_acc).log().float())
-    if k == 0:
+    ctx_k, a, n_acc = rows.ctx, rows.a, rows.n_acc
+    P_acc = rule.prob_at(rows.p_x, rows.q_x, x, ctx_k, rows.stats).double()
+    lp_acc = torch.fmax(P_acc, rows.q_x.double() * a.double()).log().float()
+    acc = lp_acc if exact is False else torch.where(exact, t_lp_acc, lp_acc)
+    lossy = n_acc < k  # bonus: P = p
+    if k == 0 or not bool(lossy.any()):
         return acc, t_lp_fin
-    jq = n_acc.clamp(max=k - 1).unsqueeze(-1)
-    ctx_f = {key: val.gather(1, jq).squeeze(-1) for key, val in ctx_k.items()}
-    stats_f = {key: val.gather(1, jq).squeeze(-1) for key, val in pos.stats.items()}
-    P_fin = rule.prob_at(fin.p_y, fin.q_y, fin.tokens, ctx_f, stats_f).double()
-    w_y = fin.weights.gather(-1, fin.tokens.unsqueeze(-1)).squeeze(-1).double()
-    r_y = w_y / fin.weights.sum(-1, dtype=torch.float64)
-    floor_fin = (pos.q_x.gather(1, jq).squeeze(-1).double()
-                 * (1 - a.gather(1, jq).squeeze(-1).double()) * r_y)
-    lossy = ~exact.gather(1, n_acc.unsqueeze(-1)).squeeze(-1) & (n_acc < k)  # bonus: P = p
-    fin_lp = torch.where(lossy, torch.fmax(P_fin, floor_fin).log().float(), t_lp_fin)
-    return acc, fin_lp
+    idx = n_acc.clamp(max=k - 1).unsqueeze(-1)  # = n_acc where lossy
+    if exact is not False:
+        lossy &= ~_at(exact, idx)
+    ctx_f = {key: _at(val, idx) for key, val in ctx_k.items()}
+    stats_f = {key: _at(val, idx) for key, val in rows.stats.items()}
+    P_fin = rule.prob_at(rows.p_y, rows.q_y, rows.y, ctx_f, stats_f).double()
+    floor_fin = _at(rows.q_x, idx).double() * (1 - _at(a, idx).double()) * rows.r_y
+    return acc, torch.where(lossy, torch.fmax(P_fin, floor_fin).log().float(), t_lp_fin)
 
 
 def _sampled_chain(rule, target, draft, x, temperature, top_k, top_p, generator) -> ChainResult:
-    b, k1, _ = target.shape
+    b, k1, v = target.shape
     k, dev = k1 - 1, target.device
-    pos = _position_pass(rule, target, draft, x, temperature, top_k, top_p)
-    _check_positions(pos, target, draft, x)
-    a = rule.accept_prob(pos.p_x, pos.q_x, x, {key: val[:, :k] for key, val in pos.ctx.items()})
+    state = generator.get_state()  # restored if the inputs are rejected
     u_accept = torch.rand(b, k, generator=generator, device=dev)
     u_final = torch.rand(b, generator=generator, device=dev)
-    n_acc = (u_accept < a).int().cumprod(-1).sum(-1)  # [B], length of the accepted prefix
-    fin = _final_tokens(rule, target, draft, x, pos, n_acc, u_final, temperature, top_k, top_p)
-    t_lp_acc, t_lp_fin = pos.p_x.log(), fin.p_y.log()
-    b_lp_acc, b_lp_fin = _behaviour(rule, x, pos, a, n_acc, fin, t_lp_acc, t_lp_fin)
-    if rule.induces_target(pos.ctx) is True:
+    step = max(1, CHUNK_ELEMENTS // (k1 * v))  # whole batch rows per chunk, sized to stay in cache
+    if step >= b:
+        rows = _verify_rows(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p)
+    else:
+        f32 = {"dtype": torch.float32, "device": dev}  # processed logits are float32
+        buffers = (torch.empty(step, k1, v, **f32), torch.empty(step, k, v, **f32))
+        rows = _Rows.cat([_verify_rows(rule, target[s:s + step], draft[s:s + step], x[s:s + step],
+                                       u_accept[s:s + step], u_final[s:s + step], temperature,
+                                       top_k, top_p, buffers) for s in range(0, b, step)])
+    try:
+        _check_rows(rows, target, draft, x)
+    except ValueError:
+        generator.set_state(state)
+        raise
+    n_acc = rows.n_acc
+    t_lp_acc, t_lp_fin = rows.p_x.log(), rows.p_y.log()
+    exact = rule.induces_target(rows.ctx)
+    b_lp_acc, b_lp_fin = _behaviour(rule, x, rows, exact, t_lp_acc, t_lp_fin)
+    if exact is True:
         relaxed = torch.zeros_like(x, dtype=torch.bool)
     else:
-        relaxed = a > (pos.p_x / pos.q_x).clamp(max=1)
+        relaxed = rows.a > (rows.p_x / rows.q_x).clamp(max=1)
     kind = torch.where(n_acc == k, int(TokenKind.BONUS), int(TokenKind.RECOVERED))
     no = torch.zeros(b, dtype=torch.bool, device=dev)
     tokens, num, kinds, b_lp, t_lp, rel = _assemble(
-        x, n_acc, fin.tokens, kind, (b_lp_acc, t_lp_acc, relaxed), (b_lp_fin, t_lp_fin, no))
+        x, n_acc, rows.y, kind, (b_lp_acc, t_lp_acc, relaxed), (b_lp_fin, t_lp_fin, no))
     return ChainResult(tokens, num, b_lp, t_lp, kinds, rel)
 
 

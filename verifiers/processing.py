@@ -124,11 +124,11 @@ def top2(z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     if bs is None:
         vals, idx = torch.topk(z, 2, dim=-1)
     else:
-        flat = z.reshape(-1, vocab)  # [R, V]
-        blocks = flat.reshape(flat.shape[0], vocab // bs, bs).amax(-1).topk(2, -1).indices  # [R, 2]
-        cand = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=z.device)).flatten(1)  # [R, 2bs]
-        vals, pos = flat.gather(-1, cand).topk(2, -1)
-        vals, idx = vals.reshape(*z.shape[:-1], 2), cand.gather(-1, pos).reshape(*z.shape[:-1], 2)
+        # no reshape of the leading dims: z may be a strided slice, which a reshape would copy
+        blocks = z.unflatten(-1, (vocab // bs, bs)).amax(-1).topk(2, -1).indices  # [..., 2]
+        cand = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=z.device)).flatten(-2)  # [..., 2bs]
+        vals, pos = z.gather(-1, cand).topk(2, -1)
+        idx = cand.gather(-1, pos)
     return vals[..., 0], vals[..., 1], idx[..., 0], idx[..., 1]
 
 
