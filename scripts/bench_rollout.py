@@ -165,14 +165,16 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
             print(f"  batch {size}: {i + 1}/{len(groups)} batches done", file=sys.stderr, flush=True)
-        speeds = {mode: tot["tokens"] / tot["seconds"] for (mode, *_), tot in zip(configs, totals)}
+        # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows
+        speeds = {(mode, vname): tot["tokens"] / tot["seconds"] for (mode, vname, *_), tot in zip(configs, totals)}
+        ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
         for (mode, vname, _, _), tot in zip(configs, totals):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
-            row["tokens_per_s"] = speeds[mode]
-            row["speedup_vs_ar"] = speeds[mode] / speeds["off"]
-            row["speedup_vs_hf"] = speeds[mode] / speeds["hf generate"] if "hf generate" in speeds else None
+            row["tokens_per_s"] = speeds[(mode, vname)]
+            row["speedup_vs_ar"] = row["tokens_per_s"] / ar
+            row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             rows.append(row)
             print_row(row)
     return rows

@@ -1,0 +1,48 @@
+"""The rollout benchmark's bookkeeping, on a tiny random model (the figures themselves are
+measured by running the script on the embedded model)."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+# the tiny-model builders of tests/trainers/conftest.py, loaded under a name of their own
+_spec = importlib.util.spec_from_file_location("trainers_fixtures", Path(__file__).parents[1] / "trainers" / "conftest.py")
+_fixtures = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_fixtures)
+build_tiny_policy, build_tiny_head = _fixtures.build_tiny_policy, _fixtures.build_tiny_head
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from rollout.eagle3 import load_eagle3
+    from rollout.engine import Engine
+    from rollout.models import TargetConfig, load_target
+
+    policy = build_tiny_policy(tmp_path_factory.mktemp("policy"))
+    head_dir = build_tiny_head(policy, tmp_path_factory.mktemp("head"))
+    target, tok = load_target(TargetConfig(path=str(policy)))
+    head = load_eagle3(head_dir, target)
+    return target, tok, Engine(target, head, num_threads=1)
+
+
+def test_every_row_reports_its_own_speed(tiny):
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "6", "--modes", "chain,tree",
+                       "--verifiers", "lossless,mars,overshoot", "--tree", "2,2,4"])
+    prompts = [[1, 20 + i, 300 + i] for i in range(4)]
+    rows = measure(args, target, tok, engine, prompts, SamplingParams(max_new_tokens=6))
+    keys = [(r["mode"], r["verifier"]) for r in rows]
+    assert len(keys) == len(set(keys)) == 2 + 2 * 3  # HF, off, and 3 verifiers per speculative mode
+    ar = next(r for r in rows if r["mode"] == "off")
+    for r in rows:
+        assert r["tokens"] > 0 and r["seconds"] > 0
+        assert r["tokens_per_s"] == pytest.approx(r["tokens"] / r["seconds"])
+        assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
+        assert r["peak_rss_mb"] >= r["rss_mb"] > 0
+        assert r["tau"] >= 1.0
