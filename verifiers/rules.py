@@ -274,8 +274,12 @@ class _TruncationRule(_RuleBase):
         return p.scatter(-1, x.unsqueeze(-1), 0.0)
 
     def _outside_terms(self, p: Tensor, q: Tensor, ctx: Context) -> Tensor:
-        """q(x) / (1 - p(x)) for x outside A, 0 inside: the rate at which rejected x feed y."""
-        return torch.where(self._in_a(p, ctx), 0.0, q / (1 - p))
+        """q(x) / (1 - p(x)) for x outside A, 0 inside: the rate at which rejected x feed y.
+        Written with a float mask (several times faster over a vocabulary row than where):
+        adding the in-A indicator to 1 - p (exact outside A) keeps the quotient finite inside
+        A, where the mask zeroes it."""
+        below = _below01(p, ctx["thr"])  # 1 outside A
+        return torch.div(q, torch.rsub(p, 1).add_(1 - below)).mul_(below)
 
     def induced(self, p, q, ctx):
         t = self._outside_terms(p, q, ctx)
@@ -283,11 +287,7 @@ class _TruncationRule(_RuleBase):
         return torch.where(self._in_a(p, ctx), q, 0.0) + p * (total - t).clamp_(min=0)
 
     def chain_stats(self, p, q, ctx):
-        # the sum of _outside_terms, computed with a float mask: adding the in-A indicator to
-        # 1 - p (exact outside A) keeps the quotient finite inside A, where the mask zeroes it
-        below = _below01(p, ctx["thr"])  # 1 outside A
-        denom = torch.rsub(p, 1).add_(1 - below)
-        return {"feed": torch.div(q, denom).mul_(below).sum(-1)}
+        return {"feed": self._outside_terms(p, q, ctx).sum(-1)}
 
     def prob_at(self, p_y, q_y, y, ctx, stats):
         t_y = self._outside_terms(p_y, q_y, ctx)
