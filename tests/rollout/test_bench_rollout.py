@@ -3,28 +3,17 @@ measured by running the script on the embedded model)."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
-
-# the tiny-model builders of tests/trainers/conftest.py, loaded under a name of their own
-_spec = importlib.util.spec_from_file_location("trainers_fixtures", Path(__file__).parents[1] / "trainers" / "conftest.py")
-_fixtures = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(_fixtures)
-build_tiny_policy, build_tiny_head = _fixtures.build_tiny_policy, _fixtures.build_tiny_head
 
 
 @pytest.fixture(scope="module")
-def tiny(tmp_path_factory):
+def tiny(tiny_policy_dir, tiny_head_dir):
     from rollout.eagle3 import load_eagle3
     from rollout.engine import Engine
     from rollout.models import TargetConfig, load_target
 
-    policy = build_tiny_policy(tmp_path_factory.mktemp("policy"))
-    head_dir = build_tiny_head(policy, tmp_path_factory.mktemp("head"))
-    target, tok = load_target(TargetConfig(path=str(policy)))
-    head = load_eagle3(head_dir, target)
+    target, tok = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    head = load_eagle3(tiny_head_dir, target)
     return target, tok, Engine(target, head, num_threads=1)
 
 
