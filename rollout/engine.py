@@ -26,6 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.allocator import tune_malloc
 from rollout.outputs import DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.runner import ModelRunner, sample_draft
@@ -76,6 +77,7 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         if target.device.type == "cpu":
             torch.set_num_threads(num_threads or available_cores())
+            tune_malloc()  # vocabulary-sized temporaries reuse freed memory (rollout/allocator.py)
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  spec: SpecConfig | None = None, verifier: VerifierConfig | None = None, seed: int = 0,

@@ -24,6 +24,7 @@ import time
 
 import torch
 
+from rollout.allocator import tune_malloc
 from verifiers import get_rule, verify_chain
 
 RULES = [("lossless", {}), ("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
@@ -124,19 +125,22 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--no-model", action="store_true", help="skip the target-forward comparison")
+    ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
+                    help="glibc malloc settings (rollout/allocator.py; the engine uses 'tuned')")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
+    tuned = args.malloc == "tuned" and tune_malloc()
     rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats)
     forward_ms = None if args.no_model else bench_target_forward(8, 8, 200, max(5, args.repeats // 3))
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {args.threads} threads, K = {args.k}, V = {args.vocab}, "
-          f"T = {args.temperature}, median of {args.repeats}; load average {load[0]:.1f} on "
+          f"T = {args.temperature}, malloc {'tuned' if tuned else 'default'}, median of {args.repeats}; load average {load[0]:.1f} on "
           f"{os.cpu_count()} CPUs (other processes skew every figure)")
     if forward_ms is not None:
         print(f"target forward (SmolLM2-135M shape, B = 8, 8 new tokens, 200-token prefix): "
               f"{forward_ms:.1f} ms")
     print(_table(rows, forward_ms))
-    result = {"threads": args.threads, "k": args.k, "vocab": args.vocab, "load_average": load[0],
+    result = {"threads": args.threads, "malloc": "tuned" if tuned else "default", "k": args.k, "vocab": args.vocab, "load_average": load[0],
               "temperature": args.temperature, "repeats": args.repeats,
               "target_forward_ms": forward_ms, "rows": rows}
     if args.json:

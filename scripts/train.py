@@ -34,7 +34,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    from rollout.allocator import tune_malloc
     from trainers.train_config import load_train_config
+
+    tune_malloc()  # the driver computes the GRPO loss over vocabulary-sized logits
 
     run_over = {k: v for k, v in (("steps", args.steps), ("out_dir", args.out_dir)) if v is not None}
     if args.fresh:

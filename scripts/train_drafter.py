@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from rollout.allocator import tune_malloc
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 from rollout.models import DTYPES, load_target
@@ -94,6 +95,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--stop-at", type=int, default=None, help="stop at this optimizer step (resume later)")
     args = ap.parse_args(argv)
     cfg = from_dict(DrafterConfig, load_yaml(args.config))
+    tune_malloc()
     if args.threads or cfg.threads:
         torch.set_num_threads(args.threads or cfg.threads)
     device = resolve_device(cfg.device)

@@ -73,6 +73,15 @@ def _at(values: Tensor, index: Tensor) -> Tensor:
     return values.gather(1, index).squeeze(1)
 
 
+_ROW_LOOP_MAX_B = 16  # up to this many rows, _stats_upto reduces each row's prefix in place
+
+
+def _pad_rows(values: list[Tensor], k: int) -> Tensor:
+    """Stack 1-d tensors of lengths <= k as rows of a [len(values), k] tensor, 0-padded."""
+    out = torch.nn.utils.rnn.pad_sequence(values, batch_first=True)
+    return torch.nn.functional.pad(out, (0, k - out.shape[1]))
+
+
 def _stats_upto(rule, p: Tensor, q: Tensor, ctx_k: Context, j_f: Tensor) -> dict[str, Tensor]:
     """``rule.chain_stats`` at positions j <= j_f[b] only, the only ones a result reads (accepted
     positions and the final one); 0 elsewhere. Each row's statistic is the same reduction of the
@@ -88,6 +97,11 @@ def _stats_upto(rule, p: Tensor, q: Tensor, ctx_k: Context, j_f: Tensor) -> dict
             return rule.chain_stats(p[:, :k], q, ctx_k)
         stats = rule.chain_stats(p[:, :m], q[:, :m], {key: val[:, :m] for key, val in ctx_k.items()})
         return {key: torch.nn.functional.pad(val, (0, k - m)) for key, val in stats.items()}
+    if b <= _ROW_LOOP_MAX_B and k >= min_rows:  # per-row prefix views: no row copies, no unread rows
+        m = (j_f + 1).clamp(min=min_rows).tolist()
+        stats = [rule.chain_stats(p[i, :m[i]], q[i, :m[i]], {key: val[i, :m[i]] for key, val in ctx_k.items()})
+                 for i in range(b)]
+        return {key: _pad_rows([st[key] for st in stats], k) for key in stats[0]}
     need = (torch.arange(k, device=q.device) <= j_f.unsqueeze(-1)).flatten()  # [B*K]
     rows = need.nonzero().squeeze(-1)  # flat b*K + j
     n = rows.numel()

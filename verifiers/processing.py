@@ -21,9 +21,10 @@ import math
 import torch
 from torch import Tensor
 
-# Elements per chunk in full-vocabulary passes (8 MB of float32): big enough that per-op
-# overhead stays small, small enough that temporaries are reused instead of page-faulted in.
-CHUNK_ELEMENTS = 1 << 21
+# Elements per chunk in full-vocabulary passes (16 MB of float32): big enough that per-op
+# overhead stays small (B = 8, K = 7 over SmolLM2's 49152 tokens is one chunk: 1.3x faster
+# than two), small enough that temporaries are reused instead of page-faulted in.
+CHUNK_ELEMENTS = 1 << 22
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None) -> None:
