@@ -4,7 +4,8 @@ Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and VERIFICATION.md):
 - **round**: draft (chain or tree) for every live row, verify the block in one target
   forward, emit tokens with the verifier, commit the accepted part of the caches, drop
   finished rows. ``spec.mode == "off"`` runs the same loop with an empty draft (one token
-  per round), so speedups compare the same engine.
+  per round), so speedups compare the same engine. With ``spec.max_batch`` a round over
+  more unfinished rows than that is such a plain round too (the draft catches up later).
 - **first token**: each row's first completion token is sampled from the prefill's p
   (a bonus token); from then on every round starts from the row's pending token.
 
@@ -143,10 +144,14 @@ class Engine:
     def _round(self, call: _Call) -> None:
         spec, runner = call.spec, call.runner
         t0 = time.perf_counter()
-        if spec.mode == "chain" and spec.draft_sampling == "sampled":
+        drafting = spec.drafts_at(len(call.table))
+        if drafting and spec.mode == "chain" and spec.draft_sampling == "sampled":
             return self._chain_round(call, t0)
-        if spec.mode == "off":
+        if not drafting:
             tree = root_tree(runner.pending)
+            if spec.speculative:
+                call.timings.plain_rounds += 1
+                call.timings.plain_row_rounds += len(call.table)
         elif spec.mode == "chain":
             drafts, _ = self._draft_chain(call)
             tree = chain_tree(runner.pending, runner.draft_ids[drafts])

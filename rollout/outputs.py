@@ -61,11 +61,19 @@ class Timings:
     row_rounds: int = 0
     emitted: int = 0
     tokens: int = 0
+    plain_rounds: int = 0  # rounds without drafting (more rows than spec.max_batch)
+    plain_row_rounds: int = 0
 
     @property
     def tau(self) -> float:
         """Mean tokens emitted per row per round (1.0 for plain autoregressive decoding)."""
         return self.emitted / self.row_rounds if self.row_rounds else 0.0
+
+    @property
+    def draft_tau(self) -> float:
+        """Mean tokens emitted per row per drafting round (plain rounds emit one token each)."""
+        rr = self.row_rounds - self.plain_row_rounds
+        return (self.emitted - self.plain_row_rounds) / rr if rr else 0.0
 
     @property
     def tokens_per_s(self) -> float:

@@ -85,6 +85,11 @@ class SpecConfig:
     depth: tree levels drafted per round.
     top_k: tree children per expanded node, and the width of the expanded frontier.
     total_tokens: drafted tree nodes verified per round (the root is extra).
+    max_batch: draft only in rounds with at most this many unfinished rows; rounds over
+        larger batches decode one plain token per row (the draft catches up on those tokens
+        when drafting resumes). On a CPU a forward's cost grows with its tokens once the
+        batch has a few rows, so verifying K+1 tokens per row pays only in the small-batch
+        tail of a call. None: draft in every round.
     """
 
     mode: str = "chain"
@@ -93,6 +98,7 @@ class SpecConfig:
     depth: int = 5
     top_k: int = 4
     total_tokens: int = 16
+    max_batch: int | None = None
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:
@@ -102,6 +108,8 @@ class SpecConfig:
                               allowed=DRAFT_SAMPLING)
         for name in ("num_draft_tokens", "depth", "top_k", "total_tokens"):
             _positive_int(name, getattr(self, name))
+        if self.max_batch is not None:
+            _positive_int("max_batch", self.max_batch)
         most = self.top_k + (self.depth - 1) * self.top_k ** 2  # nodes the tree drafting generates
         if self.mode == "tree" and self.total_tokens > most:
             raise ConfigError("total_tokens", f"{self.total_tokens} exceeds the {most} nodes a tree of depth "
@@ -110,6 +118,10 @@ class SpecConfig:
     @property
     def speculative(self) -> bool:
         return self.mode != "off"
+
+    def drafts_at(self, batch: int) -> bool:
+        """Whether a round over ``batch`` unfinished rows drafts (see ``max_batch``)."""
+        return self.speculative and (self.max_batch is None or batch <= self.max_batch)
 
     @property
     def block_size(self) -> int:

@@ -16,7 +16,9 @@ Vocabulary:
 - **waiting pairs**: pairs whose target features are known but which the draft has not
   consumed yet: the whole prompt after the prefill, the accepted path plus the pending
   token after each round. ``draft_root`` consumes them (that is the draft's step 0) and
-  returns the draft logits and hidden state at each row's last pair.
+  returns the draft logits and hidden state at each row's last pair. Rounds that do not
+  draft (``spec.max_batch``) queue their pairs; the next ``draft_root`` consumes the queue
+  in the same forward, exactly as if it had run every round.
 - **speculation**: draft forwards beyond step 0 within one round; their KV entries live
   only in ``self._spec_past`` and are dropped when the next round starts.
 
@@ -166,10 +168,31 @@ class ModelRunner:
         self.draft_kv = RowKVCache(1, b, h.num_key_value_heads, h.head_dim, cap, self.head.fc.weight.dtype,
                                    self.device)
         self._set_waiting(shifted, self._waiting_feats, self._plen)
+        self._wait_consumed = False
 
     def _set_waiting(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
         self._wait_tokens, self._wait_feats, self._wait_counts = tokens, feats, counts
         self._wait_host = counts.tolist()
+        self._wait_more: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+
+    def _merge_waiting(self) -> None:
+        """Lay the pairs of rounds the draft skipped (``_wait_more``) after the waiting ones,
+        row by row, so that ``draft_root`` consumes them all in one forward."""
+        if not self._wait_more:
+            return
+        parts = [(self._wait_tokens, self._wait_feats, self._wait_counts), *self._wait_more]
+        b, f = self.batch, self._wait_feats.shape[-1]
+        host = [sum(c) for c in zip(*(part[2].tolist() for part in parts))]
+        width, pad = max(host), max(part[0].shape[1] for part in parts)
+        tokens = self._wait_tokens.new_zeros(b, width + pad)
+        feats = self._wait_feats.new_zeros(b, width + pad, f)
+        offset = torch.zeros(b, dtype=torch.long, device=self.device)
+        for t, x, c in parts:  # in order: a part's padding is overwritten by the next part
+            idx = offset[:, None] + torch.arange(t.shape[1], device=self.device)
+            tokens.scatter_(1, idx, t)
+            feats.scatter_(1, idx[..., None].expand(-1, -1, f), x)
+            offset = offset + c
+        self._set_waiting(tokens[:, :width], feats[:, :width], offset)
 
     # ------------------------------------------------------------------ target
     def verify_forward(self, tokens: torch.Tensor, offsets: torch.Tensor, block_mask: torch.Tensor | None):
@@ -205,7 +228,11 @@ class ModelRunner:
             w = emitted.shape[1]
             feats = features[:, :w] if path is None else features.gather(
                 1, path[:, :, None].expand(-1, -1, features.shape[-1]))
-            self._set_waiting(emitted, feats, counts)
+            if self._wait_consumed:
+                self._set_waiting(emitted, feats, counts)
+            else:  # a round without drafting: the draft catches up on these pairs later
+                self._wait_more.append((emitted, feats, counts))
+            self._wait_consumed = False
 
     def keep(self, rows: list[int]) -> None:
         """Drop finished rows: keep ``rows`` (increasing) of every row-indexed tensor."""
@@ -214,13 +241,16 @@ class ModelRunner:
         self.pending = self.pending.index_select(0, idx)
         if self.draft_kv is not None:
             self.draft_kv.keep(rows)
+            more = [tuple(t.index_select(0, idx) for t in part) for part in self._wait_more]
             self._set_waiting(self._wait_tokens.index_select(0, idx), self._wait_feats.index_select(0, idx),
                               self._wait_counts.index_select(0, idx))
+            self._wait_more = more
 
     # ------------------------------------------------------------------ draft
     def draft_root(self) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft step 0: consume the waiting pairs; return logits ``[B, Vd]`` and hidden
         ``[B, H]`` at each row's last pair (they predict the first drafted token)."""
+        self._merge_waiting()
         kv, counts = self.draft_kv, self._wait_counts
         b, t = self.batch, max(self._wait_host)
         lc = max(kv.host_lengths)
@@ -233,6 +263,7 @@ class ModelRunner:
             logits_out.append(logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0])
             hidden_out.append(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0])
         kv.commit(counts, self._wait_host)
+        self._wait_consumed = True
         self._spec_past = None
         return torch.cat(logits_out), torch.cat(hidden_out)
 

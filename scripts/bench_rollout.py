@@ -25,6 +25,7 @@ import os
 os.environ.setdefault("MKL_CBWR", "AVX2")  # before torch loads MKL: fast small matmuls on AMD CPUs
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 import sys  # noqa: E402
@@ -51,6 +52,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
     ap.add_argument("--tree", default="3,4,8", help="depth,top_k,total_tokens (';' separates several)")
+    ap.add_argument("--max-batch", default="none",
+                    help="spec.max_batch values (comma list; 'none' = draft in every round): draft only "
+                         "while at most this many rows are unfinished")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
@@ -133,15 +137,18 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
                 specs.append(SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
+    caps = [None if m.strip().lower() == "none" else int(m) for m in args.max_batch.split(",") if m.strip()]
+    specs = [dataclasses.replace(spec, max_batch=cap) for spec in specs for cap in caps or [None]]
     names = [v for v in args.verifiers.split(",") if v]
     return [(spec, VerifierConfig(v, VERIFIER_PARAMS.get(v, {}))) for spec in specs for v in names]
 
 
 def describe(spec: SpecConfig) -> str:
+    cap = "" if spec.max_batch is None else f" mb={spec.max_batch}"
     if spec.mode == "chain":
-        return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}"
+        return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}{cap}"
     if spec.mode == "tree":
-        return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}"
+        return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{cap}"
     return "off"
 
 
@@ -180,12 +187,12 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     return rows
 
 
-HEADER = f"{'batch':>5} {'mode':<22} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} {'RSS MB':>7}"
+HEADER = f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} {'RSS MB':>7}"
 
 
 def print_row(row: dict) -> None:
     ar, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in ("speedup_vs_ar", "speedup_vs_hf"))
-    print(f"{row['batch']:>5} {row['mode']:<22} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
+    print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
           f"{row['tau']:>5.2f} {ar:>6} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
 
 

@@ -35,3 +35,16 @@ def test_every_row_reports_its_own_speed(tiny):
         assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
         assert r["peak_rss_mb"] >= r["rss_mb"] > 0
         assert r["tau"] >= 1.0
+
+
+def test_max_batch_values_make_separate_rows(tiny):
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    args = parse_args(["--batch-sizes", "3", "--max-new-tokens", "5", "--modes", "chain", "--no-hf",
+                       "--verifiers", "mars", "--max-batch", "none,1"])
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(3)],
+                   SamplingParams(max_new_tokens=5))
+    assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled mb=1"]
+    assert all(r["tokens"] == 15 for r in rows)

@@ -1,0 +1,109 @@
+"""spec.max_batch: rounds over more rows than max_batch decode plainly and the draft catches up
+on their tokens later; outputs stay exact (greedy = autoregressive, log-probs = closed form)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head  # noqa: F401
+
+from rollout.config import ConfigError
+from rollout.engine import Engine
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.runner import ModelRunner
+
+
+@pytest.fixture(scope="module")
+def models(single_thread):
+    target = tiny_target()
+    return target, trained_head(target, draft_vocab=48)
+
+
+def _plain_round(runner: ModelRunner) -> None:
+    """One greedy autoregressive round through the runner, as the engine's plain rounds do."""
+    b = runner.batch
+    logits, feats = runner.verify_forward(runner.pending[:, None], torch.zeros(1, 1, dtype=torch.long), None)
+    tokens = logits[:, 0].argmax(-1, keepdim=True)
+    runner.commit(torch.ones(b, dtype=torch.long), [1] * b, tokens, feats, None)
+
+
+def test_draft_catches_up_on_skipped_rounds_exactly(models):
+    """Skipping draft step 0 for several rounds (and dropping a row meanwhile), then consuming
+    everything at once, leaves the draft exactly where consuming each round would."""
+    target, head = models
+    outs = []
+    for catch_up in (False, True):
+        runner = ModelRunner(target, head)
+        first = runner.start(PROMPTS, capacity=64).argmax(-1)
+        runner.set_first_tokens(first)
+        for r in range(5):
+            if not catch_up:
+                runner.draft_root()
+            _plain_round(runner)
+            if r == 2:
+                runner.keep([0, 2, 3])
+        logits, hidden = runner.draft_root()
+        lengths = runner.draft_kv.lengths.clone()
+        keys = [runner.draft_kv.keys[0][i, :, :n] for i, n in enumerate(lengths.tolist())]
+        outs.append((logits, hidden, lengths, keys))
+    (l0, h0, n0, k0), (l1, h1, n1, k1) = outs
+    assert n0.tolist() == n1.tolist() == [len(PROMPTS[i]) + 5 for i in (0, 2, 3)]
+    torch.testing.assert_close(l1, l0, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(h1, h0, atol=1e-5, rtol=1e-5)
+    for a, b in zip(k0, k1):
+        torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+
+
+def _stop_token(engine, sampling) -> int:
+    """A token that ends some greedy completions early (so the batch shrinks mid-call)."""
+    ref = engine.generate(PROMPTS, sampling, SpecConfig(mode="off"))
+    return ref.completions[0].completion_ids[6]
+
+
+@pytest.mark.parametrize("spec", [
+    SpecConfig(mode="chain", num_draft_tokens=3, max_batch=3),
+    SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="greedy", max_batch=3),
+    SpecConfig(mode="tree", depth=3, top_k=3, total_tokens=8, max_batch=3),
+], ids=["chain-sampled", "chain-greedy", "tree"])
+def test_greedy_with_max_batch_equals_autoregressive(models, spec):
+    target, head = models
+    engine = Engine(target, head, num_threads=1)
+    stop = _stop_token(engine, SamplingParams(temperature=0, max_new_tokens=40))
+    sampling = SamplingParams(temperature=0, max_new_tokens=40, stop_token_ids=(stop,))
+    ref = engine.generate(PROMPTS, sampling, SpecConfig(mode="off"))
+    lengths = [c.num_tokens for c in ref.completions]
+    assert len(set(lengths)) > 1, "the stop token should end rows at different lengths"
+    res = engine.generate(PROMPTS, sampling, spec)
+    for a, b in zip(ref.completions, res.completions):
+        assert b.completion_ids == a.completion_ids
+    t = res.timings
+    assert 0 < t.plain_rounds < t.rounds, "both plain and drafting rounds should run"
+    assert t.draft_tau > 1.2, "the draft should be in sync after catching up"
+
+
+def test_max_batch_behaviour_logprobs_match_the_closed_form(models):
+    """T = 1 under a lossy rule: every token's behaviour log-prob is log p in plain rounds
+    and the rule's induced log-prob in drafting rounds (the debug records hold the inputs)."""
+    from test_engine_sampling import induced_logprob
+
+    target, head = models
+    rule_cfg = VerifierConfig("mars", {"theta": 0.5})
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=tuple(range(0, 64, 16)))
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch=3)
+    res = Engine(target, head, num_threads=1).generate(PROMPTS * 2, sampling, spec, rule_cfg, seed=3, debug=True)
+    assert 0 < res.timings.plain_rounds < res.timings.rounds
+    rule = rule_cfg.rule()
+    checked = 0
+    for rec in res.debug:
+        comp = res.completions[rec.row]
+        assert comp.behaviour_logprobs[rec.index] == pytest.approx(induced_logprob(rule, rec, sampling), abs=1e-4)
+        checked += 1
+    assert checked == sum(c.num_tokens for c in res.completions)
+
+
+def test_max_batch_validation():
+    with pytest.raises(ConfigError, match="'max_batch'"):
+        SpecConfig(max_batch=0)
+    spec = SpecConfig(max_batch=4)
+    assert spec.drafts_at(4) and not spec.drafts_at(5)
+    assert SpecConfig().drafts_at(1000) and not SpecConfig(mode="off").drafts_at(1)
