@@ -200,12 +200,15 @@ class TrainConfig:
 
 
 def load_train_config(path: str | Path, overrides: dict | None = None) -> TrainConfig:
-    """Read and validate a training YAML; ``overrides`` ({"run": {"steps": 2}}) are merged in."""
-    data = load_yaml(path)
-    for section, values in (overrides or {}).items():
-        if isinstance(values, dict):
-            data.setdefault(section, {})
-            data[section] = {**(data[section] or {}), **values}
-        else:
-            data[section] = values
-    return from_dict(TrainConfig, data)
+    """Read and validate a training YAML; ``overrides`` ({"run": {"steps": 2}}) are merged in
+    key by key at every depth ({"rollout": {"spec": {"max_batch": 4}}} keeps the other spec
+    keys), except that a rule's ``params`` mapping is replaced whole (they belong to its name)."""
+    return from_dict(TrainConfig, _merged(load_yaml(path), overrides or {}))
+
+
+def _merged(data: dict, overrides: dict) -> dict:
+    out = dict(data or {})
+    for key, value in overrides.items():
+        deep = isinstance(value, dict) and key != "params"
+        out[key] = _merged(out.get(key) or {}, value) if deep else value
+    return out

@@ -149,3 +149,19 @@ def test_shipped_configs_validate(name):
 
     cfg = load_train_config(Path(__file__).parents[2] / "configs" / f"{name}.yaml")
     assert cfg.rollouts_per_step >= cfg.grpo.group_size
+
+
+def test_overrides_merge_at_every_depth():
+    from pathlib import Path
+
+    path = Path(__file__).parents[2] / "configs" / "default.yaml"
+    base = load_train_config(path)
+    cfg = load_train_config(path, {"rollout": {"spec": {"max_batch": 4}}, "run": {"steps": 2}})
+    assert cfg.rollout.spec.max_batch == 4 and cfg.run.steps == 2
+    assert cfg.rollout.spec.num_draft_tokens == base.rollout.spec.num_draft_tokens  # untouched keys kept
+    assert cfg.run.out_dir == base.run.out_dir and cfg.rollout.verifier == base.rollout.verifier
+    # a rule's params belong to its name: replaced, not merged with the old rule's
+    other = load_train_config(path, {"rollout": {"verifier": {"name": "overshoot", "params": {"lenience": 0.5}}}})
+    assert other.rollout.verifier.params == {"lenience": 0.5}
+    with pytest.raises(ConfigError, match="'rollout.spec.max_batch'"):
+        load_train_config(path, {"rollout": {"spec": {"max_batch": 0}}})
