@@ -43,7 +43,10 @@ class Eagle3Config:
     rms_norm_eps; rope_theta: the draft's own RoPE base; vocab_size: the target's
     vocabulary V; draft_vocab_size: Vd <= V; target_hidden_size: Ht (fc takes 3 * Ht);
     aux_layer_ids: the target layers whose inputs are the features;
-    max_position_embeddings: informational (RoPE is computed on the fly).
+    max_position_embeddings: informational (RoPE is computed on the fly);
+    logit_scale: the draft distribution is softmax(logit_scale * lm_head logits / T) at
+    inference (``config.json`` key ``draft_logit_scale``; a temperature calibrated on
+    held-out data by ``trainers.drafter.calibrate_logit_scale``; training uses 1).
     """
 
     hidden_size: int
@@ -58,6 +61,7 @@ class Eagle3Config:
     target_hidden_size: int
     aux_layer_ids: tuple[int, int, int]
     max_position_embeddings: int = 8192
+    logit_scale: float = 1.0
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -76,6 +80,9 @@ class Eagle3Config:
         if not isinstance(ids, (list, tuple)) or len(ids) != 3 or not all(isinstance(i, int) and i >= 0 for i in ids):
             raise ConfigError("aux_layer_ids", f"must be three non-negative layer indices, got {ids!r}")
         object.__setattr__(self, "aux_layer_ids", tuple(ids))
+        scale = self.logit_scale
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
+            raise ConfigError("logit_scale", f"must be a finite number > 0, got {scale!r}")
 
     @classmethod
     def for_target(cls, target: TargetModel, draft_vocab_size: int | None = None, **overrides) -> Eagle3Config:
@@ -104,7 +111,8 @@ class Eagle3Config:
 
 @dataclass
 class DraftOutput:
-    """logits ``[B, T, Vd]`` float32 (None when not computed); hidden ``[B, T, H]`` (pre-norm, fed back);
+    """logits ``[B, T, Vd]`` float32, the draft distribution's (lm_head output times
+    ``cfg.logit_scale``; None when not computed); hidden ``[B, T, H]`` (pre-norm, fed back);
     kv = (k, v) incl. past."""
 
     logits: torch.Tensor | None
@@ -251,7 +259,7 @@ class Eagle3Head(nn.Module):
         compute_logits: bool = True,
     ) -> DraftOutput:
         """One draft forward; ``compute_logits=False`` skips the lm_head (logits None), e.g. to
-        apply :meth:`logits_from_hidden` to selected positions only."""
+        apply :meth:`logits_from_hidden` to selected positions only (training does, unscaled)."""
         b, t = token_ids.shape
         past_len = 0 if past is None else past[0].shape[2]
         assert hidden.shape[:2] == (b, t), f"hidden {tuple(hidden.shape)} vs token_ids {(b, t)}"
@@ -273,7 +281,11 @@ class Eagle3Head(nn.Module):
                 f"got {tuple(hidden.shape)}"
             )
         h, kv = self.midlayer(emb, hidden, self.rotary, position_ids, attn_mask, past)
-        logits = self.logits_from_hidden(h) if compute_logits else None  # [B, T, Vd]
+        logits = None
+        if compute_logits:  # [B, T, Vd]
+            logits = self.logits_from_hidden(h)
+            if self.cfg.logit_scale != 1:
+                logits = logits * self.cfg.logit_scale
         return DraftOutput(logits=logits, hidden=h, kv=kv)
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -61,6 +61,7 @@ def save_eagle3(head: Eagle3Head, path: str | Path) -> None:
         "torch_dtype": dtype,
         "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids)},
+        "draft_logit_scale": c.logit_scale,  # ours: the calibrated draft temperature (others ignore it)
     }
     tensors = {k: v.detach().cpu().contiguous() for k, v in head.state_dict().items()}
     save_file(tensors, str(path / "model.safetensors"), metadata={"format": "pt"})
@@ -140,6 +141,7 @@ def _config_for(fields: dict[str, Any], weights: dict[str, torch.Tensor], target
         target_hidden_size=target_h,
         aux_layer_ids=ids,
         max_position_embeddings=int(fields.get("max_position_embeddings") or 8192),
+        logit_scale=float(fields.get("draft_logit_scale") or 1.0),
     )
 
 

@@ -6,7 +6,8 @@ Steps: load the target; build prompts (arithmetic problems from ``trainers.tasks
 general instructions, chat template applied); generate the responses and features once
 and cache them; pick the draft vocabulary by response-token frequency; train with
 training-time test (checkpoints in ``out_dir``, resumed automatically); report held-out
-teacher-forced acceptance; export the head in the EAGLE format (``--export``).
+teacher-forced acceptance; calibrate the draft temperature on the held-out set
+(``draft_logit_scale``); export the head in the EAGLE format (``--export``).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from rollout.allocator import tune_malloc
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 from rollout.models import DTYPES, load_target
-from trainers.drafter import DrafterConfig, init_from_target, resolve_device, train_drafter
+from trainers.drafter import (DrafterConfig, calibrate_logit_scale, init_from_target, resolve_device,
+                              train_drafter)
 from trainers.drafter_data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
 from trainers.drafter_prompts import general_prompts
 from trainers.tasks import make_problems
@@ -115,6 +117,10 @@ def main(argv: list[str] | None = None) -> dict:
     t0 = time.time()
     report = train_drafter(cfg, head, train, heldout, resume=not args.no_resume, stop_at=args.stop_at)
     report.update(train_seconds=round(time.time() - t0, 1), coverage_train=coverage, coverage_heldout=held_cov)
+    head = head.to(DTYPES[cfg.export_dtype]).float()  # the weights inference loads
+    scale, taus = calibrate_logit_scale(head, heldout, cfg, device)
+    head.cfg = dataclasses.replace(head.cfg, logit_scale=scale)
+    report.update(logit_scale=scale, est_tau_t1_by_logit_scale={str(k): round(v, 4) for k, v in taus.items()})
     print(json.dumps(report, indent=1))
     if args.export:
         save_eagle3(head.to(DTYPES[cfg.export_dtype]), args.export)

@@ -221,3 +221,23 @@ def test_shipped_head_loads_and_beats_trivial_drafter():
         eagle = measure(target, head, prompts, k=7, temperature=temperature, max_new_tokens=48, seed=0)
         trivial = measure(target, None, prompts, k=7, temperature=temperature, max_new_tokens=48, seed=0)
         assert eagle.tau > trivial.tau + 0.25, (temperature, eagle.tau, trivial.tau)
+
+
+def test_logit_scale_round_trips_and_scales_the_draft_distribution(tmp_path):
+    import dataclasses
+
+    target = tiny_target()
+    head, _ = make_head(target)
+    plain, _ = run(head, target)
+    head.cfg = dataclasses.replace(head.cfg, logit_scale=1.3)
+    scaled, (tokens, feats, pos) = run(head, target)
+    torch.testing.assert_close(scaled.logits, 1.3 * plain.logits)
+    with torch.no_grad():  # training reads logits_from_hidden: never scaled
+        torch.testing.assert_close(head.logits_from_hidden(scaled.hidden), plain.logits)
+    save_eagle3(head, tmp_path)
+    assert json.loads((tmp_path / "config.json").read_text())["draft_logit_scale"] == 1.3
+    loaded = load_eagle3(tmp_path, target)
+    assert loaded.cfg.logit_scale == 1.3
+    assert torch.equal(run(loaded, target)[0].logits, scaled.logits)
+    with pytest.raises(Exception, match="logit_scale"):
+        dataclasses.replace(head.cfg, logit_scale=0.0)

@@ -89,6 +89,25 @@ def test_lossless_samples_the_target_distribution(small, name):
         assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
 
 
+def test_a_scaled_draft_stays_lossless(small):
+    """A head with draft_logit_scale != 1 drafts from softmax(scale * logits / T) and the verifier
+    sees that same q: lossless rollouts still follow the target's law exactly."""
+    import copy
+    import dataclasses
+
+    target, head = small
+    head = copy.deepcopy(head)
+    head.cfg = dataclasses.replace(head.cfg, logit_scale=2.5)
+    prompt, rows, v = [1, 5, 2, 7], 1500, target.vocab_size
+    res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=3),
+                                                      SPECS["chain-sampled"], seed=13)
+    ys = torch.tensor([c.completion_ids for c in res.completions])
+    law = exact_three_token_law(target, prompt)
+    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
+    assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 2 * rows
+
+
 def test_the_distribution_test_detects_a_lossy_rule(small):
     """Power check: MARS with a low theta visibly changes the law of the first tokens."""
     target, head = small

@@ -161,3 +161,18 @@ def test_estimated_tau():
 def test_shipped_config_loads():
     cfg = from_dict(DrafterConfig, load_yaml("configs/drafter.yaml"))
     assert cfg.ttt_steps == 7 and cfg.step_weight == 0.8 and cfg.betas == (0.9, 0.95) and cfg.grad_clip == 0.5
+
+
+def test_calibrate_logit_scale_picks_the_best_draft_temperature():
+    from trainers.drafter import calibrate_logit_scale, evaluate
+
+    target = tiny_target(init_range=0.3)
+    data = tiny_data(target, n=12)
+    head = make_head(target, data)
+    cfg = DrafterConfig(draft_vocab_size=120, batch_size=6, ttt_steps=3)
+    grid = (0.5, 1.0, 2.0, 4.0)
+    best, taus = calibrate_logit_scale(head, data, cfg, torch.device("cpu"), grid)
+    assert set(taus) == set(grid) and taus[best] == max(taus.values())
+    assert len({round(t, 6) for t in taus.values()}) == len(grid)  # the scale changes T = 1 acceptance
+    report = evaluate(head, data, cfg, torch.device("cpu"), scale=2.0)
+    assert taus[2.0] == pytest.approx(report["arithmetic"]["est_tau_t1"])
