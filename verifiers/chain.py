@@ -91,12 +91,6 @@ def _stats_upto(rule, p: Tensor, q: Tensor, ctx_k: Context, j_f: Tensor) -> dict
     if not getattr(rule, "full_row_stats", False) or k == 0:
         return rule.chain_stats(p[:, :k], q, ctx_k)
     min_rows = min(2, b * k) if torch.get_num_threads() > 1 else 1
-    if b == 1:  # a prefix of positions: views, no copies
-        m = max(int(j_f[0]) + 1, min_rows)
-        if m == k:
-            return rule.chain_stats(p[:, :k], q, ctx_k)
-        stats = rule.chain_stats(p[:, :m], q[:, :m], {key: val[:, :m] for key, val in ctx_k.items()})
-        return {key: torch.nn.functional.pad(val, (0, k - m)) for key, val in stats.items()}
     if b <= _ROW_LOOP_MAX_B and k >= min_rows:  # per-row prefix views: no row copies, no unread rows
         m = (j_f + 1).clamp(min=min_rows).tolist()
         stats = [rule.chain_stats(p[i, :m[i]], q[i, :m[i]], {key: val[i, :m[i]] for key, val in ctx_k.items()})
