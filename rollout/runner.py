@@ -168,12 +168,12 @@ class ModelRunner:
         self.draft_kv = RowKVCache(1, b, h.num_key_value_heads, h.head_dim, cap, self.head.fc.weight.dtype,
                                    self.device)
         self._set_waiting(shifted, self._waiting_feats, self._plen)
+        self._wait_more: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # skipped rounds' pairs
         self._wait_consumed = False
 
     def _set_waiting(self, tokens: torch.Tensor, feats: torch.Tensor, counts: torch.Tensor) -> None:
         self._wait_tokens, self._wait_feats, self._wait_counts = tokens, feats, counts
         self._wait_host = counts.tolist()
-        self._wait_more: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def _merge_waiting(self) -> None:
         """Lay the pairs of rounds the draft skipped (``_wait_more``) after the waiting ones,
@@ -193,6 +193,7 @@ class ModelRunner:
             feats.scatter_(1, idx[..., None].expand(-1, -1, f), x)
             offset = offset + c
         self._set_waiting(tokens[:, :width], feats[:, :width], offset)
+        self._wait_more = []
 
     # ------------------------------------------------------------------ target
     def verify_forward(self, tokens: torch.Tensor, offsets: torch.Tensor, block_mask: torch.Tensor | None):
@@ -228,7 +229,7 @@ class ModelRunner:
             w = emitted.shape[1]
             feats = features[:, :w] if path is None else features.gather(
                 1, path[:, :, None].expand(-1, -1, features.shape[-1]))
-            if self._wait_consumed:
+            if self._wait_consumed:  # (the queue is empty: draft_root merged it)
                 self._set_waiting(emitted, feats, counts)
             else:  # a round without drafting: the draft catches up on these pairs later
                 self._wait_more.append((emitted, feats, counts))
@@ -241,10 +242,9 @@ class ModelRunner:
         self.pending = self.pending.index_select(0, idx)
         if self.draft_kv is not None:
             self.draft_kv.keep(rows)
-            more = [tuple(t.index_select(0, idx) for t in part) for part in self._wait_more]
             self._set_waiting(self._wait_tokens.index_select(0, idx), self._wait_feats.index_select(0, idx),
                               self._wait_counts.index_select(0, idx))
-            self._wait_more = more
+            self._wait_more = [tuple(t.index_select(0, idx) for t in part) for part in self._wait_more]
 
     # ------------------------------------------------------------------ draft
     def draft_root(self) -> tuple[torch.Tensor, torch.Tensor]:
