@@ -8,7 +8,7 @@ Modes: sampled drafts at T = 1 (x ~ q) and greedy drafts at T = 0. The same loop
 the trivial drafter (repeat the last token, q one-hot) for comparison, and the script
 times one draft step against one target decoding step at batch 1.
 
-Loop (positions as in ``trainers/drafter.py``): the draft's step-0 input at position i is
+Loop (positions as in ``trainers/ttt.py``): the draft's step-0 input at position i is
 (features of token i, token i + 1). After the target prefill samples token P, the draft
 holds step-0 entries for positions 0..P-1 and drafts x_1..x_K; the target verifies
 [t_P, x_1..x_K] in one forward; both caches are cropped to the accepted path and the

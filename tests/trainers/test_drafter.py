@@ -9,8 +9,8 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, causal_mask
 from rollout.models import TargetModel
-from trainers.drafter import (DrafterConfig, estimated_tau, init_from_target, train_drafter, ttt_entropy_floor,
-                              ttt_forward, ttt_loss, ttt_mask)
+from trainers.drafter import DrafterConfig, init_from_target, train_drafter
+from trainers.ttt import estimated_tau, ttt_entropy_floor, ttt_forward, ttt_loss, ttt_mask
 from trainers.drafter_data import collate, draft_vocab, generate_batch, records_to_data
 from trainers.drafter_prompts import general_prompts
 

@@ -1,0 +1,153 @@
+"""Training-time test (TTT) for EAGLE-3 drafters: the unrolled forward, its masks, the loss
+and the teacher-forced acceptance (``trainers/drafter.py`` runs the training).
+
+Vocabulary (see ``rollout/eagle3.py`` and ``trainers/drafter_data.py`` for the rest):
+- **draft position i** at step 0 takes the target features of token i and the embedding
+  of token i + 1, and predicts token i + 2, i.e. it is scored against the target logits
+  at position i + 1 ("shift by one").
+- **step s** (0 <= s < ttt_steps) unrolls the draft: position i takes the draft's own
+  output hidden from step s - 1 at i, the ground-truth token i + 1 + s, RoPE position
+  ``pos + s``, and is scored against the target logits at i + 1 + s. It attends causally
+  to the step-0 keys (j <= i) and, from steps 1..s, only to the keys at its own position i.
+  This is exactly what chain drafting sees at inference (a test checks it).
+- **loss**: per step, the soft cross-entropy to the target distribution renormalised over
+  the draft vocabulary, on positions whose target predicts a response token and whose
+  target argmax is in the draft vocabulary; total = sum_s step_weight^s * loss_s.
+- **teacher-forced acceptance** (held-out report): per step, the share of positions where
+  the draft's argmax equals the target's (T = 0) and the expected acceptance
+  ``sum_v min(p, q)`` (T = 1); ``est_tau = 1 + sum_k prod_{s<k} a_s`` is the chain
+  acceptance length these imply.
+
+Simplification: steps s >= 1 run only on columns from ``align - ttt_steps - 1`` on
+(the response region and the few prompt columns whose unrolled predictions land in it),
+which skips work whose loss is masked anyway.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from rollout.eagle3 import Eagle3Head
+from trainers.drafter_data import Batch
+
+
+def ttt_mask(valid: torch.Tensor, first: int, step: int) -> torch.Tensor:
+    """Attention mask of step ``step`` for query columns ``first..T-1``: ``[B, Tq, T + step * Tq]``.
+
+    valid: ``[B, T]`` bool, which step-0 keys are real tokens. Block 0 (step-0 keys) is
+    causal over valid keys (a query always sees its own column, so padding rows stay
+    finite); blocks 1..step (one per unrolled step) are diagonal: own position only.
+    """
+    b, t = valid.shape
+    q = torch.arange(first, t, device=valid.device)[:, None]  # [Tq, 1]
+    k = torch.arange(t, device=valid.device)[None, :]  # [1, T]
+    block0 = ((k <= q) & valid[:, None, :]) | (k == q)  # [B, Tq, T]
+    eye = torch.eye(t - first, dtype=torch.bool, device=valid.device).expand(b, -1, -1)
+    return torch.cat([block0] + [eye] * step, dim=2)
+
+
+def _shift(x: torch.Tensor, start: int, length: int, fill: float | int = 0) -> torch.Tensor:
+    """Columns ``start..start+length-1`` of ``x [B, W, ...]``, padded with ``fill`` past the end."""
+    part = x[:, start: start + length]
+    pad = length - part.shape[1]
+    if pad <= 0:
+        return part
+    return torch.cat([part, part.new_full((x.shape[0], pad, *x.shape[2:]), fill)], dim=1)
+
+
+def ttt_forward(head: Eagle3Head, batch: Batch, steps: int) -> list[tuple[int, torch.Tensor]]:
+    """Unroll the head ``steps`` times over ``batch``.
+
+    Returns per step (first column, output hidden ``[B, T - first, H]``); the logits are
+    ``head.logits_from_hidden(hidden)``, which callers apply to the positions they score.
+    """
+    t = batch.tokens.shape[1] - 1  # draft positions 0..T-1 (the last token has no successor)
+    valid = batch.valid[:, :t]
+    out = head(batch.tokens[:, 1:], batch.features[:, :t], batch.pos[:, :t], ttt_mask(valid, 0, 0),
+               compute_logits=False)
+    results = [(0, out.hidden)]
+    first = max(0, batch.align - steps - 1)
+    kv, hidden = out.kv, out.hidden[:, first:]
+    for s in range(1, steps):
+        tokens = _shift(batch.tokens, first + 1 + s, t - first)  # ground-truth token i + 1 + s
+        pos = batch.pos[:, first:t] + s
+        out = head(tokens, hidden, pos, ttt_mask(valid, first, s), past=kv, compute_logits=False)
+        kv, hidden = out.kv, out.hidden
+        results.append((first, hidden))
+    return results
+
+
+def _targets(head: Eagle3Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """Target logits over the draft vocabulary ``[B, T, Vd]`` (column i = target position i + 1) and the loss mask."""
+    emb = head.embed_tokens.weight[head.target_ids].to(batch.final.dtype)  # [Vd, H]
+    logits = batch.final[:, 1:] @ emb.T  # [B, T, Vd]
+    am = batch.argmax[:, 1:]
+    in_draft = head.t2d[am.clamp(min=0)] & (am >= 0)
+    return logits, batch.lossable[:, 1:] & in_draft
+
+
+def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float) -> tuple[torch.Tensor, list[float]]:
+    """Weighted soft cross-entropy over the unrolled steps; returns (loss, per-step losses)."""
+    with torch.no_grad():
+        tl, mask = _targets(head, batch)
+        probs = torch.softmax(tl, dim=-1)  # [B, T, Vd]
+    t = tl.shape[1]
+    total, per_step = 0.0, []
+    for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
+        m = _shift(mask, first + s, t - first, fill=False)  # [B, Tq] scored positions
+        p = _shift(probs, first + s, t - first)[m]  # [N, Vd]
+        logits = head.logits_from_hidden(hidden[m])  # [N, Vd]: lm_head on scored positions only
+        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
+        loss_s = ce.sum() / max(1, len(ce))
+        total = total + step_weight**s * loss_s
+        per_step.append(float(loss_s.detach()))
+    return total, per_step
+
+
+@torch.no_grad()
+def ttt_entropy_floor(head: Eagle3Head, batch: Batch, steps: int, step_weight: float) -> float:
+    """The smallest value ``ttt_loss`` can take (draft = target): the weighted target entropies."""
+    tl, mask = _targets(head, batch)
+    ent = -(torch.softmax(tl, -1) * torch.log_softmax(tl, -1)).sum(-1)  # [B, T]
+    t, first = tl.shape[1], max(0, batch.align - steps - 1)
+    total = 0.0
+    for s in range(steps):
+        c = 0 if s == 0 else first
+        m = _shift(mask, c + s, t - c, fill=False).float()
+        total += step_weight**s * float((_shift(ent, c + s, t - c) * m).sum() / m.sum().clamp(min=1.0))
+    return total
+
+
+@torch.no_grad()
+def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int,
+                   scales: tuple[float, ...] = (1.0,)) -> dict[str, torch.Tensor]:
+    """Per-step sums of teacher-forced acceptance at T = 0 (``acc_t0 [steps]``) and at T = 1 for
+    each draft logit scale (``acc_t1 [len(scales), steps]``: the draft samples from
+    softmax(scale * logits), see ``Eagle3Config.logit_scale``), and position counts ``[steps]``.
+    One unrolled forward serves every scale."""
+    tl, _ = _targets(head, batch)
+    logp_target = tl - batch.lse[:, 1:, None]  # [B, T, Vd] log p over the full vocabulary, at draft ids
+    t = tl.shape[1]
+    acc0, count = torch.zeros(steps), torch.zeros(steps)
+    acc1 = torch.zeros(len(scales), steps)
+    for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
+        m = _shift(batch.lossable[:, 1:], first + s, t - first, fill=False)
+        am = _shift(batch.argmax[:, 1:], first + s, t - first, fill=-1)[m]  # [N]
+        lp = _shift(logp_target, first + s, t - first)[m]  # [N, Vd]
+        logits = head.logits_from_hidden(hidden[m])  # [N, Vd]
+        hit0 = head.target_ids[logits.argmax(-1)] == am
+        p = lp.exp()
+        for i, scale in enumerate(scales):
+            acc1[i, s] = float(torch.minimum(p, torch.softmax(logits * scale, -1)).sum(-1).sum())
+        acc0[s], count[s] = float(hit0.sum()), float(m.sum())
+    return {"acc_t0": acc0, "acc_t1": acc1, "count": count}
+
+
+def estimated_tau(acc: list[float] | torch.Tensor) -> float:
+    """Chain acceptance length implied by per-step acceptance rates: 1 + sum_k prod_{s<k} a_s."""
+    tau, run = 1.0, 1.0
+    for a in acc:
+        run *= float(a)
+        tau += run
+    return tau
