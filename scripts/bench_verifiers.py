@@ -1,6 +1,6 @@
 """Time chain verification against one softmax over the same logits and one target forward.
 
-    python -m scripts.bench_verifiers [--json OUT] [--repeats 30] [--threads 2]
+    python -m scripts.bench_verifiers [--json OUT] [--repeats 30] [--threads 2] [--backend native,torch]
 
 For B in {1, 8, 64}, K = 7, V = 49152 (the embedded SmolLM2's vocabulary), every rule:
 ``verify_chain`` without diagnostics (median of repeats after a warm-up), next to one
@@ -9,6 +9,10 @@ both see the same machine load). The goal is a ratio <= 4. At B = 8 it is also c
 with one forward of a randomly initialised LlamaForCausalLM of SmolLM2-135M's exact
 shape (timing does not depend on the weights): 8 new tokens per row over a 200-token KV
 prefix; the goal is < 5% of that forward.
+
+``--backend``: ``native`` is the fused C++ verifier that ``verify_chain`` uses on the CPU
+(verifiers/native.py), ``torch`` the PyTorch one (other devices, and the fallback); both
+listed: timed side by side in the same interleaved rounds.
 
 Inputs: target logits 15 + 3 N(0, 1) (positive, like SmolLM2's, so MARS's ratio test
 relaxes some positions), draft logits = target + N(0, 1), drafts sampled from q.
@@ -25,7 +29,7 @@ import time
 import torch
 
 from rollout.allocator import tune_malloc
-from verifiers import get_rule, verify_chain
+from verifiers import get_rule, native, verify_chain
 
 RULES = [("lossless", {}), ("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
          ("overshoot", {"lenience": 0.5, "min_p": 0.1}), ("typical", {}), ("min_p", {}),
@@ -59,23 +63,29 @@ def _interleaved(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def bench_verification(batches, k, v, temperature, repeats) -> list[dict]:
+def _verify(rule, target, draft, x, temperature, gen, use_native: bool):
+    with native.forced(use_native):
+        return verify_chain(rule, target, draft, x, temperature=temperature, generator=gen)
+
+
+def bench_verification(batches, k, v, temperature, repeats, backends=("native",)) -> list[dict]:
     rows = []
     for b in batches:
         target, draft, x = _inputs(b, k, v, temperature)
         fns = {"softmax": lambda: torch.softmax(target, -1)}
         emitted = {}
         for name, params in RULES:
-            rule, gen = get_rule(name, **params), torch.Generator().manual_seed(1)
-            label = _label(name, params)
-            fns[label] = (lambda r=rule, g=gen: verify_chain(r, target, draft, x, temperature=temperature,
-                                                             generator=g))
-            emitted[label] = float(fns[label]().num_emitted.float().mean())
+            for backend in backends:
+                rule, gen = get_rule(name, **params), torch.Generator().manual_seed(1)
+                key = (backend, _label(name, params))
+                fns[key] = (lambda r=rule, g=gen, nat=backend == "native":
+                            _verify(r, target, draft, x, temperature, g, nat))
+                emitted[key] = float(fns[key]().num_emitted.float().mean())
         med = _interleaved(fns, repeats)
-        for label in emitted:
-            rows.append({"B": b, "rule": label, "verify_ms": med[label] * 1e3,
-                         "softmax_ms": med["softmax"] * 1e3, "ratio": med[label] / med["softmax"],
-                         "mean_emitted": emitted[label]})
+        for key in emitted:
+            rows.append({"B": b, "backend": key[0], "rule": key[1], "verify_ms": med[key] * 1e3,
+                         "softmax_ms": med["softmax"] * 1e3, "ratio": med[key] / med["softmax"],
+                         "mean_emitted": emitted[key]})
     return rows
 
 
@@ -102,12 +112,12 @@ def bench_target_forward(batch: int, new: int, prefix: int, repeats: int) -> flo
 
 
 def _table(rows: list[dict], forward_ms: float | None) -> str:
-    head = f"{'B':>3} {'rule':<32} {'verify ms':>10} {'softmax ms':>11} {'ratio':>6} {'emitted':>8}"
+    head = f"{'B':>3} {'backend':<7} {'rule':<36} {'verify ms':>10} {'softmax ms':>11} {'ratio':>6} {'emitted':>8}"
     if forward_ms is not None:
         head += f" {'% fwd':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        line = (f"{r['B']:>3} {r['rule']:<32} {r['verify_ms']:>10.2f} {r['softmax_ms']:>11.2f} "
+        line = (f"{r['B']:>3} {r['backend']:<7} {r['rule']:<36} {r['verify_ms']:>10.2f} {r['softmax_ms']:>11.2f} "
                 f"{r['ratio']:>6.2f} {r['mean_emitted']:>8.2f}")
         if forward_ms is not None:
             line += f" {100 * r['verify_ms'] / forward_ms:>5.1f}%" if r["B"] == 8 else f" {'':>6}"
@@ -124,13 +134,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--vocab", type=int, default=49152)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--backend", default="native",
+                    help="comma-separated: native (fused C++, what the CPU uses), torch (PyTorch)")
     ap.add_argument("--no-model", action="store_true", help="skip the target-forward comparison")
     ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                     help="glibc malloc settings (rollout/allocator.py; the engine uses 'tuned')")
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     tuned = args.malloc == "tuned" and tune_malloc()
-    rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats)
+    backends = [name.strip() for name in args.backend.split(",") if name.strip()]
+    if not backends or set(backends) - {"native", "torch"}:
+        ap.error(f"--backend: a comma-separated list of native, torch; got {args.backend!r}")
+    rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats, backends)
     forward_ms = None if args.no_model else bench_target_forward(8, 8, 200, max(5, args.repeats // 3))
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {args.threads} threads, K = {args.k}, V = {args.vocab}, "
@@ -141,7 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{forward_ms:.1f} ms")
     print(_table(rows, forward_ms))
     result = {"threads": args.threads, "malloc": "tuned" if tuned else "default", "k": args.k, "vocab": args.vocab, "load_average": load[0],
-              "temperature": args.temperature, "repeats": args.repeats,
+              "temperature": args.temperature, "repeats": args.repeats, "backends": backends,
               "target_forward_ms": forward_ms, "rows": rows}
     if args.json:
         with open(args.json, "w") as fh:

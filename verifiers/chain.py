@@ -22,6 +22,7 @@ import dataclasses
 import torch
 from torch import Tensor
 
+from . import native
 from .checks import check_chain_inputs, check_generator, raise_if_bad_rows
 from .induced import chain_diagnostics, greedy_accepts
 from .processing import CHUNK_ELEMENTS, draft_logits, process_logits, sample_inverse_cdf
@@ -172,6 +173,12 @@ def _verify_rows(rule, target, draft, x, u_accept, u_final, temperature, top_k, 
     return _Rows(p_x, q_x, p_probe, q_probe, ctx_k, a, n_acc, stats, *fin)
 
 
+def _zero_q_error(x: Tensor, b: int, j: int) -> ValueError:
+    return ValueError(f"draft_tokens[{b}, {j}] = {int(x[b, j])} has zero probability under the draft "
+                      "distribution q (chain drafts must be sampled from q at the same temperature; "
+                      "use verify_candidates for deterministic drafts)")
+
+
 def _check_rows(rows: _Rows, target, draft, x) -> None:
     """Raise for NaN/+inf/all -inf logit rows and for draft tokens that q gives zero mass
     (one host sync: NaN propagates through the probe sums)."""
@@ -183,10 +190,30 @@ def _check_rows(rows: _Rows, target, draft, x) -> None:
         return
     raise_if_bad_rows("target_logits", target, rows.p_probe)
     raise_if_bad_rows("draft_logits", draft, rows.q_probe)
-    b, j = (rows.q_x <= 0).nonzero()[0].tolist()
-    raise ValueError(f"draft_tokens[{b}, {j}] = {int(x[b, j])} has zero probability under the draft "
-                     "distribution q (chain drafts must be sampled from q at the same temperature; "
-                     "use verify_candidates for deterministic drafts)")
+    raise _zero_q_error(x, *(rows.q_x <= 0).nonzero()[0].tolist())
+
+
+def _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u_final) -> ChainResult:
+    """The fused C++ verifier (:mod:`.native`) on the same uniforms; its input errors raised
+    as the PyTorch path raises them."""
+    b, k1, v = target.shape
+    if top_k is not None or top_p is not None:  # truncate here; the kernel then uses T = 1
+        z, t = process_logits(target, temperature, top_k, top_p), 1.0
+        d = draft_logits(draft, temperature)
+    else:
+        z, d, t = target, draft, temperature
+    try:
+        return native.verify_chain_native(rule, z, d, x, u_accept, u_final, t)
+    except native.NativeError as err:
+        if err.status == 2:
+            raise _zero_q_error(x, *err.bad_token) from None
+        nan = torch.tensor(float("nan"))
+        bad = err.bad_rows.bool()
+        probe_t = torch.where(bad[:b * k1].view(b, k1), nan, 0.0)
+        probe_d = torch.where(bad[b * k1:].view(b, k1 - 1), nan, 0.0)
+        raise_if_bad_rows("target_logits", target, probe_t)
+        raise_if_bad_rows("draft_logits", draft, probe_d)
+        raise AssertionError("the C++ verifier flagged a bad row that has none") from None
 
 
 def _assemble(x, n_acc, final_tok, final_kind, acc_vals, final_vals) -> tuple[Tensor, ...]:
@@ -255,6 +282,12 @@ def _sampled_chain(rule, target, draft, x, temperature, top_k, top_p, generator)
     state = generator.get_state()  # restored if the inputs are rejected
     u_accept = torch.rand(b, k, generator=generator, device=dev)
     u_final = torch.rand(b, generator=generator, device=dev)
+    if dev.type == "cpu" and native.enabled() and native.supports(rule):
+        try:
+            return _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u_final)
+        except ValueError:
+            generator.set_state(state)
+            raise
     step = max(1, CHUNK_ELEMENTS // (k1 * v))  # whole batch rows per chunk, sized to stay in cache
     if step >= b:
         rows = _verify_rows(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p)

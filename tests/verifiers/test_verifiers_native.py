@@ -1,0 +1,120 @@
+"""The fused C++ chain verifier against the PyTorch one on the model's vocabulary (several
+sampling blocks), its thread-count invariance, a Monte Carlo check whose support spans every
+sampling block, and what happens where it cannot be built."""
+
+from __future__ import annotations
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from test_verifiers_montecarlo import assert_matches
+from verifier_cases import RULE_CASES, RULE_IDS, chain_inputs, make_rule
+
+from verifiers import induced_chain, native, target_probs, verify_chain
+
+
+@pytest.fixture(autouse=True)
+def chain_backend():  # overrides the two-backend fixture: these tests pick their backend
+    yield None
+
+
+def _both(rule, target, draft, x, seed, **kw):
+    out = []
+    for use in (True, False):
+        with native.forced(use):
+            out.append(verify_chain(rule, target, draft, x, generator=torch.Generator().manual_seed(seed), **kw))
+    return out
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("sampling", [(1.0, None, None), (0.8, None, 0.9), (0.7, 50, None)],
+                         ids=["T1", "T0.8-p0.9", "T0.7-k50"])
+def test_native_equals_torch_on_the_model_vocabulary(case, sampling):
+    temperature, top_k, top_p = sampling
+    rule = make_rule(case)
+    target, draft, x = chain_inputs(3, 4, 5, 49152, temperature, 8.0 if case[0] == "mars" else 0.0)
+    target = target * 1.5  # peakier rows: longer accepted prefixes
+    fast, slow = _both(rule, target, draft, x, 7, temperature=temperature, top_k=top_k, top_p=top_p)
+    assert torch.equal(fast.tokens, slow.tokens)
+    assert torch.equal(fast.num_emitted, slow.num_emitted)
+    assert torch.equal(fast.kinds, slow.kinds)
+    assert torch.equal(fast.relaxed, slow.relaxed)
+    torch.testing.assert_close(fast.behaviour_logprobs, slow.behaviour_logprobs, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.target_logprobs, slow.target_logprobs, atol=2e-5, rtol=1e-5)
+    assert (fast.tokens > 512).any()  # tokens come from beyond the first sampling block
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_native_results_do_not_depend_on_the_thread_count(case):
+    rule = make_rule(case)
+    target, draft, x = chain_inputs(5, 3, 4, 3000, 1.0, 6.0 if case[0] == "mars" else 0.0)
+    saved = torch.get_num_threads()
+    runs = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with native.forced(True):
+                runs.append(verify_chain(rule, target, draft, x, temperature=1.0,
+                                         generator=torch.Generator().manual_seed(2)))
+    finally:
+        torch.set_num_threads(saved)
+    for other in runs[1:]:
+        for name in ("tokens", "num_emitted", "behaviour_logprobs", "target_logprobs", "kinds", "relaxed"):
+            assert torch.equal(getattr(runs[0], name), getattr(other, name)), name
+
+
+SPREAD = [3, 511, 512, 1030, 1535, 1599]  # the live tokens, in all four sampling blocks of V = 1600
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_native_monte_carlo_across_sampling_blocks(case):
+    """Like test_verifiers_montecarlo, with V = 1600 whose mass sits on tokens in every block of
+    the kernel's two-level inverse-CDF search (the other tokens have p and q near 1e-13)."""
+    n, k, v = 100_000, 2, 1600
+    g = torch.Generator().manual_seed(31)
+    shift = 3.0 if case[0] == "mars" else 0.0
+    target = torch.full((k + 1, v), -30.0)
+    draft = torch.full((k, v), -30.0)
+    target[:, SPREAD] = torch.randn(k + 1, len(SPREAD), generator=g) * 1.5 + shift
+    draft[:, SPREAD] = target[:k, SPREAD] + torch.randn(k, len(SPREAD), generator=g) * 0.7
+    draft[0, SPREAD[0]] = -math.inf  # a live target token outside the draft vocabulary
+    rule = make_rule(case)
+    q = torch.softmax(draft, -1)
+    x = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g) for j in range(k)], 1)
+    with native.forced(True):
+        res = verify_chain(rule, target.expand(n, k + 1, v), draft.expand(n, k, v), x, temperature=1.0,
+                           generator=g)
+    P = torch.cat([induced_chain(rule, target[:k], draft, temperature=1.0), target_probs(target[k:], 1.0)])
+    for j in range(k + 1):
+        reached = res.num_emitted > j
+        assert reached.sum() > 5000
+        y = res.tokens[reached, j]
+        assert_matches(y, P[j])
+        torch.testing.assert_close(res.behaviour_logprobs[reached, j].exp(), P[j][y].float(), atol=1e-5, rtol=1e-5)
+    assert torch.isin(res.tokens[res.tokens >= 0], torch.tensor(SPREAD)).float().mean() > 0.999
+
+
+def _run_without_compiler(mode: str, tmp_path) -> subprocess.CompletedProcess:
+    code = ("import torch, warnings; warnings.simplefilter('always')\n"
+            "from verifiers import get_rule, verify_chain, native\n"
+            "t = torch.randn(2, 3, 50); d = t[:, :2] + torch.randn(2, 2, 50)\n"
+            "x = torch.multinomial(torch.softmax(d, -1).reshape(-1, 50), 1).reshape(2, 2)\n"
+            "r = verify_chain(get_rule('lossless'), t, d, x, temperature=1.0, generator=torch.Generator())\n"
+            "print('emitted', int(r.num_emitted.sum()), 'native', native.enabled())\n")
+    env = dict(os.environ, CXX="no-such-compiler-xyz", HONEST_ROLLOUTS_CACHE=str(tmp_path),
+               HONEST_ROLLOUTS_NATIVE=mode)
+    return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
+
+
+def test_without_a_compiler_auto_falls_back_and_required_raises(tmp_path):
+    auto = _run_without_compiler("auto", tmp_path)
+    assert auto.returncode == 0, auto.stderr
+    assert "native False" in auto.stdout and "emitted" in auto.stdout
+    assert "no C++ compiler 'no-such-compiler-xyz'" in auto.stderr  # the one warning says why
+    required = _run_without_compiler("1", tmp_path)
+    assert required.returncode != 0
+    assert "RuntimeError: no C++ compiler 'no-such-compiler-xyz'" in required.stderr

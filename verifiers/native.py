@@ -1,0 +1,210 @@
+"""The fused C++ chain verifier (``csrc/chain.cpp``): build, load and call it.
+
+``verify_chain`` uses it for sampled chains on the CPU; the PyTorch code in :mod:`.chain` is
+the other backend (any device, and the fallback). Both implement the same procedure, draw the
+same uniforms and are tested against the same slow reference and closed forms.
+
+The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``;
+about 3 s) against torch's own thread pool (``at::parallel_for``: it follows
+``torch.set_num_threads``), and cached under ``$HONEST_ROLLOUTS_CACHE`` (default
+``~/.cache/honest-rollouts``) keyed by the source, compiler, torch version and CPU flags.
+``python -c 'from verifiers import native; native.main()'`` (``make native``) builds it ahead
+of time and says where it is.
+
+``HONEST_ROLLOUTS_NATIVE``: ``auto`` (default: use it when it builds, else warn once and use
+PyTorch), ``0`` (never), ``1`` (required: a failed build raises).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import time
+import warnings
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from .results import ChainResult
+from .rules import Cos, Lossless, Mars, MinP, Overshoot, Typical
+
+SOURCE = Path(__file__).with_name("csrc") / "chain.cpp"
+_RULE_IDS = {Lossless: 0, Mars: 1, Overshoot: 2, Typical: 3, MinP: 4, Cos: 5}
+
+
+class Params(ctypes.Structure):
+    """Mirror of ``Params`` in csrc/chain.cpp."""
+
+    _fields_ = [("rule", ctypes.c_int64), ("theta", ctypes.c_double), ("lenience", ctypes.c_double),
+                ("min_p", ctypes.c_double), ("epsilon", ctypes.c_double), ("delta", ctypes.c_double),
+                ("p_base", ctypes.c_double), ("lam", ctypes.c_double)]
+
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_override: bool | None = None  # set by ``forced`` (tests)
+
+
+def _mode() -> str:
+    mode = os.environ.get("HONEST_ROLLOUTS_NATIVE", "auto").strip().lower()
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"HONEST_ROLLOUTS_NATIVE must be one of auto, 0, 1; got {mode!r}")
+    return mode
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("HONEST_ROLLOUTS_CACHE") or "~/.cache/honest-rollouts"
+    return Path(root).expanduser() / "native"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as fh:
+            return next((line for line in fh if line.startswith("flags")), "")
+    except OSError:
+        return ""
+
+
+def _command(out: Path) -> list[str]:
+    tdir = Path(torch.__file__).parent
+    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
+    return [os.environ.get("CXX", "g++"), "-O3", "-std=gnu++17", "-march=native", "-fopenmp",
+            "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            f"-I{tdir / 'include'}", str(SOURCE), "-o", str(out), f"-L{tdir / 'lib'}",
+            "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{tdir / 'lib'}"]
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source, compiler, torch and CPU lives."""
+    key = hashlib.sha256()
+    key.update(SOURCE.read_bytes())
+    key.update(" ".join(_command(Path("x"))).encode())
+    key.update(torch.__version__.encode())
+    key.update(_cpu_flags().encode())
+    return _cache_dir() / f"chain-{key.hexdigest()[:16]}.so"
+
+
+def build() -> Path:
+    """Compile the library if it is not cached; returns its path (raises on failure)."""
+    path = library_path()
+    if path.exists():
+        return path
+    compiler = os.environ.get("CXX", "g++")
+    if shutil.which(compiler) is None:
+        raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set $CXX, or HONEST_ROLLOUTS_NATIVE=0)")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    proc = subprocess.run(_command(tmp), capture_output=True, text=True, timeout=600)
+    if proc.returncode != 0:
+        tmp.unlink(missing_ok=True)
+        raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+    os.replace(tmp, path)  # atomic: concurrent builders (Ray workers) never see a partial file
+    return path
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    _tried = True
+    try:
+        lib = ctypes.CDLL(str(build()))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        if _mode() == "1":
+            raise
+        warnings.warn(f"the fused C++ verifier is unavailable, using the PyTorch one: {err}",
+                      RuntimeWarning, stacklevel=3)
+        return None
+    fn = lib.hr_verify_chain
+    fn.restype = ctypes.c_int64
+    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
+                   + [ctypes.c_void_p] * 8)
+    _lib = lib
+    return lib
+
+
+def enabled() -> bool:
+    """Whether ``verify_chain`` uses the C++ verifier for sampled chains on the CPU."""
+    if _override is not None:
+        return _override and _load() is not None
+    return _mode() != "0" and _load() is not None
+
+
+@contextlib.contextmanager
+def forced(use: bool):
+    """Use (True) or bypass (False) the C++ verifier inside the block; True raises if it cannot
+    be built."""
+    global _override
+    if use and _load() is None:
+        raise RuntimeError("the fused C++ verifier could not be built (see the warning above)")
+    saved, _override = _override, use
+    try:
+        yield
+    finally:
+        _override = saved
+
+
+@functools.lru_cache(maxsize=256)
+def params(rule) -> Params:
+    """The C struct for a registered rule (rules are frozen: cached per rule)."""
+    rid = _RULE_IDS[type(rule)]
+    get = lambda name, default=0.0: float(getattr(rule, name, default) or 0.0)  # noqa: E731
+    return Params(rid, get("theta"), get("lenience", 1.0), get("min_p"), get("epsilon"), get("delta"),
+                  get("p_base"), get("lam"))
+
+
+def supports(rule) -> bool:
+    return type(rule) in _RULE_IDS
+
+
+class NativeError(Exception):
+    """The kernel found bad inputs: ``status`` 1 (bad logit rows, ``bad_rows``) or 2 (a draft
+    token with q = 0 at ``bad_token``); the caller turns it into the user-facing ValueError."""
+
+    def __init__(self, status: int, bad_rows: Tensor, bad_token: tuple[int, int]):
+        super().__init__(status)
+        self.status, self.bad_rows, self.bad_token = status, bad_rows, bad_token
+
+
+def verify_chain_native(rule, z_target: Tensor, z_draft: Tensor, x: Tensor, u_accept: Tensor,
+                        u_final: Tensor, temperature: float) -> ChainResult:
+    """One fused call. z_target [B, K+1, V] and z_draft [B, K, V] are float32 logits that the
+    kernel divides by ``temperature`` (pass processed logits with temperature 1)."""
+    lib = _load()
+    b, k1, v = z_target.shape
+    k = k1 - 1
+    zt = z_target.float().contiguous()
+    zd = z_draft.float().contiguous()
+    xs = x.long().contiguous()
+    ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
+    tokens = torch.empty(b, k1, dtype=torch.long)
+    num = torch.empty(b, dtype=torch.long)
+    behaviour = torch.empty(b, k1)
+    target_lp = torch.empty(b, k1)
+    kinds = torch.empty(b, k1, dtype=torch.int8)
+    relaxed = torch.empty(b, k1, dtype=torch.bool)
+    bad_rows = torch.zeros(b * k1 + b * k, dtype=torch.uint8)
+    bad_token = torch.zeros(2, dtype=torch.long)
+    prm = params(rule)
+    status = lib.hr_verify_chain(zt.data_ptr(), zd.data_ptr(), xs.data_ptr(), ua.data_ptr(), uf.data_ptr(),
+                                 b, k, v, float(temperature), ctypes.byref(prm), tokens.data_ptr(),
+                                 num.data_ptr(), behaviour.data_ptr(), target_lp.data_ptr(),
+                                 kinds.data_ptr(), relaxed.data_ptr(), bad_rows.data_ptr(),
+                                 bad_token.data_ptr())
+    if status != 0:
+        raise NativeError(int(status), bad_rows, tuple(bad_token.tolist()))
+    return ChainResult(tokens, num, behaviour, target_lp, kinds, relaxed)
+
+
+def main() -> None:
+    start = time.perf_counter()
+    path = build()
+    print(f"fused C++ verifier: {path} ({time.perf_counter() - start:.1f} s)")
+    ctypes.CDLL(str(path))
+
