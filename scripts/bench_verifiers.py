@@ -10,6 +10,9 @@ with one forward of a randomly initialised LlamaForCausalLM of SmolLM2-135M's ex
 shape (timing does not depend on the weights): 8 new tokens per row over a 200-token KV
 prefix; the goal is < 5% of that forward.
 
+Then candidate (tree node) verification: N in {1, 8, 64} nodes with m = 4 candidates each,
+against one softmax over the same [N, V] logits.
+
 ``--backend``: ``native`` is the fused C++ verifier that ``verify_chain`` uses on the CPU
 (verifiers/native.py), ``torch`` the PyTorch one (other devices, and the fallback); both
 listed: timed side by side in the same interleaved rounds.
@@ -29,7 +32,7 @@ import time
 import torch
 
 from rollout.allocator import tune_malloc
-from verifiers import get_rule, native, verify_chain
+from verifiers import get_rule, native, verify_candidates, verify_chain
 
 RULES = [("lossless", {}), ("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
          ("overshoot", {"lenience": 0.5, "min_p": 0.1}), ("typical", {}), ("min_p", {}),
@@ -89,6 +92,45 @@ def bench_verification(batches, k, v, temperature, repeats, backends=("native",)
     return rows
 
 
+def bench_nodes(nodes, m, v, temperature, repeats, backends=("native",)) -> list[dict]:
+    """Candidate (tree node) verification: N nodes with m candidates each (the draft's top m)
+    against one softmax over the same [N, V] logits."""
+    rows = []
+    for n in nodes:
+        g = torch.Generator().manual_seed(2)
+        target = 15 + 3 * torch.randn(n, v, generator=g)
+        cands = (target + torch.randn(n, v, generator=g)).topk(m, -1).indices
+        fns = {"softmax": lambda: torch.softmax(target, -1)}
+        accepted = {}
+        for name, params in RULES:
+            for backend in backends:
+                rule, gen = get_rule(name, **params), torch.Generator().manual_seed(1)
+                key = (backend, _label(name, params))
+
+                def call(r=rule, gen=gen, nat=backend == "native"):
+                    with native.forced(nat):
+                        return verify_candidates(r, target, cands, temperature=temperature, generator=gen)
+
+                fns[key] = call
+                accepted[key] = float((call().accepted_index >= 0).float().mean())
+        med = _interleaved(fns, repeats)
+        for key in accepted:
+            rows.append({"N": n, "backend": key[0], "rule": key[1], "verify_ms": med[key] * 1e3,
+                         "softmax_ms": med["softmax"] * 1e3, "ratio": med[key] / med["softmax"],
+                         "accepted": accepted[key]})
+    return rows
+
+
+def _node_table(rows: list[dict], m: int) -> str:
+    head = (f"{'N':>3} {'backend':<7} {'rule':<36} {'verify ms':>10} {'softmax ms':>11} {'ratio':>6} "
+            f"{'accepted':>8}")
+    lines = [f"candidate verification (tree nodes), m = {m} candidates per node:", head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r['N']:>3} {r['backend']:<7} {r['rule']:<36} {r['verify_ms']:>10.2f} "
+                     f"{r['softmax_ms']:>11.2f} {r['ratio']:>6.2f} {r['accepted']:>8.2f}")
+    return "\n".join(lines)
+
+
 def bench_target_forward(batch: int, new: int, prefix: int, repeats: int) -> float:
     """Median ms of one forward of `new` tokens per row over a `prefix`-token KV cache."""
     from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
@@ -136,6 +178,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--backend", default="native",
                     help="comma-separated: native (fused C++, what the CPU uses), torch (PyTorch)")
+    ap.add_argument("--nodes", type=int, nargs="*", default=[1, 8, 64],
+                    help="node counts for the candidate (tree node) table; none: skip it")
+    ap.add_argument("--candidates", type=int, default=4, help="candidates per node")
     ap.add_argument("--no-model", action="store_true", help="skip the target-forward comparison")
     ap.add_argument("--malloc", choices=["tuned", "default"], default="tuned",
                     help="glibc malloc settings (rollout/allocator.py; the engine uses 'tuned')")
@@ -146,6 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
     if not backends or set(backends) - {"native", "torch"}:
         ap.error(f"--backend: a comma-separated list of native, torch; got {args.backend!r}")
     rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats, backends)
+    node_rows = bench_nodes(args.nodes, args.candidates, args.vocab, args.temperature, args.repeats, backends)
     forward_ms = None if args.no_model else bench_target_forward(8, 8, 200, max(5, args.repeats // 3))
     load = os.getloadavg()
     print(f"torch {torch.__version__}, {args.threads} threads, K = {args.k}, V = {args.vocab}, "
@@ -155,9 +201,11 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"target forward (SmolLM2-135M shape, B = 8, 8 new tokens, 200-token prefix): "
               f"{forward_ms:.1f} ms")
     print(_table(rows, forward_ms))
+    if node_rows:
+        print(_node_table(node_rows, args.candidates))
     result = {"threads": args.threads, "malloc": "tuned" if tuned else "default", "k": args.k, "vocab": args.vocab, "load_average": load[0],
               "temperature": args.temperature, "repeats": args.repeats, "backends": backends,
-              "target_forward_ms": forward_ms, "rows": rows}
+              "target_forward_ms": forward_ms, "rows": rows, "node_rows": node_rows}
     if args.json:
         with open(args.json, "w") as fh:
             json.dump(result, fh, indent=2)

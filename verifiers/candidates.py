@@ -13,9 +13,12 @@ fallback token by inverse CDF. T = 0 draws nothing.
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 from torch import Tensor
 
+from . import native
 from .checks import check_candidate_inputs, check_generator, raise_if_bad_rows
 from .induced import (NodeQuantities, candidate_diagnostics, checked_softmax, greedy_choice,
                       node_quantities)
@@ -67,6 +70,21 @@ def _greedy(rule, raw, cands) -> tuple[Tensor, ...]:
     return y, index, torch.zeros_like(target), target, (index >= 0) & (y != v1)
 
 
+def _native_nodes(rule, raw, cands, u_accept, u_final, temperature, top_k, top_p) -> CandidateResult:
+    """The fused C++ verifier (:mod:`.native`) on the same uniforms."""
+    if top_k is not None or top_p is not None:  # truncate here; the kernel then uses T = 1
+        z, t = process_logits(raw, temperature, top_k, top_p), 1.0
+    else:
+        z, t = raw, temperature
+    try:
+        return native.verify_candidates_native(rule, z, cands, u_accept, u_final, t)
+    except native.NativeError as err:
+        if err.status == 3:
+            raise RuntimeError("internal error: a node rejected every candidate but its fallback is empty") from None
+        raise_if_bad_rows("target_logits", raw, torch.where(err.bad_rows.bool(), float("nan"), 0.0))
+        raise AssertionError("the C++ verifier flagged a bad row that has none") from None
+
+
 def verify_candidates(rule: VerificationRule, target_logits: Tensor, candidates: Tensor, *,
                       temperature: float, top_k: int | None = None, top_p: float | None = None,
                       generator: torch.Generator | None,
@@ -85,6 +103,12 @@ def verify_candidates(rule: VerificationRule, target_logits: Tensor, candidates:
             dev = target_logits.device
             u_accept = torch.rand(n, m, generator=generator, device=dev)
             u_final = torch.rand(n, generator=generator, device=dev)
+            if dev.type == "cpu" and native.enabled() and native.supports(rule):
+                res = _native_nodes(rule, target_logits, cands, u_accept, u_final, temperature, top_k, top_p)
+                if diagnostics:
+                    res = dataclasses.replace(res, diagnostics=candidate_diagnostics(
+                        rule, target_logits, cands, res.tokens, temperature, top_k, top_p))
+                return res
             step = max(1, CHUNK_ELEMENTS // v)
             parts = [_sampled_chunk(rule, target_logits[s:s + step], cands[s:s + step],
                                     u_accept[s:s + step], u_final[s:s + step],

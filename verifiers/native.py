@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from .results import ChainResult
+from .results import CandidateResult, ChainResult
 from .rules import Cos, Lossless, Mars, MinP, Overshoot, Typical
 
 SOURCE = Path(__file__).with_name("csrc") / "chain.cpp"
@@ -125,6 +125,10 @@ def _load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
                    + [ctypes.c_void_p] * 8)
+    fn = lib.hr_verify_candidates
+    fn.restype = ctypes.c_int64
+    fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
+                   + [ctypes.c_void_p] * 6)
     _lib = lib
     return lib
 
@@ -164,10 +168,11 @@ def supports(rule) -> bool:
 
 
 class NativeError(Exception):
-    """The kernel found bad inputs: ``status`` 1 (bad logit rows, ``bad_rows``) or 2 (a draft
-    token with q = 0 at ``bad_token``); the caller turns it into the user-facing ValueError."""
+    """The kernel found bad inputs: ``status`` 1 (bad logit rows, ``bad_rows``), 2 (a draft
+    token with q = 0 at ``bad_token``) or 3 (a node rejected every candidate and its fallback is
+    empty: an internal error); the caller turns it into the user-facing error."""
 
-    def __init__(self, status: int, bad_rows: Tensor, bad_token: tuple[int, int]):
+    def __init__(self, status: int, bad_rows: Tensor, bad_token: tuple[int, int] = (-1, -1)):
         super().__init__(status)
         self.status, self.bad_rows, self.bad_token = status, bad_rows, bad_token
 
@@ -208,3 +213,28 @@ def main() -> None:
     print(f"fused C++ verifier: {path} ({time.perf_counter() - start:.1f} s)")
     ctypes.CDLL(str(path))
 
+
+
+def verify_candidates_native(rule, z_target: Tensor, cands: Tensor, u_accept: Tensor, u_final: Tensor,
+                             temperature: float) -> CandidateResult:
+    """One fused call for N nodes: z_target [N, V] float32 logits (divided by ``temperature``
+    here), cands [N, m] distinct, -1 padded after the valid ones."""
+    lib = _load()
+    n, v = z_target.shape
+    m = cands.shape[1]
+    zt = z_target.float().contiguous()
+    cs = cands.long().contiguous()
+    ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
+    tokens = torch.empty(n, dtype=torch.long)
+    index = torch.empty(n, dtype=torch.long)
+    behaviour = torch.empty(n)
+    target_lp = torch.empty(n)
+    relaxed = torch.empty(n, dtype=torch.bool)
+    bad_rows = torch.zeros(n, dtype=torch.uint8)
+    status = lib.hr_verify_candidates(zt.data_ptr(), cs.data_ptr(), ua.data_ptr(), uf.data_ptr(), n, m, v,
+                                      float(temperature), ctypes.byref(params(rule)), tokens.data_ptr(),
+                                      index.data_ptr(), behaviour.data_ptr(), target_lp.data_ptr(),
+                                      relaxed.data_ptr(), bad_rows.data_ptr())
+    if status != 0:
+        raise NativeError(int(status), bad_rows)
+    return CandidateResult(tokens, index, behaviour, target_lp, relaxed)

@@ -1,6 +1,6 @@
-"""The fused C++ chain verifier against the PyTorch one on the model's vocabulary (several
-sampling blocks), its thread-count invariance, a Monte Carlo check whose support spans every
-sampling block, and what happens where it cannot be built."""
+"""The fused C++ verifiers (chains and candidate nodes) against the PyTorch ones on the
+model's vocabulary (several sampling blocks), their thread-count invariance, Monte Carlo
+checks whose support spans every sampling block, and what happens where they cannot be built."""
 
 from __future__ import annotations
 
@@ -12,9 +12,10 @@ import sys
 import pytest
 import torch
 from test_verifiers_montecarlo import assert_matches
-from verifier_cases import RULE_CASES, RULE_IDS, chain_inputs, make_rule
+from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs, make_rule
 
-from verifiers import induced_chain, native, target_probs, verify_chain
+from verifiers import (induced_candidates, induced_chain, native, target_probs, verify_candidates,
+                       verify_chain)
 
 
 @pytest.fixture(autouse=True)
@@ -49,6 +50,26 @@ def test_native_equals_torch_on_the_model_vocabulary(case, sampling):
 
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("sampling", [(1.0, None, None), (0.8, None, 0.9)], ids=["T1", "T0.8-p0.9"])
+def test_native_candidates_equal_torch_on_the_model_vocabulary(case, sampling):
+    temperature, top_k, top_p = sampling
+    rule = make_rule(case)
+    target, cands = candidate_inputs(4, 12, 4, 49152, 8.0 if case[0] == "mars" else 0.0)
+    target = target * 1.5
+    out = []
+    for use in (True, False):
+        with native.forced(use):
+            out.append(verify_candidates(rule, target, cands, temperature=temperature, top_k=top_k, top_p=top_p,
+                                         generator=torch.Generator().manual_seed(8)))
+    fast, slow = out
+    assert torch.equal(fast.tokens, slow.tokens)
+    assert torch.equal(fast.accepted_index, slow.accepted_index)
+    assert torch.equal(fast.relaxed, slow.relaxed)
+    torch.testing.assert_close(fast.behaviour_logprobs, slow.behaviour_logprobs, atol=2e-5, rtol=1e-5)
+    torch.testing.assert_close(fast.target_logprobs, slow.target_logprobs, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 def test_native_results_do_not_depend_on_the_thread_count(case):
     rule = make_rule(case)
     target, draft, x = chain_inputs(5, 3, 4, 3000, 1.0, 6.0 if case[0] == "mars" else 0.0)
@@ -65,6 +86,19 @@ def test_native_results_do_not_depend_on_the_thread_count(case):
     for other in runs[1:]:
         for name in ("tokens", "num_emitted", "behaviour_logprobs", "target_logprobs", "kinds", "relaxed"):
             assert torch.equal(getattr(runs[0], name), getattr(other, name)), name
+    target, cands = candidate_inputs(6, 9, 3, 3000, 6.0 if case[0] == "mars" else 0.0)
+    nodes = []
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            with native.forced(True):
+                nodes.append(verify_candidates(rule, target, cands, temperature=1.0,
+                                               generator=torch.Generator().manual_seed(2)))
+    finally:
+        torch.set_num_threads(saved)
+    for other in nodes[1:]:
+        for name in ("tokens", "accepted_index", "behaviour_logprobs", "target_logprobs", "relaxed"):
+            assert torch.equal(getattr(nodes[0], name), getattr(other, name)), name
 
 
 SPREAD = [3, 511, 512, 1030, 1535, 1599]  # the live tokens, in all four sampling blocks of V = 1600
@@ -96,6 +130,25 @@ def test_native_monte_carlo_across_sampling_blocks(case):
         assert_matches(y, P[j])
         torch.testing.assert_close(res.behaviour_logprobs[reached, j].exp(), P[j][y].float(), atol=1e-5, rtol=1e-5)
     assert torch.isin(res.tokens[res.tokens >= 0], torch.tensor(SPREAD)).float().mean() > 0.999
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_native_candidate_monte_carlo_across_sampling_blocks(case):
+    """Candidates at three of the live tokens of V = 1600; rejections sample the fallback over
+    the rest, in all four sampling blocks."""
+    n, v = 100_000, 1600
+    g = torch.Generator().manual_seed(32)
+    target = torch.full((1, v), -30.0)
+    target[0, SPREAD] = torch.randn(len(SPREAD), generator=g) * 1.5 + (3.0 if case[0] == "mars" else 0.0)
+    cands = torch.tensor([[SPREAD[2], SPREAD[4], SPREAD[0]]])
+    rule = make_rule(case)
+    with native.forced(True):
+        res = verify_candidates(rule, target.expand(n, v), cands.expand(n, 3), temperature=0.9, generator=g)
+    P = induced_candidates(rule, target, cands, temperature=0.9)[0]
+    assert_matches(res.tokens, P)
+    torch.testing.assert_close(res.behaviour_logprobs.exp(), P[res.tokens].float(), atol=1e-5, rtol=1e-5)
+    accepted = res.accepted_index >= 0
+    assert torch.equal(res.tokens[accepted], cands[0][res.accepted_index[accepted]])
 
 
 def _run_without_compiler(mode: str, tmp_path) -> subprocess.CompletedProcess:

@@ -172,6 +172,44 @@ inline float prob(const RowView& rv, const RowStats& st, int64_t v) {
   return exp_nonpos(rv.z(v) - st.zmax) * st.inv_sum;
 }
 
+// Inverse CDF over weights given as block sums (sums[k] over tokens [k kBlock, (k+1) kBlock))
+// and a per-token weight(i): the first token whose cumulative weight exceeds u * total (the
+// goal kept below the total). Writes weight(y) / total to r_y.
+template <class Weight>
+int64_t sample_blocks(const double* sums, int64_t nblocks, int64_t V, Weight weight, double u, double& r_y) {
+  double total = 0;
+  for (int64_t k = 0; k < nblocks; ++k) total += sums[k];
+  double goal = u * total;
+  if (goal >= total) goal = std::nextafter(total, 0.0);
+  double before = 0;
+  int64_t blk = 0;
+  for (; blk < nblocks - 1; ++blk) {
+    if (before + sums[blk] > goal && sums[blk] > 0) break;
+    before += sums[blk];
+  }
+  // rounding left no mass above the goal: the last positive weight of the last block with mass
+  bool last = false;
+  while (sums[blk] <= 0 && blk > 0) {
+    --blk;
+    last = true;
+  }
+  const int64_t start = blk * kBlock, end = start + kBlock < V ? start + kBlock : V;
+  double cum = before;
+  int64_t last_positive = -1;
+  for (int64_t i = start; i < end; ++i) {
+    const float w = weight(i);
+    if (w <= 0) continue;
+    last_positive = i;
+    cum += w;
+    if (cum > goal && !last) {
+      r_y = static_cast<double>(w) / total;
+      return i;
+    }
+  }
+  r_y = static_cast<double>(weight(last_positive)) / total;
+  return last_positive;  // the block's own sum rounded above the scan's: its last positive weight
+}
+
 struct Position {  // what phase 2 works out at one drafted position of one row
   float p_x = 0, q_x = 0, a = 0;
   bool relax = false;  // MARS
@@ -298,41 +336,9 @@ struct Kernel {
     return w > 0 ? w : 0.0f;
   }
 
-  // Inverse CDF over the blocks: the first token whose cumulative weight exceeds u * total.
-  // Returns the token and writes its weight / total.
   int64_t sample(int64_t b, int64_t n, int kind, const RowStats& ts, const RowStats* qs,
                  const double* sums, int64_t nblocks, double u, double& r_y) const {
-    double total = 0;
-    for (int64_t k = 0; k < nblocks; ++k) total += sums[k];
-    double goal = u * total;
-    if (goal >= total) goal = std::nextafter(total, 0.0);
-    double before = 0;
-    int64_t blk = 0;
-    for (; blk < nblocks - 1; ++blk) {
-      if (before + sums[blk] > goal && sums[blk] > 0) break;
-      before += sums[blk];
-    }
-    // rounding left no mass above the goal: the last positive weight of the last block with mass
-    bool last = false;
-    while (sums[blk] <= 0 && blk > 0) {
-      --blk;
-      last = true;
-    }
-    const int64_t start = blk * kBlock, end = start + kBlock < V ? start + kBlock : V;
-    double cum = before;
-    int64_t last_positive = -1;
-    for (int64_t i = start; i < end; ++i) {
-      const float w = weight(b, n, kind, ts, qs, i);
-      if (w <= 0) continue;
-      last_positive = i;
-      cum += w;
-      if (cum > goal && !last) {
-        r_y = static_cast<double>(w) / total;
-        return i;
-      }
-    }
-    r_y = static_cast<double>(weight(b, n, kind, ts, qs, last_positive)) / total;
-    return last_positive;  // the block's own sum rounded above the scan's: its last positive weight
+    return sample_blocks(sums, nblocks, V, [&](int64_t i) { return weight(b, n, kind, ts, qs, i); }, u, r_y);
   }
 
   // P(y) at a non-exact position from the rule's closed form (prob_at in rules.py).
@@ -526,6 +532,196 @@ int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* 
     }
   });
   return 0;
+}
+
+}  // extern "C"
+
+// ---------------------------------------------------------------------------------------------
+// Verification over deterministic candidates (verifiers/candidates.py is the contract): node n
+// examines c_1..c_m in order, accepting c_i with alpha_i = node_alpha(s(c_i), p(c_i)), where
+// s(c_i) is p(c_i) over the mass not yet rejected; if none is accepted the token comes from the
+// fallback (p without the candidates; p itself where MARS relaxes). One task per node.
+
+namespace {
+
+struct NodeKernel {
+  const float* target;  // [N, V]
+  const int64_t* cands;  // [N, M], -1 padded after the valid ones
+  int64_t M, V;
+  float temperature;
+  Params prm;
+
+  float alpha(float s_c, float p_c, int64_t c, bool relax, float thr, const RowStats& st) const {
+    switch (prm.rule) {
+      case kMars:
+        return relax ? ((c == st.v1 || c == st.v2) ? 1.0f : 0.0f) : s_c;
+      case kOvershoot: {
+        if (prm.min_p > 0 && p_c >= thr) return 1.0f;
+        const float a = s_c / static_cast<float>(prm.lenience);
+        return a < 1.0f ? a : 1.0f;
+      }
+      case kTypical:
+      case kMinP:
+        return p_c >= thr ? 1.0f : 0.0f;
+      case kCos:
+        return prm.lam == 1.0 ? s_c : 1.0f - static_cast<float>(prm.lam) * (1.0f - s_c);
+      default:
+        return s_c;
+    }
+  }
+
+  // Returns 0, 1 (bad logit row) or 3 (every candidate rejected and the fallback is empty).
+  int node(int64_t n, float u_fin, const float* u_acc, int64_t& y, int64_t& index, float& blp, float& tlp,
+           bool& rel, std::vector<double>& sums) const {
+    const RowView rv{target + n * V, V, temperature};
+    const int64_t* c = cands + n * M;
+    const bool mars = prm.rule == kMars, typical = prm.rule == kTypical;
+    RowStats st;
+    float raw_max, raw_second;
+    row_max(rv.data, V, mars, st, raw_max, raw_second);
+    if (st.bad) return 1;
+    const float zmax = temperature == 1.0f ? raw_max : raw_max / temperature;
+    st.zmax = zmax;
+    int64_t m = 0;  // valid candidates
+    while (m < M && c[m] >= 0) ++m;
+    std::vector<int64_t> sorted(c, c + m);
+    for (int64_t i = 1; i < m; ++i)
+      for (int64_t j = i; j > 0 && sorted[j - 1] > sorted[j]; --j) std::swap(sorted[j - 1], sorted[j]);
+    // sum exp(z - zmax) over the non-candidates, segment by segment (no cancellation later)
+    float rest_e = 0, h = 0;
+    const float t = temperature;
+    int64_t lo = 0;
+    for (int64_t k = 0; k <= m; ++k) {
+      const int64_t hi = k < m ? sorted[k] : V;
+      float s = 0, hh = 0;
+#pragma omp simd reduction(+ : s, hh)
+      for (int64_t i = lo; i < hi; ++i) {
+        const float d = (t == 1.0f ? rv.data[i] : rv.data[i] / t) - zmax;
+        const float e = exp_nonpos(d);
+        s += e;
+        hh += typical && e > 0 ? e * d : 0.0f;
+      }
+      rest_e += s;
+      h += hh;
+      lo = hi + 1;
+    }
+    std::vector<float> e_c(m);
+    float cand_e = 0;
+    for (int64_t i = 0; i < m; ++i) {
+      const float d = rv.z(c[i]) - zmax;
+      e_c[i] = exp_nonpos(d);
+      cand_e += e_c[i];
+      if (typical && e_c[i] > 0) h += e_c[i] * d;
+    }
+    st.inv_sum = 1.0f / (rest_e + cand_e);
+    const float inv = st.inv_sum, rest = rest_e * inv;
+    bool relax = false;
+    float thr = 0;
+    if (mars) {
+      st.v1 = first_equal(rv.data, V, raw_max, -1);
+      st.z2 = temperature == 1.0f ? raw_second : raw_second / temperature;
+      st.v2 = first_equal(rv.data, V, raw_second, st.v1);
+      if (st.v2 < 0) st.v2 = st.v1;
+      relax = zmax > 0 && st.z2 / zmax > static_cast<float>(prm.theta);
+    } else if (prm.rule == kOvershoot && prm.min_p > 0) {
+      thr = static_cast<float>(prm.min_p) * inv;
+    } else if (prm.rule == kMinP) {
+      thr = static_cast<float>(prm.p_base) * inv;
+    } else if (typical) {
+      const float entropy = -std::log(inv) - h * inv;
+      const float th = static_cast<float>(prm.delta) * std::exp(-entropy);
+      thr = th < static_cast<float>(prm.epsilon) ? th : static_cast<float>(prm.epsilon);
+    }
+    // the walk: remaining mass when c_i is examined = non-candidates + c_i..c_m
+    std::vector<float> p_c(m), s_c(m), al(m);
+    for (int64_t i = 0; i < m; ++i) p_c[i] = e_c[i] * inv;
+    float tail = 0;
+    for (int64_t i = m - 1; i >= 0; --i) {
+      tail += p_c[i];
+      const float remaining = rest + tail;
+      const float sc = remaining > 0 ? p_c[i] / remaining : 0.0f;
+      s_c[i] = sc < 1.0f ? sc : 1.0f;
+    }
+    index = -1;
+    double log_reach = 0;  // log prob of reaching the current candidate
+    std::vector<double> lr(m + 1);
+    for (int64_t i = 0; i < m; ++i) {
+      al[i] = alpha(s_c[i], p_c[i], c[i], relax, thr, st);
+      lr[i] = log_reach;
+      if (index < 0 && u_acc[i] < al[i]) index = i;
+      log_reach += std::log1p(-static_cast<double>(al[i]));
+    }
+    lr[m] = log_reach;
+    const bool fb_is_p = mars && relax;
+    const double fb_mass = fb_is_p ? 1.0 : static_cast<double>(rest);
+    auto fb_weight = [&](int64_t i) -> float {
+      const float p = prob(rv, st, i);
+      if (fb_is_p) return p;
+      for (int64_t k = 0; k < m; ++k)
+        if (c[k] == i) return 0.0f;
+      return p;
+    };
+    if (index >= 0) {
+      y = c[index];
+      rel = al[index] > s_c[index];
+    } else {
+      if (!(fb_mass > 0)) return 3;
+      const int64_t nblocks = (V + kBlock - 1) / kBlock;
+      sums.assign(nblocks, 0.0);
+      for (int64_t blk = 0; blk < nblocks; ++blk) {
+        const int64_t start = blk * kBlock, end = start + kBlock < V ? start + kBlock : V;
+        double s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = start; i < end; ++i) {
+          const float zt = t == 1.0f ? rv.data[i] : rv.data[i] / t;
+          s += static_cast<double>(exp_nonpos(zt - zmax) * inv);
+        }
+        if (!fb_is_p)
+          for (int64_t k = 0; k < m; ++k)
+            if (c[k] >= start && c[k] < end) s -= static_cast<double>(p_c[k]);
+        sums[blk] = s > 0 ? s : 0.0;
+      }
+      double r_y = 0;
+      y = sample_blocks(sums.data(), nblocks, V, fb_weight, u_fin, r_y);
+      rel = false;
+    }
+    const float p_y = prob(rv, st, y);
+    tlp = std::log(p_y);
+    // log P(y) = log(reach_i alpha_i [y = c_i] + reach_{m+1} fallback(y) / |fallback|)
+    double P = 0;
+    for (int64_t i = 0; i < m; ++i)
+      if (c[i] == y) P += std::exp(lr[i]) * al[i];
+    if (fb_mass > 0) P += std::exp(lr[m]) * static_cast<double>(fb_weight(y)) / fb_mass;
+    blp = static_cast<float>(std::log(P));
+    return 0;
+  }
+};
+
+}  // namespace
+
+extern "C" {
+
+// Returns 0, 1 when a logit row is bad (bad_rows[N] flags which), or 3 when a node rejected
+// every candidate and its fallback has no mass (an internal error).
+int64_t hr_verify_candidates(const float* target, const int64_t* cands, const float* u_accept,
+                             const float* u_final, int64_t N, int64_t M, int64_t V, double temperature,
+                             const Params* prm, int64_t* tokens, int64_t* index, float* behaviour,
+                             float* target_lp, bool* relaxed, uint8_t* bad_rows) {
+  NodeKernel kn{target, cands, M, V, static_cast<float>(temperature), *prm};
+  std::vector<int> status(N, 0);
+  at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
+    std::vector<double> sums;
+    for (int64_t n = lo; n < hi; ++n)
+      status[n] = kn.node(n, u_final[n], u_accept + n * M, tokens[n], index[n], behaviour[n], target_lp[n],
+                          relaxed[n], sums);
+  });
+  int64_t worst = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    bad_rows[n] = status[n] == 1;
+    if (status[n] == 1) worst = 1;
+    else if (status[n] == 3 && worst == 0) worst = 3;
+  }
+  return worst;
 }
 
 }  // extern "C"
