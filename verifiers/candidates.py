@@ -81,6 +81,8 @@ def _native_nodes(rule, raw, cands, u_accept, u_final, temperature, top_k, top_p
     except native.NativeError as err:
         if err.status == 3:
             raise RuntimeError("internal error: a node rejected every candidate but its fallback is empty") from None
+        if err.status == 4:
+            check_candidate_inputs(rule, raw, cands, temperature, top_k, top_p)
         raise_if_bad_rows("target_logits", raw, torch.where(err.bad_rows.bool(), float("nan"), 0.0))
         raise AssertionError("the C++ verifier flagged a bad row that has none") from None
 
@@ -91,7 +93,10 @@ def verify_candidates(rule: VerificationRule, target_logits: Tensor, candidates:
                       diagnostics: bool = False) -> CandidateResult:
     """Verify N nodes: target_logits [N, V], candidates [N, m] (-1 padded, distinct).
     p uses temperature and top-k/top-p; T = 0 is greedy and needs no generator."""
-    n, m, v = check_candidate_inputs(rule, target_logits, candidates, temperature, top_k, top_p)
+    fused = (temperature > 0 and target_logits.device.type == "cpu" and native.enabled()
+             and native.supports(rule))
+    n, m, v = check_candidate_inputs(rule, target_logits, candidates, temperature, top_k, top_p,
+                                     contents=not fused)
     check_generator(generator, temperature, target_logits.device)
     if n == 0:
         return empty_candidate_result(target_logits.device, diagnostics)
@@ -101,10 +106,15 @@ def verify_candidates(rule: VerificationRule, target_logits: Tensor, candidates:
             out = _greedy(rule, target_logits, cands)
         else:
             dev = target_logits.device
+            state = generator.get_state() if fused else None  # restored if the kernel rejects the inputs
             u_accept = torch.rand(n, m, generator=generator, device=dev)
             u_final = torch.rand(n, generator=generator, device=dev)
-            if dev.type == "cpu" and native.enabled() and native.supports(rule):
-                res = _native_nodes(rule, target_logits, cands, u_accept, u_final, temperature, top_k, top_p)
+            if fused:
+                try:
+                    res = _native_nodes(rule, target_logits, cands, u_accept, u_final, temperature, top_k, top_p)
+                except ValueError:
+                    generator.set_state(state)
+                    raise
                 if diagnostics:
                     res = dataclasses.replace(res, diagnostics=candidate_diagnostics(
                         rule, target_logits, cands, res.tokens, temperature, top_k, top_p))

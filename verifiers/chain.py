@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .checks import check_chain_inputs, check_generator, raise_if_bad_rows
+from .checks import check_chain_inputs, check_generator, check_token_range, raise_if_bad_rows
 from .induced import chain_diagnostics, greedy_accepts
 from .processing import CHUNK_ELEMENTS, draft_logits, process_logits, sample_inverse_cdf
 from .results import ChainResult, TokenKind, empty_chain_result
@@ -207,6 +207,8 @@ def _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u
     except native.NativeError as err:
         if err.status == 2:
             raise _zero_q_error(x, *err.bad_token) from None
+        if err.status == 4:
+            check_token_range("draft_tokens", x, v, allow_pad=False)
         nan = torch.tensor(float("nan"))
         bad = err.bad_rows.bool()
         probe_t = torch.where(bad[:b * k1].view(b, k1), nan, 0.0)
@@ -276,13 +278,13 @@ def _behaviour(rule, x, rows: _Rows, exact, t_lp_acc, t_lp_fin) -> tuple[Tensor,
     return acc, torch.where(lossy, torch.fmax(P_fin, floor_fin).log().float(), t_lp_fin)
 
 
-def _sampled_chain(rule, target, draft, x, temperature, top_k, top_p, generator) -> ChainResult:
+def _sampled_chain(rule, target, draft, x, temperature, top_k, top_p, generator, fused) -> ChainResult:
     b, k1, v = target.shape
     k, dev = k1 - 1, target.device
     state = generator.get_state()  # restored if the inputs are rejected
     u_accept = torch.rand(b, k, generator=generator, device=dev)
     u_final = torch.rand(b, generator=generator, device=dev)
-    if dev.type == "cpu" and native.enabled() and native.supports(rule):
+    if fused:
         try:
             return _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u_final)
         except ValueError:
@@ -327,8 +329,10 @@ def verify_chain(rule: VerificationRule, target_logits: Tensor, draft_logits: Te
     outside a draft vocabulary), draft_tokens [B, K] with x_j ~ q_j. p uses temperature and
     top-k/top-p; q uses the same temperature only. T = 0 is greedy and needs no generator.
     """
+    fused = (temperature > 0 and target_logits.device.type == "cpu" and native.enabled()
+             and native.supports(rule))
     b, k, _ = check_chain_inputs(rule, target_logits, draft_logits, draft_tokens,
-                                 temperature, top_k, top_p)
+                                 temperature, top_k, top_p, contents=not fused)
     check_generator(generator, temperature, target_logits.device)
     if b == 0:
         return empty_chain_result(k, target_logits.device, diagnostics)
@@ -338,7 +342,7 @@ def verify_chain(rule: VerificationRule, target_logits: Tensor, draft_logits: Te
             res = _greedy_chain(rule, target_logits, draft_logits, x)
         else:
             res = _sampled_chain(rule, target_logits, draft_logits, x, temperature, top_k, top_p,
-                                 generator)
+                                 generator, fused)
         if diagnostics:
             diag = chain_diagnostics(rule, target_logits, draft_logits, x, res.tokens,
                                      temperature, top_k, top_p)

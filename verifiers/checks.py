@@ -54,8 +54,9 @@ def check_token_range(name: str, tokens: Tensor, vocab: int, allow_pad: bool) ->
 
 
 def check_chain_inputs(rule, target_logits: Tensor, draft_logits: Tensor, draft_tokens: Tensor,
-                       temperature: float, top_k, top_p) -> tuple[int, int, int]:
-    """Validate verify_chain's inputs; returns (B, K, V)."""
+                       temperature: float, top_k, top_p, contents: bool = True) -> tuple[int, int, int]:
+    """Validate verify_chain's inputs; returns (B, K, V). ``contents=False`` skips the token
+    range check (the C++ verifier checks it and the caller then re-runs this to raise)."""
     check_rule(rule)
     check_sampling(temperature, top_k, top_p)
     _check_float("target_logits", target_logits)
@@ -75,7 +76,8 @@ def check_chain_inputs(rule, target_logits: Tensor, draft_logits: Tensor, draft_
     for name, t in (("draft_logits", draft_logits), ("draft_tokens", draft_tokens)):
         if t.device != target_logits.device:
             raise ValueError(f"{name} is on {t.device} but target_logits is on {target_logits.device}")
-    check_token_range("draft_tokens", draft_tokens, v, allow_pad=False)
+    if contents:
+        check_token_range("draft_tokens", draft_tokens, v, allow_pad=False)
     return b, k1 - 1, v
 
 
@@ -95,9 +97,10 @@ def check_pair_inputs(rule, target_logits: Tensor, draft_logits: Tensor, tempera
 
 
 def check_candidate_inputs(rule, target_logits: Tensor, candidates: Tensor, temperature: float,
-                           top_k, top_p) -> tuple[int, int, int]:
+                           top_k, top_p, contents: bool = True) -> tuple[int, int, int]:
     """Validate verify_candidates' inputs; returns (N, m, V). Candidates: distinct ids, -1
-    padding only after the valid ones."""
+    padding only after the valid ones (``contents=False`` skips these value checks: the C++
+    verifier makes them and the caller then re-runs this to raise)."""
     check_rule(rule)
     check_sampling(temperature, top_k, top_p)
     _check_float("target_logits", target_logits)
@@ -110,6 +113,8 @@ def check_candidate_inputs(rule, target_logits: Tensor, candidates: Tensor, temp
                          f"shape {_shape(target_logits)} (expected [{n}, m])")
     if candidates.device != target_logits.device:
         raise ValueError(f"candidates is on {candidates.device} but target_logits is on {target_logits.device}")
+    if not contents:
+        return n, candidates.shape[1], v
     check_token_range("candidates", candidates, v, allow_pad=True)
     valid = candidates >= 0
     if candidates.shape[1] > 1 and n > 0:

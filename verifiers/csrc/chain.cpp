@@ -374,12 +374,15 @@ struct Kernel {
 extern "C" {
 
 // Returns 0, or 1 when a logit row is bad (bad_rows[B*(K+1) + B*K] flags which: target rows
-// first, then draft rows), or 2 when a draft token has q = 0 (bad_token = [b, j]).
+// first, then draft rows), 2 when a draft token has q = 0 (bad_token = [b, j]), or 4 when a
+// draft token is outside [0, V).
 int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* x,
                         const float* u_accept, const float* u_final, int64_t B, int64_t K,
                         int64_t V, double temperature, const Params* prm,
                         int64_t* tokens, int64_t* num_emitted, float* behaviour, float* target_lp,
                         int8_t* kinds, bool* relaxed, uint8_t* bad_rows, int64_t* bad_token) {
+  for (int64_t i = 0; i < B * K; ++i)
+    if (x[i] < 0 || x[i] >= V) return 4;  // the caller names the token
   Kernel kn{target, draft, x, u_accept, u_final, B, K, V, static_cast<float>(temperature), *prm};
   const int64_t nt = B * (K + 1), nd = B * K;
   std::vector<RowStats> ts(nt), qs(nd);
@@ -701,12 +704,21 @@ struct NodeKernel {
 
 extern "C" {
 
-// Returns 0, 1 when a logit row is bad (bad_rows[N] flags which), or 3 when a node rejected
-// every candidate and its fallback has no mass (an internal error).
+// Returns 0, 1 when a logit row is bad (bad_rows[N] flags which), 3 when a node rejected
+// every candidate and its fallback has no mass (an internal error), or 4 when the candidates
+// are not distinct ids in [0, V) with -1 padding after them.
 int64_t hr_verify_candidates(const float* target, const int64_t* cands, const float* u_accept,
                              const float* u_final, int64_t N, int64_t M, int64_t V, double temperature,
                              const Params* prm, int64_t* tokens, int64_t* index, float* behaviour,
                              float* target_lp, bool* relaxed, uint8_t* bad_rows) {
+  for (int64_t n = 0; n < N; ++n) {  // ids in [-1, V), padding last, valid ones distinct
+    const int64_t* c = cands + n * M;
+    for (int64_t i = 0; i < M; ++i) {
+      if (c[i] < -1 || c[i] >= V || (i > 0 && c[i] >= 0 && c[i - 1] < 0)) return 4;
+      for (int64_t j = 0; j < i && c[i] >= 0; ++j)
+        if (c[j] == c[i]) return 4;
+    }
+  }
   NodeKernel kn{target, cands, M, V, static_cast<float>(temperature), *prm};
   std::vector<int> status(N, 0);
   at::parallel_for(0, N, 1, [&](int64_t lo, int64_t hi) {
