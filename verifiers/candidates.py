@@ -9,6 +9,9 @@ engine's tree walk composes this node by node (an accepted c_i moves to c_i's ch
 Randomness, in this fixed order from ``generator``: ``u_accept = torch.rand(N, m)`` (c_i is
 accepted iff u_accept[n, i] < alpha_i), then ``u_final = torch.rand(N)``, which picks the
 fallback token by inverse CDF. T = 0 draws nothing.
+
+Backends: sampled nodes on the CPU run fused in C++ (:mod:`.native`, same uniforms); the
+PyTorch code below serves other devices and is the fallback.
 """
 
 from __future__ import annotations

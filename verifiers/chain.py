@@ -13,6 +13,10 @@ Cost: one pass over the target and draft logits in cache-sized chunks (softmaxes
 rule context and the rule's row statistics), then work on [B, K] and on the B final rows
 only. log P(y) comes from the rule's closed form at y (``prob_at``), which marginalises
 over the draft; no full P row is built unless diagnostics are asked for.
+
+Backends: sampled chains on the CPU run the same procedure fused in C++ (:mod:`.native`, on
+the same uniforms); the PyTorch code below serves other devices and is the fallback. Both
+are tested against the reference and the closed forms.
 """
 
 from __future__ import annotations
