@@ -25,6 +25,7 @@ import os
 os.environ.setdefault("MKL_CBWR", "AVX2")  # before torch loads MKL: fast small matmuls on AMD CPUs
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
@@ -37,6 +38,7 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
+from verifiers import native  # noqa: E402
 
 VERIFIER_PARAMS = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
 
@@ -55,6 +57,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-batch", default="none",
                     help="spec.max_batch values (comma list; 'none' = draft in every round): draft only "
                          "while at most this many rows are unfinished")
+    ap.add_argument("--verifier-backend", default=None,
+                    help="comma list of native, torch: run each speculative config with each verifier "
+                         "backend side by side (default: the default backend only)")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
@@ -119,8 +124,11 @@ def run_hf(model, group: list[list[int]], sampling: SamplingParams, pad_id: int,
     return {"tokens": tokens, "seconds": seconds, "emitted": tokens, "row_rounds": tokens}
 
 
-def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, seed: int) -> dict:
-    t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
+def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, seed: int,
+             backend: str | None = None) -> dict:
+    """One generate call; ``backend`` (native / torch) pins the verifier backend (None: default)."""
+    with contextlib.nullcontext() if backend is None else native.forced(backend == "native"):
+        t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
     return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
             "draft_s": t.draft_s, "verify_s": t.verify_s, "other_s": t.other_s}
 
@@ -158,16 +166,20 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     rows = []
     pad_id = tok.pad_token_id or 0
     for size in (int(b) for b in args.batch_sizes.split(",")):
-        configs = [] if args.no_hf else [("hf generate", "-", None, None)]
-        configs.append(("off", "lossless", SpecConfig(mode="off"), VerifierConfig()))
-        configs += [(describe(spec), v.name, spec, v) for spec, v in spec_configs(args)]
+        configs = [] if args.no_hf else [("hf generate", "-", None, None, None)]
+        configs.append(("off", "lossless", SpecConfig(mode="off"), VerifierConfig(), None))
+        backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
+        if set(backends) - {None, "native", "torch"}:
+            raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
+        configs += [(describe(spec) + ("" if be is None else f" [{be}]"), v.name, spec, v, be)
+                    for spec, v in spec_configs(args) for be in backends]
         totals: list[dict] = [{} for _ in configs]
         groups = batches(prompts, size)
         for i, group in enumerate(groups):
-            for (mode, _, spec, verifier), tot in zip(configs, totals):
+            for (mode, _, spec, verifier, backend), tot in zip(configs, totals):
                 seed = args.seed + i
                 res = run_hf(target.model, group, sampling, pad_id, seed) if spec is None else \
-                    run_ours(engine, group, sampling, spec, verifier, seed)
+                    run_ours(engine, group, sampling, spec, verifier, seed, backend)
                 for key, value in res.items():
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
@@ -175,7 +187,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows
         speeds = {(mode, vname): tot["tokens"] / tot["seconds"] for (mode, vname, *_), tot in zip(configs, totals)}
         ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
-        for (mode, vname, _, _), tot in zip(configs, totals):
+        for (mode, vname, *_), tot in zip(configs, totals):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
@@ -187,13 +199,15 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     return rows
 
 
-HEADER = f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} {'RSS MB':>7}"
+HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} "
+          f"{'verify%':>7} {'RSS MB':>7}")
 
 
 def print_row(row: dict) -> None:
     ar, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in ("speedup_vs_ar", "speedup_vs_hf"))
+    verify = f"{100 * row['verify_s'] / row['seconds']:.1f}" if row.get("verify_s") is not None else "-"
     print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {ar:>6} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
+          f"{row['tau']:>5.2f} {ar:>6} {hf:>6} {verify:>7} {row['rss_mb']:>7.0f}", flush=True)
 
 
 def memory_check(args, engine, prompts, sampling) -> dict:

@@ -48,3 +48,26 @@ def test_max_batch_values_make_separate_rows(tiny):
                    SamplingParams(max_new_tokens=5))
     assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled mb=1"]
     assert all(r["tokens"] == 15 for r in rows)
+
+
+def test_verifier_backends_run_side_by_side(tiny):
+    """--verifier-backend native,torch: one row per backend; both run the same procedure on the
+    same uniforms, so they emit the same tokens."""
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "6", "--modes", "chain,tree", "--no-hf",
+                       "--verifiers", "mars", "--tree", "2,2,4", "--verifier-backend", "native,torch"])
+    prompts = [[1, 20 + i, 300 + i] for i in range(4)]
+    rows = measure(args, target, tok, engine, prompts, SamplingParams(max_new_tokens=6))
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"off", "chain K=3 sampled [native]", "chain K=3 sampled [torch]",
+                            "tree d=2 k=2 n=4 [native]", "tree d=2 k=2 n=4 [torch]"}
+    for mode in ("chain K=3 sampled", "tree d=2 k=2 n=4"):
+        fast, slow = by_mode[f"{mode} [native]"], by_mode[f"{mode} [torch]"]
+        assert fast["tokens"] == slow["tokens"] and fast["tau"] == slow["tau"]
+        assert 0 < fast["verify_s"] < fast["seconds"]
+    with pytest.raises(SystemExit, match="--verifier-backend"):
+        measure(parse_args(["--batch-sizes", "2", "--verifier-backend", "cuda"]), target, tok, engine,
+                prompts, SamplingParams(max_new_tokens=6))
