@@ -199,15 +199,13 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} "
-          f"{'verify%':>7} {'RSS MB':>7}")
+HEADER = f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} {'RSS MB':>7}"
 
 
 def print_row(row: dict) -> None:
     ar, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in ("speedup_vs_ar", "speedup_vs_hf"))
-    verify = f"{100 * row['verify_s'] / row['seconds']:.1f}" if row.get("verify_s") is not None else "-"
     print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {ar:>6} {hf:>6} {verify:>7} {row['rss_mb']:>7.0f}", flush=True)
+          f"{row['tau']:>5.2f} {ar:>6} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
 
 
 def memory_check(args, engine, prompts, sampling) -> dict:
