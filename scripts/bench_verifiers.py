@@ -66,29 +66,38 @@ def _interleaved(fns: dict, repeats: int, warmup: int = 3) -> dict[str, float]:
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 
-def _verify(rule, target, draft, x, temperature, gen, use_native: bool):
-    with native.forced(use_native):
-        return verify_chain(rule, target, draft, x, temperature=temperature, generator=gen)
+def _time_rules(size_key: str, size: int, softmax, verify, summary: tuple[str, object], repeats: int,
+                backends) -> list[dict]:
+    """Every rule on every backend, interleaved with ``softmax``: ``verify(rule, generator)``
+    runs one verification; ``summary = (name, fn(result) -> float)`` describes its outcome."""
+    fns = {"softmax": softmax}
+    outcome = {}
+    for name, params in RULES:
+        for backend in backends:
+            rule, gen = get_rule(name, **params), torch.Generator().manual_seed(1)
+            key = (backend, _label(name, params))
+
+            def call(rule=rule, gen=gen, use=backend == "native"):
+                with native.forced(use):
+                    return verify(rule, gen)
+
+            fns[key] = call
+            outcome[key] = summary[1](call())
+    med = _interleaved(fns, repeats)
+    return [{size_key: size, "backend": key[0], "rule": key[1], "verify_ms": med[key] * 1e3,
+             "softmax_ms": med["softmax"] * 1e3, "ratio": med[key] / med["softmax"], summary[0]: val}
+            for key, val in outcome.items()]
 
 
 def bench_verification(batches, k, v, temperature, repeats, backends=("native",)) -> list[dict]:
+    """Chain verification of B rows of K drafts against one softmax over the [B, K+1, V] logits."""
     rows = []
     for b in batches:
         target, draft, x = _inputs(b, k, v, temperature)
-        fns = {"softmax": lambda: torch.softmax(target, -1)}
-        emitted = {}
-        for name, params in RULES:
-            for backend in backends:
-                rule, gen = get_rule(name, **params), torch.Generator().manual_seed(1)
-                key = (backend, _label(name, params))
-                fns[key] = (lambda r=rule, g=gen, nat=backend == "native":
-                            _verify(r, target, draft, x, temperature, g, nat))
-                emitted[key] = float(fns[key]().num_emitted.float().mean())
-        med = _interleaved(fns, repeats)
-        for key in emitted:
-            rows.append({"B": b, "backend": key[0], "rule": key[1], "verify_ms": med[key] * 1e3,
-                         "softmax_ms": med["softmax"] * 1e3, "ratio": med[key] / med["softmax"],
-                         "mean_emitted": emitted[key]})
+        rows += _time_rules(
+            "B", b, lambda: torch.softmax(target, -1),
+            lambda rule, gen: verify_chain(rule, target, draft, x, temperature=temperature, generator=gen),
+            ("mean_emitted", lambda res: float(res.num_emitted.float().mean())), repeats, backends)
     return rows
 
 
@@ -100,24 +109,10 @@ def bench_nodes(nodes, m, v, temperature, repeats, backends=("native",)) -> list
         g = torch.Generator().manual_seed(2)
         target = 15 + 3 * torch.randn(n, v, generator=g)
         cands = (target + torch.randn(n, v, generator=g)).topk(m, -1).indices
-        fns = {"softmax": lambda: torch.softmax(target, -1)}
-        accepted = {}
-        for name, params in RULES:
-            for backend in backends:
-                rule, gen = get_rule(name, **params), torch.Generator().manual_seed(1)
-                key = (backend, _label(name, params))
-
-                def call(r=rule, gen=gen, nat=backend == "native"):
-                    with native.forced(nat):
-                        return verify_candidates(r, target, cands, temperature=temperature, generator=gen)
-
-                fns[key] = call
-                accepted[key] = float((call().accepted_index >= 0).float().mean())
-        med = _interleaved(fns, repeats)
-        for key in accepted:
-            rows.append({"N": n, "backend": key[0], "rule": key[1], "verify_ms": med[key] * 1e3,
-                         "softmax_ms": med["softmax"] * 1e3, "ratio": med[key] / med["softmax"],
-                         "accepted": accepted[key]})
+        rows += _time_rules(
+            "N", n, lambda: torch.softmax(target, -1),
+            lambda rule, gen: verify_candidates(rule, target, cands, temperature=temperature, generator=gen),
+            ("accepted", lambda res: float((res.accepted_index >= 0).float().mean())), repeats, backends)
     return rows
 
 
