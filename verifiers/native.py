@@ -11,11 +11,12 @@ about 3 s) against torch's own thread pool (``at::parallel_for``: it follows
 ``python -c 'from verifiers import native; native.main()'`` (``make native``) builds it ahead
 of time and says where it is.
 
-Numerics: exp is a vectorised polynomial (within 1 ulp of the correctly rounded float32 exp over [-87, 0]) that flushes
-e^x to 0 below x = -87, so a token whose probability is under about 1.6e-38 of the row's
-largest is treated as probability 0 (never emitted; a draft token there is reported as
-having q = 0). Row sums are float32, sampling sums float64, closed forms float64; results
-agree with the PyTorch path to about 1e-6 in log-prob, token for token on the tests' inputs.
+Numerics: exp is a vectorised polynomial, within 1 ulp of the correctly rounded float32 exp
+over [-87, 0], that flushes e^x to 0 below x = -87: a token whose probability is under about
+1.6e-38 of the row's largest counts as probability 0 (never emitted; a draft token there is
+reported as having q = 0). Row sums are float32, sampling sums float64, closed forms
+float64; results agree with the PyTorch path to about 1e-6 in log-prob, token for token on
+the tests' inputs.
 
 ``HONEST_ROLLOUTS_NATIVE``: ``auto`` (default: use it when it builds, else warn once and use
 PyTorch), ``0`` (never), ``1`` (required: a failed build raises).
