@@ -1,7 +1,8 @@
-"""The fused C++ chain verifier (``csrc/chain.cpp``): build, load and call it.
+"""The fused C++ verifier (``csrc/chain.cpp``): build, load and call it.
 
-``verify_chain`` uses it for sampled chains on the CPU; the PyTorch code in :mod:`.chain` is
-the other backend (any device, and the fallback). Both implement the same procedure, draw the
+``verify_chain`` and ``verify_candidates`` use it for sampled chains and tree nodes on the
+CPU; the PyTorch code in :mod:`.chain` and :mod:`.candidates` is the other backend (any
+device, T = 0, diagnostics, and the fallback). Both implement the same procedure, draw the
 same uniforms and are tested against the same slow reference and closed forms.
 
 The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``;
