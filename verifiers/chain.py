@@ -211,6 +211,8 @@ def _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u
     except native.NativeError as err:
         if err.status == 2:
             raise _zero_q_error(x, *err.bad_token) from None
+        if err.status == 3:
+            raise RuntimeError("internal error: a row's final-token weights have no mass") from None
         if err.status == 4:
             check_token_range("draft_tokens", x, v, allow_pad=False)
         nan = torch.tensor(float("nan"))

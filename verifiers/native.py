@@ -177,8 +177,8 @@ def supports(rule) -> bool:
 
 class NativeError(Exception):
     """The kernel found bad inputs: ``status`` 1 (bad logit rows, ``bad_rows``), 2 (a draft
-    token with q = 0 at ``bad_token``), 3 (a node rejected every candidate and its fallback is
-    empty: an internal error) or 4 (token ids out of range, or candidates not distinct or
+    token with q = 0 at ``bad_token``), 3 (nothing to sample from: a node's fallback or a chain
+    row's final-token weights have no mass; an internal error) or 4 (token ids out of range, or candidates not distinct or
     padded before valid ones); the caller turns it into the user-facing error."""
 
     def __init__(self, status: int, bad_rows: Tensor, bad_token: tuple[int, int] = (-1, -1)):

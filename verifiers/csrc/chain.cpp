@@ -206,6 +206,7 @@ int64_t sample_blocks(const double* sums, int64_t nblocks, int64_t V, Weight wei
       return i;
     }
   }
+  if (last_positive < 0) return -1;  // no positive weight at all: the caller reports an internal error
   r_y = static_cast<double>(weight(last_positive)) / total;
   return last_positive;  // the block's own sum rounded above the scan's: its last positive weight
 }
@@ -374,8 +375,9 @@ struct Kernel {
 extern "C" {
 
 // Returns 0, or 1 when a logit row is bad (bad_rows[B*(K+1) + B*K] flags which: target rows
-// first, then draft rows), 2 when a draft token has q = 0 (bad_token = [b, j]), or 4 when a
-// draft token is outside [0, V).
+// first, then draft rows), 2 when a draft token has q = 0 (bad_token = [b, j]), 3 when a final
+// token's sampling weights have no mass (an internal error), or 4 when a draft token is
+// outside [0, V).
 int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* x,
                         const float* u_accept, const float* u_final, int64_t B, int64_t K,
                         int64_t V, double temperature, const Params* prm,
@@ -477,6 +479,7 @@ int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* 
   });
 
   // the final tokens and every output
+  std::vector<uint8_t> empty(B, 0);
   at::parallel_for(0, B, 1, [&](int64_t lo, int64_t hi) {
     for (int64_t b = lo; b < hi; ++b) {
       const int64_t n = n_acc[b];
@@ -490,6 +493,10 @@ int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* 
       }
       double r_y = 0;
       const int64_t y = kn.sample(b, n, kind[b], tf, final_q(b), bs, nblocks, u_final[b], r_y);
+      if (y < 0) {
+        empty[b] = 1;
+        continue;
+      }
       int64_t* tok = tokens + b * (K + 1);
       float* blp = behaviour + b * (K + 1);
       float* tlp = target_lp + b * (K + 1);
@@ -534,6 +541,8 @@ int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* 
       num_emitted[b] = n + 1;
     }
   });
+  for (int64_t b = 0; b < B; ++b)
+    if (empty[b]) return 3;
   return 0;
 }
 
@@ -686,6 +695,7 @@ struct NodeKernel {
       }
       double r_y = 0;
       y = sample_blocks(sums.data(), nblocks, V, fb_weight, u_fin, r_y);
+      if (y < 0) return 3;
       rel = false;
     }
     const float p_y = prob(rv, st, y);
