@@ -109,23 +109,23 @@ def verify_candidates(rule: VerificationRule, target_logits: Tensor, candidates:
             out = _greedy(rule, target_logits, cands)
         else:
             dev = target_logits.device
-            state = generator.get_state() if fused else None  # restored if the kernel rejects the inputs
+            state = generator.get_state()  # restored if the inputs are rejected
             u_accept = torch.rand(n, m, generator=generator, device=dev)
             u_final = torch.rand(n, generator=generator, device=dev)
-            if fused:
-                try:
+            try:
+                if fused:
                     res = _native_nodes(rule, target_logits, cands, u_accept, u_final, temperature, top_k, top_p)
-                except ValueError:
-                    generator.set_state(state)
-                    raise
-                if diagnostics:
-                    res = dataclasses.replace(res, diagnostics=candidate_diagnostics(
-                        rule, target_logits, cands, res.tokens, temperature, top_k, top_p))
-                return res
-            step = max(1, CHUNK_ELEMENTS // v)
-            parts = [_sampled_chunk(rule, target_logits[s:s + step], cands[s:s + step],
-                                    u_accept[s:s + step], u_final[s:s + step],
-                                    temperature, top_k, top_p) for s in range(0, n, step)]
+                    if diagnostics:
+                        res = dataclasses.replace(res, diagnostics=candidate_diagnostics(
+                            rule, target_logits, cands, res.tokens, temperature, top_k, top_p))
+                    return res
+                step = max(1, CHUNK_ELEMENTS // v)
+                parts = [_sampled_chunk(rule, target_logits[s:s + step], cands[s:s + step],
+                                        u_accept[s:s + step], u_final[s:s + step],
+                                        temperature, top_k, top_p) for s in range(0, n, step)]
+            except ValueError:
+                generator.set_state(state)
+                raise
             out = tuple(torch.cat([part[i] for part in parts]) for i in range(5))
         diag = None
         if diagnostics:

@@ -30,8 +30,10 @@ import ctypes
 import functools
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -56,6 +58,7 @@ class Params(ctypes.Structure):
 
 _lib: ctypes.CDLL | None = None
 _tried = False
+_load_lock = threading.Lock()
 _override: bool | None = None  # set by ``forced`` (tests)
 
 
@@ -72,18 +75,30 @@ def _cache_dir() -> Path:
 
 
 def _cpu_flags() -> str:
+    """The CPU's feature line (x86 'flags', ARM 'Features'), with the machine name: the
+    library is built for this CPU (-march=native)."""
     try:
         with open("/proc/cpuinfo") as fh:
-            return next((line for line in fh if line.startswith("flags")), "")
+            line = next((ln for ln in fh if ln.startswith(("flags", "Features"))), "")
     except OSError:
-        return ""
+        line = ""
+    return platform.machine() + " " + line
+
+
+@functools.lru_cache(maxsize=None)
+def _compiler_version(compiler: str) -> str:
+    try:
+        return subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                              timeout=60).stdout.split("\n")[0]
+    except (OSError, subprocess.SubprocessError):
+        return "unavailable"
 
 
 def _command(out: Path) -> list[str]:
     tdir = Path(torch.__file__).parent
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     return [os.environ.get("CXX", "g++"), "-O3", "-std=gnu++17", "-march=native", "-fopenmp",
-            "-fno-math-errno", "-fno-trapping-math", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{tdir / 'include'}", str(SOURCE), "-o", str(out), f"-L{tdir / 'lib'}",
             "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{tdir / 'lib'}"]
 
@@ -92,7 +107,9 @@ def library_path() -> Path:
     """Where the compiled library for this source, compiler, torch and CPU lives."""
     key = hashlib.sha256()
     key.update(SOURCE.read_bytes())
-    key.update(" ".join(_command(Path("x"))).encode())
+    command = _command(Path("x"))
+    key.update(" ".join(command).encode())
+    key.update(_compiler_version(command[0]).encode())
     key.update(torch.__version__.encode())
     key.update(_cpu_flags().encode())
     return _cache_dir() / f"chain-{key.hexdigest()[:16]}.so"
@@ -107,7 +124,7 @@ def build() -> Path:
     if shutil.which(compiler) is None:
         raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set $CXX, or HONEST_ROLLOUTS_NATIVE=0)")
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
     proc = subprocess.run(_command(tmp), capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
@@ -117,13 +134,20 @@ def build() -> Path:
 
 
 def _load() -> ctypes.CDLL | None:
+    if _tried:
+        return _lib
+    with _load_lock:  # one build per process; other threads wait for it
+        return _load_locked()
+
+
+def _load_locked() -> ctypes.CDLL | None:
     global _lib, _tried
     if _tried:
         return _lib
-    _tried = True
     try:
         lib = ctypes.CDLL(str(build()))
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        _tried = True
         if _mode() == "1":
             raise
         warnings.warn(f"the fused C++ verifier is unavailable, using the PyTorch one: {err}",
@@ -137,7 +161,7 @@ def _load() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
                    + [ctypes.c_void_p] * 6)
-    _lib = lib
+    _lib, _tried = lib, True
     return lib
 
 
@@ -199,8 +223,8 @@ def verify_chain_native(rule, z_target: Tensor, z_draft: Tensor, x: Tensor, u_ac
     ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
     tokens = torch.empty(b, k1, dtype=torch.long)
     num = torch.empty(b, dtype=torch.long)
-    behaviour = torch.empty(b, k1)
-    target_lp = torch.empty(b, k1)
+    behaviour = torch.empty(b, k1, dtype=torch.float32)
+    target_lp = torch.empty(b, k1, dtype=torch.float32)
     kinds = torch.empty(b, k1, dtype=torch.int8)
     relaxed = torch.empty(b, k1, dtype=torch.bool)
     bad_rows = torch.zeros(b * k1 + b * k, dtype=torch.uint8)
@@ -236,8 +260,8 @@ def verify_candidates_native(rule, z_target: Tensor, cands: Tensor, u_accept: Te
     ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
     tokens = torch.empty(n, dtype=torch.long)
     index = torch.empty(n, dtype=torch.long)
-    behaviour = torch.empty(n)
-    target_lp = torch.empty(n)
+    behaviour = torch.empty(n, dtype=torch.float32)
+    target_lp = torch.empty(n, dtype=torch.float32)
     relaxed = torch.empty(n, dtype=torch.bool)
     bad_rows = torch.zeros(n, dtype=torch.uint8)
     status = lib.hr_verify_candidates(zt.data_ptr(), cs.data_ptr(), ua.data_ptr(), uf.data_ptr(), n, m, v,

@@ -110,11 +110,19 @@ def _block_size(vocab: int) -> int | None:
     return next((bs for bs in range(64, 257) if vocab % bs == 0), None)
 
 
-def top2(z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """Top-2 values and tokens of the last dim: (z1, z2, v1, v2), each [...].
+def _first_max(z: Tensor) -> tuple[Tensor, Tensor]:
+    """(max, index of its first occurrence) over the last dim, each [..., 1]."""
+    idx = z.argmax(-1, keepdim=True)  # torch.argmax returns the first maximal index
+    return z.gather(-1, idx), idx
 
-    Large vocabularies use a two-level search (vectorised block maxima, then an exact top-2
-    over the two best blocks), several times faster than torch.topk on the CPU. Every caller
+
+def top2(z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Top-2 values and tokens of the last dim: (z1, z2, v1, v2), each [...]. Ties go to the
+    lowest index: v1 is the first maximal token, v2 the first token other than v1 holding the
+    second largest value (counted with multiplicity). The fused C++ verifier does the same.
+
+    Large vocabularies use a two-level search (vectorised block maxima, then exact searches in
+    two blocks), several times faster than a full-row search on the CPU. Every caller
     (verifiers, references, closed forms) goes through this function, so ties resolve alike.
     """
     vocab = z.shape[-1]
@@ -123,14 +131,27 @@ def top2(z: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
         return z[..., 0], torch.full_like(z[..., 0], -math.inf), v1, v1
     bs = _block_size(vocab)
     if bs is None:
-        vals, idx = torch.topk(z, 2, dim=-1)
-    else:
-        # no reshape of the leading dims: z may be a strided slice, which a reshape would copy
-        blocks = z.unflatten(-1, (vocab // bs, bs)).amax(-1).topk(2, -1).indices  # [..., 2]
-        cand = (blocks.unsqueeze(-1) * bs + torch.arange(bs, device=z.device)).flatten(-2)  # [..., 2bs]
-        vals, pos = z.gather(-1, cand).topk(2, -1)
-        idx = cand.gather(-1, pos)
-    return vals[..., 0], vals[..., 1], idx[..., 0], idx[..., 1]
+        z1, v1 = _first_max(z)
+        z2, v2 = _first_max(z.scatter(-1, v1, -math.inf))
+        return z1.squeeze(-1), z2.squeeze(-1), v1.squeeze(-1), v2.squeeze(-1)
+    # no reshape of the leading dims: z may be a strided slice, which a reshape would copy
+    blocks = z.unflatten(-1, (vocab // bs, bs))  # [..., nb, bs]
+
+    def block(b: Tensor) -> Tensor:  # the block b [..., 1] of each row: [..., bs]
+        return blocks.gather(-2, b.unsqueeze(-1).expand(*b.shape[:-1], 1, bs)).squeeze(-2)
+
+    maxima = blocks.amax(-1)  # [..., nb]
+    b1 = maxima.argmax(-1, keepdim=True)  # the first block holding the max
+    first = block(b1)
+    z1, i1 = _first_max(first)
+    # the runner-up: inside v1's block (v1 excluded) or the best other block, lowest index on ties
+    z_in, i_in = _first_max(first.scatter(-1, i1, -math.inf))
+    z_out, b_out = _first_max(maxima.scatter(-1, b1, -math.inf))
+    _, i_out = _first_max(block(b_out))
+    v_in, v_out = b1 * bs + i_in, b_out * bs + i_out
+    inside = (z_in > z_out) | ((z_in == z_out) & (v_in < v_out))
+    z2, v2 = torch.where(inside, z_in, z_out), torch.where(inside, v_in, v_out)
+    return z1.squeeze(-1), z2.squeeze(-1), (b1 * bs + i1).squeeze(-1), v2.squeeze(-1)
 
 
 def sample_inverse_cdf(weights: Tensor, u: Tensor) -> Tensor:

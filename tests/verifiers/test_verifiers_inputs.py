@@ -296,6 +296,29 @@ def test_top2_matches_topk(vocab):
     assert int(v1[1, 2]) == vocab - 1
 
 
+@pytest.mark.parametrize("vocab", [10, 4096, 49152, 5003])
+def test_top2_breaks_ties_by_lowest_index(vocab):
+    """Tied maxima and tied runners-up (common with bf16 logits) resolve to the lowest index,
+    inside one block, across blocks and with multiplicity, as the C++ verifier resolves them."""
+    from verifiers.processing import top2
+
+    g = torch.Generator().manual_seed(vocab)
+    z = (torch.randn(6, vocab, generator=g) * 2).to(torch.bfloat16).float()  # many ties
+    hi = vocab - 2
+    z[0, [hi, 3, 5]] = 50.0  # a tied max: v1 = 3, v2 = 5 (same value)
+    z[1, hi] = 60.0
+    z[1, [hi - 1, 2]] = 50.0  # tied runner-up in different places: v2 = 2
+    z[2, [1, 4]] = 50.0
+    z[2, 0] = 60.0  # runner-up tied inside v1's block: v2 = 1
+    z[3, [hi, 0]] = 50.0  # tied max at both ends: v1 = 0, v2 = hi
+    z1, z2, v1, v2 = top2(z)
+    for r in range(len(z)):
+        order = sorted(range(vocab), key=lambda i: (-float(z[r, i]), i))  # value desc, index asc
+        assert (int(v1[r]), int(v2[r])) == (order[0], order[1]), r
+        assert float(z1[r]) == float(z[r, order[0]]) and float(z2[r]) == float(z[r, order[1]])
+    assert [int(v) for v in v1[:4]] == [3, hi, 0, 0] and [int(v) for v in v2[:4]] == [5, 2, 1, hi]
+
+
 @pytest.mark.parametrize("case", [("mars", {"theta": 0.9}), ("typical", {}), ("overshoot", {"lenience": 0.5, "min_p": 0.2})],
                          ids=["mars", "typical", "overshoot-gate"])
 def test_large_vocabulary_matches_reference(case):
@@ -315,3 +338,57 @@ def test_large_vocabulary_matches_reference(case):
         torch.testing.assert_close(res.behaviour_logprobs[b, :len(row)],
                                    torch.tensor([lp for _, _, lp, _ in row]), atol=1e-5, rtol=1e-5)
     assert res.num_emitted.float().mean() > 1.5
+
+
+def test_logits_that_overflow_once_divided_by_temperature_are_bad_rows():
+    """A finite logit that becomes +inf at z = logits / T names its row, like a +inf logit."""
+    target, draft, x = chain_inputs(3, 2, 2, 10, 0.5)
+    target[1, 0, 4] = 3e38
+    with pytest.raises(ValueError, match="target_logits: the logit vector at row 1, position 0"):
+        verify_chain(LOSSLESS, target, draft, x, temperature=0.5, generator=torch.Generator())
+    nodes, cands = candidate_inputs(3, 3, 2, 10)
+    nodes[2, 1] = 3e38
+    with pytest.raises(ValueError, match="target_logits: the logit vector at row 2"):
+        verify_candidates(LOSSLESS, nodes, cands, temperature=0.5, generator=torch.Generator())
+
+
+def test_rejected_inputs_leave_the_generator_untouched():
+    nodes, cands = candidate_inputs(4, 3, 2, 10)
+    nodes[1, 3] = math.nan
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="row 1 contains NaN"):
+        verify_candidates(LOSSLESS, nodes, cands, temperature=1.0, generator=gen)
+    assert torch.equal(torch.rand(3, generator=gen), torch.rand(3, generator=torch.Generator().manual_seed(0)))
+    target, draft, x = chain_inputs(4, 2, 2, 10, 1.0)
+    draft[0, 1, 2] = math.inf
+    with pytest.raises(ValueError, match="draft_logits: the logit vector at row 0, position 1 contains \\+inf"):
+        verify_chain(LOSSLESS, target, draft, x, temperature=1.0, generator=gen)
+    assert torch.equal(torch.rand(3, generator=gen), torch.rand(6, generator=torch.Generator().manual_seed(0))[3:])
+
+
+@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+def test_outputs_are_float32_under_a_float64_default_dtype(case):
+    """Under torch.set_default_dtype(torch.float64) both backends still return float32 log-probs,
+    and agree (the uniforms are then drawn in float64: the same in both)."""
+    from verifiers import native
+
+    rule = make_rule(case)
+    target, draft, x = chain_inputs(6, 3, 3, 12, 1.0, 6.0 if case[0] == "mars" else 0.0)
+    nodes, cands = candidate_inputs(6, 4, 3, 12)
+    runs = []
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for use in (True, False):
+            with native.forced(use):
+                runs.append((verify_chain(rule, target, draft, x, temperature=1.0,
+                                          generator=torch.Generator().manual_seed(1)),
+                             verify_candidates(rule, nodes, cands, temperature=1.0,
+                                               generator=torch.Generator().manual_seed(1))))
+    finally:
+        torch.set_default_dtype(saved)
+    for fast, slow in zip(*runs):
+        assert torch.equal(fast.tokens, slow.tokens)
+        for name in ("behaviour_logprobs", "target_logprobs"):
+            assert getattr(fast, name).dtype == getattr(slow, name).dtype == torch.float32
+            torch.testing.assert_close(getattr(fast, name), getattr(slow, name), atol=1e-5, rtol=1e-5)

@@ -14,8 +14,8 @@ import torch
 from test_verifiers_montecarlo import assert_matches
 from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs, make_rule
 
-from verifiers import (induced_candidates, induced_chain, native, target_probs, verify_candidates,
-                       verify_chain)
+from verifiers import (get_rule, induced_candidates, induced_chain, native, target_probs,
+                       verify_candidates, verify_chain)
 
 
 @pytest.fixture(autouse=True)
@@ -67,6 +67,31 @@ def test_native_candidates_equal_torch_on_the_model_vocabulary(case, sampling):
     assert torch.equal(fast.relaxed, slow.relaxed)
     torch.testing.assert_close(fast.behaviour_logprobs, slow.behaviour_logprobs, atol=2e-5, rtol=1e-5)
     torch.testing.assert_close(fast.target_logprobs, slow.target_logprobs, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("vocab", [50, 49152])
+def test_native_equals_torch_when_mars_ties(vocab):
+    """bf16-rounded logits tie often, the runner-up too: both backends pick the lowest index
+    (processing.top2's rule), so MARS accepts the same second token."""
+    rule = get_rule("mars", theta=0.5)
+    target, draft, x = chain_inputs(8, 64, 3, vocab, 1.0, 6.0)
+    target = target.to(torch.bfloat16).float()
+    target[:, :, [vocab - 1, 7, 2]] = target.amax(-1, keepdim=True)[..., :1] + 0.5  # tie for first
+    target[:8, :, 7] -= 0.25  # some rows: a tie for second place (2 with vocab - 1)
+    x[:, 0] = 2  # a draft that is v1 or v2 only under the lowest-index rule
+    fast, slow = _both(rule, target, draft, x, 3, temperature=1.0)
+    assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.kinds, slow.kinds)
+    torch.testing.assert_close(fast.behaviour_logprobs, slow.behaviour_logprobs, atol=2e-5, rtol=1e-5)
+    nodes = target[:, 0]
+    cands = torch.stack([torch.full((64,), vocab - 1), torch.full((64,), 7)], 1)
+    out = []
+    for use in (True, False):
+        with native.forced(use):
+            out.append(verify_candidates(rule, nodes, cands, temperature=1.0, generator=torch.Generator().manual_seed(4)))
+    assert torch.equal(out[0].tokens, out[1].tokens) and torch.equal(out[0].accepted_index, out[1].accepted_index)
+    torch.testing.assert_close(out[0].behaviour_logprobs, out[1].behaviour_logprobs, atol=2e-5, rtol=1e-5)
+    # every row relaxes; v1 = 2 (lowest of the tied first), v2 = vocab - 1 where 7 was lowered, else 7
+    assert out[0].accepted_index.tolist() == [0] * 8 + [1] * 56
 
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)

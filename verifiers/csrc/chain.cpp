@@ -42,22 +42,24 @@ struct Params {  // mirrored by verifiers/native.py
 };
 
 // e^x for x <= 0 (x = -inf gives 0; x < -87 flushes to 0; NaN gives 0, so callers check NaN
-// separately). Branch-free so that loops over it vectorise: Cody-Waite reduction
+// separately). The file is compiled with -ffp-contract=off, so that every other expression
+// rounds the same in vector and scalar code (p - q is exactly 0 where p == q); the fused
+// multiply-adds here are explicit. Branch-free so that loops over it vectorise: Cody-Waite reduction
 // x = n ln2 + r, |r| <= ln2 / 2, and the degree-7 Taylor polynomial of e^r (truncation error
 // below 1e-8 relative), scaled by 2^n through the exponent bits.
 static inline float exp_nonpos(float x) {
   const float xc = x > -87.0f ? x : -87.0f;
   const float n = (xc * 1.44269504088896341f + 12582912.0f) - 12582912.0f;  // round to nearest
-  float r = xc - n * 0.693359375f;
-  r = r + n * 2.12194440e-4f;
+  float r = __builtin_fmaf(n, -0.693359375f, xc);
+  r = __builtin_fmaf(n, 2.12194440e-4f, r);
   float poly = 1.0f / 5040.0f;
-  poly = poly * r + 1.0f / 720.0f;
-  poly = poly * r + 1.0f / 120.0f;
-  poly = poly * r + 1.0f / 24.0f;
-  poly = poly * r + 1.0f / 6.0f;
-  poly = poly * r + 0.5f;
-  poly = poly * r + 1.0f;
-  poly = poly * r + 1.0f;
+  poly = __builtin_fmaf(poly, r, 1.0f / 720.0f);
+  poly = __builtin_fmaf(poly, r, 1.0f / 120.0f);
+  poly = __builtin_fmaf(poly, r, 1.0f / 24.0f);
+  poly = __builtin_fmaf(poly, r, 1.0f / 6.0f);
+  poly = __builtin_fmaf(poly, r, 0.5f);
+  poly = __builtin_fmaf(poly, r, 1.0f);
+  poly = __builtin_fmaf(poly, r, 1.0f);
   const int32_t bits = (static_cast<int32_t>(n) + 127) << 23;
   const float scale = __builtin_bit_cast(float, bits);
   return x >= -87.0f ? poly * scale : 0.0f;
@@ -142,6 +144,8 @@ static RowStats row_stats(const RowView& rv, bool top2, bool entropy) {
   row_max(rv.data, rv.n, top2, st, raw_max, raw_second);
   if (st.bad) return st;
   const float zmax = rv.temperature == 1.0f ? raw_max : raw_max / rv.temperature;
+  st.bad = !std::isfinite(zmax);  // a finite logit can overflow once divided by T
+  if (st.bad) return st;
   st.zmax = zmax;
   float s = 0, h = 0;
   if (rv.temperature == 1.0f && !entropy) {
@@ -234,14 +238,14 @@ struct Kernel {
 
   float accept(const Position& pos, int64_t x_j, const RowStats& ts) const {
     const float ratio = pos.p_x / pos.q_x;
-    const float lossless = ratio < 1.0f ? ratio : 1.0f;
+    const float lossless = ratio > 1.0f ? 1.0f : ratio;  // min(ratio, 1), NaN kept (never accepted)
     switch (prm.rule) {
       case kMars:
         return pos.relax ? ((x_j == ts.v1 || x_j == ts.v2) ? 1.0f : 0.0f) : lossless;
       case kOvershoot: {
         if (prm.min_p > 0 && pos.p_x >= pos.thr) return 1.0f;
         const float a = pos.p_x / (static_cast<float>(prm.lenience) * pos.q_x);
-        return a < 1.0f ? a : 1.0f;
+        return a > 1.0f ? 1.0f : a;
       }
       case kTypical:
       case kMinP:
@@ -249,7 +253,7 @@ struct Kernel {
       case kCos: {
         const float lam = static_cast<float>(prm.lam);
         const float a = lam * ratio + (1.0f - lam);
-        return a < 1.0f ? a : 1.0f;
+        return a > 1.0f ? 1.0f : a;
       }
       default:
         return lossless;
@@ -515,7 +519,7 @@ int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* 
           const double P = kn.prob_at(ps.p_x, ps.q_x, xj, ps, ts[b * (K + 1) + j]);
           blp[j] = static_cast<float>(std::log(std::fmax(P, static_cast<double>(ps.q_x) * ps.a)));
           const float ratio = ps.p_x / ps.q_x;
-          rel[j] = ps.a > (ratio < 1.0f ? ratio : 1.0f);
+          rel[j] = ps.a > (ratio > 1.0f ? 1.0f : ratio);
         }
       }
       const float p_y = prob(kn.trow(b, n), tf, y);
@@ -570,7 +574,7 @@ struct NodeKernel {
       case kOvershoot: {
         if (prm.min_p > 0 && p_c >= thr) return 1.0f;
         const float a = s_c / static_cast<float>(prm.lenience);
-        return a < 1.0f ? a : 1.0f;
+        return a > 1.0f ? 1.0f : a;
       }
       case kTypical:
       case kMinP:
@@ -593,6 +597,7 @@ struct NodeKernel {
     row_max(rv.data, V, mars, st, raw_max, raw_second);
     if (st.bad) return 1;
     const float zmax = temperature == 1.0f ? raw_max : raw_max / temperature;
+    if (!std::isfinite(zmax)) return 1;  // a finite logit can overflow once divided by T
     st.zmax = zmax;
     int64_t m = 0;  // valid candidates
     while (m < M && c[m] >= 0) ++m;
@@ -652,7 +657,7 @@ struct NodeKernel {
       tail += p_c[i];
       const float remaining = rest + tail;
       const float sc = remaining > 0 ? p_c[i] / remaining : 0.0f;
-      s_c[i] = sc < 1.0f ? sc : 1.0f;
+      s_c[i] = sc > 1.0f ? 1.0f : sc;
     }
     index = -1;
     double log_reach = 0;  // log prob of reaching the current candidate
