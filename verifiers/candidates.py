@@ -96,8 +96,7 @@ def verify_candidates(rule: VerificationRule, target_logits: Tensor, candidates:
                       diagnostics: bool = False) -> CandidateResult:
     """Verify N nodes: target_logits [N, V], candidates [N, m] (-1 padded, distinct).
     p uses temperature and top-k/top-p; T = 0 is greedy and needs no generator."""
-    fused = (temperature > 0 and target_logits.device.type == "cpu" and native.enabled()
-             and native.supports(rule))
+    fused = native.usable(rule, temperature, target_logits.device)
     n, m, v = check_candidate_inputs(rule, target_logits, candidates, temperature, top_k, top_p,
                                      contents=not fused)
     check_generator(generator, temperature, target_logits.device)

@@ -335,8 +335,7 @@ def verify_chain(rule: VerificationRule, target_logits: Tensor, draft_logits: Te
     outside a draft vocabulary), draft_tokens [B, K] with x_j ~ q_j. p uses temperature and
     top-k/top-p; q uses the same temperature only. T = 0 is greedy and needs no generator.
     """
-    fused = (temperature > 0 and target_logits.device.type == "cpu" and native.enabled()
-             and native.supports(rule))
+    fused = native.usable(rule, temperature, target_logits.device)
     b, k, _ = check_chain_inputs(rule, target_logits, draft_logits, draft_tokens,
                                  temperature, top_k, top_p, contents=not fused)
     check_generator(generator, temperature, target_logits.device)

@@ -98,7 +98,8 @@ def _command(out: Path) -> list[str]:
     tdir = Path(torch.__file__).parent
     abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
     return [os.environ.get("CXX", "g++"), "-O3", "-std=gnu++17", "-march=native", "-fopenmp",
-            "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared", f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
+            "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared",
+            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
             f"-I{tdir / 'include'}", str(SOURCE), "-o", str(out), f"-L{tdir / 'lib'}",
             "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{tdir / 'lib'}"]
 
@@ -166,7 +167,7 @@ def _load_locked() -> ctypes.CDLL | None:
 
 
 def enabled() -> bool:
-    """Whether ``verify_chain`` uses the C++ verifier for sampled chains on the CPU."""
+    """Whether the C++ verifier is switched on (``HONEST_ROLLOUTS_NATIVE``, ``forced``) and built."""
     if _override is not None:
         return _override and _load() is not None
     return _mode() != "0" and _load() is not None
@@ -199,11 +200,18 @@ def supports(rule) -> bool:
     return type(rule) in _RULE_IDS
 
 
+def usable(rule, temperature: float, device: torch.device) -> bool:
+    """Whether a verification runs fused: sampled (T > 0), on the CPU, with a registered rule,
+    the library enabled and built."""
+    return temperature > 0 and device.type == "cpu" and enabled() and supports(rule)
+
+
 class NativeError(Exception):
     """The kernel found bad inputs: ``status`` 1 (bad logit rows, ``bad_rows``), 2 (a draft
-    token with q = 0 at ``bad_token``), 3 (nothing to sample from: a node's fallback or a chain
-    row's final-token weights have no mass; an internal error) or 4 (token ids out of range, or candidates not distinct or
-    padded before valid ones); the caller turns it into the user-facing error."""
+    token with q = 0 at ``bad_token``), 3 (nothing to sample from: a node's fallback or a
+    chain row's final-token weights have no mass; an internal error) or 4 (token ids out of
+    range, or candidates not distinct or padded before valid ones); the caller turns it into
+    the user-facing error."""
 
     def __init__(self, status: int, bad_rows: Tensor, bad_token: tuple[int, int] = (-1, -1)):
         super().__init__(status)

@@ -23,11 +23,12 @@ def chain_backend():  # overrides the two-backend fixture: these tests pick thei
     yield None
 
 
-def _both(rule, target, draft, x, seed, **kw):
+def _both(verify, *args, seed, **kw):
+    """``verify(*args, **kw)`` on the C++ backend, then on the PyTorch one, same seed."""
     out = []
     for use in (True, False):
         with native.forced(use):
-            out.append(verify_chain(rule, target, draft, x, generator=torch.Generator().manual_seed(seed), **kw))
+            out.append(verify(*args, generator=torch.Generator().manual_seed(seed), **kw))
     return out
 
 
@@ -39,7 +40,8 @@ def test_native_equals_torch_on_the_model_vocabulary(case, sampling):
     rule = make_rule(case)
     target, draft, x = chain_inputs(3, 4, 5, 49152, temperature, 8.0 if case[0] == "mars" else 0.0)
     target = target * 1.5  # peakier rows: longer accepted prefixes
-    fast, slow = _both(rule, target, draft, x, 7, temperature=temperature, top_k=top_k, top_p=top_p)
+    fast, slow = _both(verify_chain, rule, target, draft, x, seed=7, temperature=temperature, top_k=top_k,
+                       top_p=top_p)
     assert torch.equal(fast.tokens, slow.tokens)
     assert torch.equal(fast.num_emitted, slow.num_emitted)
     assert torch.equal(fast.kinds, slow.kinds)
@@ -56,12 +58,8 @@ def test_native_candidates_equal_torch_on_the_model_vocabulary(case, sampling):
     rule = make_rule(case)
     target, cands = candidate_inputs(4, 12, 4, 49152, 8.0 if case[0] == "mars" else 0.0)
     target = target * 1.5
-    out = []
-    for use in (True, False):
-        with native.forced(use):
-            out.append(verify_candidates(rule, target, cands, temperature=temperature, top_k=top_k, top_p=top_p,
-                                         generator=torch.Generator().manual_seed(8)))
-    fast, slow = out
+    fast, slow = _both(verify_candidates, rule, target, cands, seed=8, temperature=temperature, top_k=top_k,
+                       top_p=top_p)
     assert torch.equal(fast.tokens, slow.tokens)
     assert torch.equal(fast.accepted_index, slow.accepted_index)
     assert torch.equal(fast.relaxed, slow.relaxed)
@@ -79,15 +77,12 @@ def test_native_equals_torch_when_mars_ties(vocab):
     target[:, :, [vocab - 1, 7, 2]] = target.amax(-1, keepdim=True)[..., :1] + 0.5  # tie for first
     target[:8, :, 7] -= 0.25  # some rows: a tie for second place (2 with vocab - 1)
     x[:, 0] = 2  # a draft that is v1 or v2 only under the lowest-index rule
-    fast, slow = _both(rule, target, draft, x, 3, temperature=1.0)
+    fast, slow = _both(verify_chain, rule, target, draft, x, seed=3, temperature=1.0)
     assert torch.equal(fast.tokens, slow.tokens) and torch.equal(fast.kinds, slow.kinds)
     torch.testing.assert_close(fast.behaviour_logprobs, slow.behaviour_logprobs, atol=2e-5, rtol=1e-5)
     nodes = target[:, 0]
     cands = torch.stack([torch.full((64,), vocab - 1), torch.full((64,), 7)], 1)
-    out = []
-    for use in (True, False):
-        with native.forced(use):
-            out.append(verify_candidates(rule, nodes, cands, temperature=1.0, generator=torch.Generator().manual_seed(4)))
+    out = _both(verify_candidates, rule, nodes, cands, seed=4, temperature=1.0)
     assert torch.equal(out[0].tokens, out[1].tokens) and torch.equal(out[0].accepted_index, out[1].accepted_index)
     torch.testing.assert_close(out[0].behaviour_logprobs, out[1].behaviour_logprobs, atol=2e-5, rtol=1e-5)
     # every row relaxes; v1 = 2 (lowest of the tied first), v2 = vocab - 1 where 7 was lowered, else 7

@@ -137,16 +137,30 @@ static void row_max(const float* row, int64_t n, bool top2, RowStats& st, float&
   st.bad = nan || !(std::isfinite(raw_max));
 }
 
+// The row max as z (st.zmax) and, with top2, MARS's v1, v2 and z2; false for a bad row (NaN,
+// +inf, all -inf, or a finite logit that overflows once divided by T).
+static bool row_top(const RowView& rv, bool top2, RowStats& st) {
+  float raw_max, raw_second;
+  row_max(rv.data, rv.n, top2, st, raw_max, raw_second);
+  if (st.bad) return false;
+  const float zmax = rv.temperature == 1.0f ? raw_max : raw_max / rv.temperature;
+  st.bad = !std::isfinite(zmax);
+  if (st.bad) return false;
+  st.zmax = zmax;
+  if (top2) {
+    st.v1 = first_equal(rv.data, rv.n, raw_max, -1);
+    st.z2 = rv.temperature == 1.0f ? raw_second : raw_second / rv.temperature;
+    st.v2 = first_equal(rv.data, rv.n, raw_second, st.v1);
+    if (st.v2 < 0) st.v2 = st.v1;  // a one-token vocabulary
+  }
+  return true;
+}
+
 // Phase 1 for one row: max, normaliser (and the typical entropy term, MARS's top 2).
 static RowStats row_stats(const RowView& rv, bool top2, bool entropy) {
   RowStats st;
-  float raw_max, raw_second;
-  row_max(rv.data, rv.n, top2, st, raw_max, raw_second);
-  if (st.bad) return st;
-  const float zmax = rv.temperature == 1.0f ? raw_max : raw_max / rv.temperature;
-  st.bad = !std::isfinite(zmax);  // a finite logit can overflow once divided by T
-  if (st.bad) return st;
-  st.zmax = zmax;
+  if (!row_top(rv, top2, st)) return st;
+  const float zmax = st.zmax;
   float s = 0, h = 0;
   if (rv.temperature == 1.0f && !entropy) {
 #pragma omp simd reduction(+ : s)
@@ -163,17 +177,55 @@ static RowStats row_stats(const RowView& rv, bool top2, bool entropy) {
   }
   st.inv_sum = 1.0f / s;
   st.zsum_term = h;
-  if (top2) {
-    st.v1 = first_equal(rv.data, rv.n, raw_max, -1);
-    st.z2 = rv.temperature == 1.0f ? raw_second : raw_second / rv.temperature;
-    st.v2 = raw_second == kNegInf && rv.n < 2 ? st.v1 : first_equal(rv.data, rv.n, raw_second, st.v1);
-    if (st.v2 < 0) st.v2 = st.v1;  // a one-token vocabulary
-  }
   return st;
+}
+
+// The rule's context at one target row (rules.py ``context``): MARS's relax flag, or the
+// threshold of the set A = {p >= thr} (min-p, typical, overshoot's gate; 0 otherwise).
+static void rule_context(const Params& prm, const RowStats& st, bool& relax, float& thr) {
+  relax = false;
+  thr = 0;
+  switch (prm.rule) {
+    case kMars:
+      relax = st.zmax > 0 && st.z2 / st.zmax > static_cast<float>(prm.theta);
+      break;
+    case kOvershoot:
+      thr = prm.min_p > 0 ? static_cast<float>(prm.min_p) * st.inv_sum : 0.0f;
+      break;
+    case kMinP:
+      thr = static_cast<float>(prm.p_base) * st.inv_sum;
+      break;
+    case kTypical: {
+      const float entropy = -std::log(st.inv_sum) - st.zsum_term * st.inv_sum;
+      const float th = static_cast<float>(prm.delta) * std::exp(-entropy);
+      thr = th < static_cast<float>(prm.epsilon) ? th : static_cast<float>(prm.epsilon);
+      break;
+    }
+    default:
+      break;
+  }
 }
 
 inline float prob(const RowView& rv, const RowStats& st, int64_t v) {
   return exp_nonpos(rv.z(v) - st.zmax) * st.inv_sum;
+}
+
+// Sums of p over blocks of kBlock tokens (ceil(V / kBlock) entries), without the tokens in
+// skip[0..nskip) (their p is subtracted from their block's sum).
+static void p_block_sums(const RowView& rv, const RowStats& st, const int64_t* skip, int64_t nskip, double* sums) {
+  const float zmax = st.zmax, inv = st.inv_sum, t = rv.temperature;
+  for (int64_t start = 0, blk = 0; start < rv.n; start += kBlock, ++blk) {
+    const int64_t end = start + kBlock < rv.n ? start + kBlock : rv.n;
+    double s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = start; i < end; ++i) {
+      const float z = t == 1.0f ? rv.data[i] : rv.data[i] / t;
+      s += static_cast<double>(exp_nonpos(z - zmax) * inv);
+    }
+    for (int64_t k = 0; k < nskip; ++k)
+      if (skip[k] >= start && skip[k] < end) s -= static_cast<double>(prob(rv, st, skip[k]));
+    sums[blk] = s > 0 ? s : 0.0;
+  }
 }
 
 // Inverse CDF over weights given as block sums (sums[k] over tokens [k kBlock, (k+1) kBlock))
@@ -306,28 +358,21 @@ struct Kernel {
   // Sums of the weights over blocks of kBlock tokens (block_sums has ceil(V / kBlock) entries).
   void block_sums(int64_t b, int64_t n, int kind, const RowStats& ts, const RowStats* qs, double* sums) const {
     const RowView tr = trow(b, n);
-    const float tm = ts.zmax, ti = ts.inv_sum, t = temperature;
-    const float qm = qs ? qs->zmax : 0, qi = qs ? qs->inv_sum : 0;
-    const float* dd = kind == kResidual ? drow(b, n).data : nullptr;
-    const int64_t skip = kind == kPWithout ? x[b * K + n] : -1;
+    if (kind != kResidual) {
+      p_block_sums(tr, ts, &x[b * K + n], kind == kPWithout ? 1 : 0, sums);
+      return;
+    }
+    const float tm = ts.zmax, ti = ts.inv_sum, t = temperature, qm = qs->zmax, qi = qs->inv_sum;
+    const float* dd = drow(b, n).data;
     for (int64_t start = 0, blk = 0; start < V; start += kBlock, ++blk) {
       const int64_t end = start + kBlock < V ? start + kBlock : V;
       double s = 0;
-      if (kind == kResidual) {
 #pragma omp simd reduction(+ : s)
-        for (int64_t i = start; i < end; ++i) {
-          const float zt = t == 1.0f ? tr.data[i] : tr.data[i] / t;
-          const float zq = t == 1.0f ? dd[i] : dd[i] / t;
-          const float w = exp_nonpos(zt - tm) * ti - exp_nonpos(zq - qm) * qi;
-          s += w > 0 ? static_cast<double>(w) : 0.0;
-        }
-      } else {
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = start; i < end; ++i) {
-          const float zt = t == 1.0f ? tr.data[i] : tr.data[i] / t;
-          s += static_cast<double>(exp_nonpos(zt - tm) * ti);
-        }
-        if (skip >= start && skip < end) s -= static_cast<double>(prob(tr, ts, skip));
+      for (int64_t i = start; i < end; ++i) {
+        const float zt = t == 1.0f ? tr.data[i] : tr.data[i] / t;
+        const float zq = t == 1.0f ? dd[i] : dd[i] / t;
+        const float w = exp_nonpos(zt - tm) * ti - exp_nonpos(zq - qm) * qi;
+        s += w > 0 ? static_cast<double>(w) : 0.0;
       }
       sums[blk] = s > 0 ? s : 0.0;
     }
@@ -429,26 +474,8 @@ int64_t hr_verify_chain(const float* target, const float* draft, const int64_t* 
         return 2;
       }
       if (n < K) continue;  // after the first rejection only q(x) > 0 is checked
-      switch (prm->rule) {
-        case kMars:
-          ps.relax = t.zmax > 0 && t.z2 / t.zmax > static_cast<float>(prm->theta);
-          ps.q12 = prob(kn.drow(b, j), q, t.v1) + prob(kn.drow(b, j), q, t.v2);
-          break;
-        case kOvershoot:
-          ps.thr = prm->min_p > 0 ? static_cast<float>(prm->min_p) * t.inv_sum : 0.0f;
-          break;
-        case kMinP:
-          ps.thr = static_cast<float>(prm->p_base) * t.inv_sum;
-          break;
-        case kTypical: {
-          const float entropy = -std::log(t.inv_sum) - t.zsum_term * t.inv_sum;
-          const float thr = static_cast<float>(prm->delta) * std::exp(-entropy);
-          ps.thr = thr < static_cast<float>(prm->epsilon) ? thr : static_cast<float>(prm->epsilon);
-          break;
-        }
-        default:
-          break;
-      }
+      rule_context(*prm, t, ps.relax, ps.thr);
+      if (prm->rule == kMars) ps.q12 = prob(kn.drow(b, j), q, t.v1) + prob(kn.drow(b, j), q, t.v2);
       ps.a = kn.accept(ps, xj, t);
       if (!(u_accept[b * K + j] < ps.a)) n = j;
     }
@@ -593,12 +620,8 @@ struct NodeKernel {
     const int64_t* c = cands + n * M;
     const bool mars = prm.rule == kMars, typical = prm.rule == kTypical;
     RowStats st;
-    float raw_max, raw_second;
-    row_max(rv.data, V, mars, st, raw_max, raw_second);
-    if (st.bad) return 1;
-    const float zmax = temperature == 1.0f ? raw_max : raw_max / temperature;
-    if (!std::isfinite(zmax)) return 1;  // a finite logit can overflow once divided by T
-    st.zmax = zmax;
+    if (!row_top(rv, mars, st)) return 1;
+    const float zmax = st.zmax;
     int64_t m = 0;  // valid candidates
     while (m < M && c[m] >= 0) ++m;
     std::vector<int64_t> sorted(c, c + m);
@@ -631,24 +654,11 @@ struct NodeKernel {
       if (typical && e_c[i] > 0) h += e_c[i] * d;
     }
     st.inv_sum = 1.0f / (rest_e + cand_e);
+    st.zsum_term = h;
     const float inv = st.inv_sum, rest = rest_e * inv;
-    bool relax = false;
-    float thr = 0;
-    if (mars) {
-      st.v1 = first_equal(rv.data, V, raw_max, -1);
-      st.z2 = temperature == 1.0f ? raw_second : raw_second / temperature;
-      st.v2 = first_equal(rv.data, V, raw_second, st.v1);
-      if (st.v2 < 0) st.v2 = st.v1;
-      relax = zmax > 0 && st.z2 / zmax > static_cast<float>(prm.theta);
-    } else if (prm.rule == kOvershoot && prm.min_p > 0) {
-      thr = static_cast<float>(prm.min_p) * inv;
-    } else if (prm.rule == kMinP) {
-      thr = static_cast<float>(prm.p_base) * inv;
-    } else if (typical) {
-      const float entropy = -std::log(inv) - h * inv;
-      const float th = static_cast<float>(prm.delta) * std::exp(-entropy);
-      thr = th < static_cast<float>(prm.epsilon) ? th : static_cast<float>(prm.epsilon);
-    }
+    bool relax;
+    float thr;
+    rule_context(prm, st, relax, thr);
     // the walk: remaining mass when c_i is examined = non-candidates + c_i..c_m
     std::vector<float> p_c(m), s_c(m), al(m);
     for (int64_t i = 0; i < m; ++i) p_c[i] = e_c[i] * inv;
@@ -685,19 +695,7 @@ struct NodeKernel {
       if (!(fb_mass > 0)) return 3;
       const int64_t nblocks = (V + kBlock - 1) / kBlock;
       sums.assign(nblocks, 0.0);
-      for (int64_t blk = 0; blk < nblocks; ++blk) {
-        const int64_t start = blk * kBlock, end = start + kBlock < V ? start + kBlock : V;
-        double s = 0;
-#pragma omp simd reduction(+ : s)
-        for (int64_t i = start; i < end; ++i) {
-          const float zt = t == 1.0f ? rv.data[i] : rv.data[i] / t;
-          s += static_cast<double>(exp_nonpos(zt - zmax) * inv);
-        }
-        if (!fb_is_p)
-          for (int64_t k = 0; k < m; ++k)
-            if (c[k] >= start && c[k] < end) s -= static_cast<double>(p_c[k]);
-        sums[blk] = s > 0 ? s : 0.0;
-      }
+      p_block_sums(rv, st, c, fb_is_p ? 0 : m, sums.data());
       double r_y = 0;
       y = sample_blocks(sums.data(), nblocks, V, fb_weight, u_fin, r_y);
       if (y < 0) return 3;
