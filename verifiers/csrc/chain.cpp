@@ -137,29 +137,31 @@ static void row_max(const float* row, int64_t n, bool top2, RowStats& st, float&
   st.bad = nan || !(std::isfinite(raw_max));
 }
 
-// The row max as z (st.zmax) and, with top2, MARS's v1, v2 and z2; false for a bad row (NaN,
-// +inf, all -inf, or a finite logit that overflows once divided by T).
-static bool row_top(const RowView& rv, bool top2, RowStats& st) {
-  float raw_max, raw_second;
+// The row max as z (st.zmax), with the raw top two values; false for a bad row (NaN, +inf,
+// all -inf, or a finite logit that overflows once divided by T).
+static bool row_top(const RowView& rv, bool top2, RowStats& st, float& raw_max, float& raw_second) {
   row_max(rv.data, rv.n, top2, st, raw_max, raw_second);
   if (st.bad) return false;
   const float zmax = rv.temperature == 1.0f ? raw_max : raw_max / rv.temperature;
   st.bad = !std::isfinite(zmax);
   if (st.bad) return false;
   st.zmax = zmax;
-  if (top2) {
-    st.v1 = first_equal(rv.data, rv.n, raw_max, -1);
-    st.z2 = rv.temperature == 1.0f ? raw_second : raw_second / rv.temperature;
-    st.v2 = first_equal(rv.data, rv.n, raw_second, st.v1);
-    if (st.v2 < 0) st.v2 = st.v1;  // a one-token vocabulary
-  }
   return true;
+}
+
+// MARS's v1, v2 (first indices, lowest on ties) and z2 from row_top's raw top two values.
+static void top2_tokens(const RowView& rv, float raw_max, float raw_second, RowStats& st) {
+  st.v1 = first_equal(rv.data, rv.n, raw_max, -1);
+  st.z2 = rv.temperature == 1.0f ? raw_second : raw_second / rv.temperature;
+  st.v2 = first_equal(rv.data, rv.n, raw_second, st.v1);
+  if (st.v2 < 0) st.v2 = st.v1;  // a one-token vocabulary
 }
 
 // Phase 1 for one row: max, normaliser (and the typical entropy term, MARS's top 2).
 static RowStats row_stats(const RowView& rv, bool top2, bool entropy) {
   RowStats st;
-  if (!row_top(rv, top2, st)) return st;
+  float raw_max, raw_second;
+  if (!row_top(rv, top2, st, raw_max, raw_second)) return st;
   const float zmax = st.zmax;
   float s = 0, h = 0;
   if (rv.temperature == 1.0f && !entropy) {
@@ -177,6 +179,7 @@ static RowStats row_stats(const RowView& rv, bool top2, bool entropy) {
   }
   st.inv_sum = 1.0f / s;
   st.zsum_term = h;
+  if (top2) top2_tokens(rv, raw_max, raw_second, st);
   return st;
 }
 
@@ -214,12 +217,14 @@ inline float prob(const RowView& rv, const RowStats& st, int64_t v) {
 // skip[0..nskip) (their p is subtracted from their block's sum).
 static void p_block_sums(const RowView& rv, const RowStats& st, const int64_t* skip, int64_t nskip, double* sums) {
   const float zmax = st.zmax, inv = st.inv_sum, t = rv.temperature;
-  for (int64_t start = 0, blk = 0; start < rv.n; start += kBlock, ++blk) {
-    const int64_t end = start + kBlock < rv.n ? start + kBlock : rv.n;
+  const float* data = rv.data;  // locals: read through rv, the loads below are not vectorised contiguously
+  const int64_t n = rv.n;
+  for (int64_t start = 0, blk = 0; start < n; start += kBlock, ++blk) {
+    const int64_t end = start + kBlock < n ? start + kBlock : n;
     double s = 0;
 #pragma omp simd reduction(+ : s)
     for (int64_t i = start; i < end; ++i) {
-      const float z = t == 1.0f ? rv.data[i] : rv.data[i] / t;
+      const float z = t == 1.0f ? data[i] : data[i] / t;
       s += static_cast<double>(exp_nonpos(z - zmax) * inv);
     }
     for (int64_t k = 0; k < nskip; ++k)
@@ -620,7 +625,9 @@ struct NodeKernel {
     const int64_t* c = cands + n * M;
     const bool mars = prm.rule == kMars, typical = prm.rule == kTypical;
     RowStats st;
-    if (!row_top(rv, mars, st)) return 1;
+    float raw_max, raw_second;
+    if (!row_top(rv, mars, st, raw_max, raw_second)) return 1;
+    if (mars) top2_tokens(rv, raw_max, raw_second, st);
     const float zmax = st.zmax;
     int64_t m = 0;  // valid candidates
     while (m < M && c[m] >= 0) ++m;
