@@ -1,4 +1,4 @@
-"""The rollout actor: a thin Ray wrapper around the speculative engine.
+"""The rollout actor: a thin Ray wrapper around a rollout backend.
 
 Vocabulary:
 - **shard**: the part of a step's rollout requests handed to one actor. It carries the
@@ -8,34 +8,24 @@ Vocabulary:
 - **policy version**: the number of optimizer steps behind the weights an actor holds.
   Every result is tagged with the version that produced it; the driver refuses stale ones.
 
-:class:`RolloutWorker` is plain Python (tested without Ray); :func:`remote_actor_class`
-returns the Ray actor class built from it.
+:class:`RolloutWorker` is plain Python (tested without Ray) around the backend that
+``WorkerSpec.backend`` names (``rollout.backend``); :func:`remote_actor_class` returns the
+Ray actor class built from it. A shard's result is the backend's ``RolloutBatch``.
 """
 
 from __future__ import annotations
 
 import os
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 
 import torch
 
-from rollout.models import TargetConfig, load_target
-from rollout.outputs import Completion, Timings
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.backend import WorkerSpec, build_backend
+from rollout.outputs import RolloutBatch
 
-
-@dataclass(frozen=True)
-class WorkerSpec:
-    """Everything an actor needs to build its engine (picklable, validated configs)."""
-
-    target: TargetConfig
-    drafter_path: str | None
-    sampling: SamplingParams
-    spec: SpecConfig
-    verifier: VerifierConfig
-    threads: int = 2
-    device: str = "cpu"
+__all__ = ["RolloutWorker", "Shard", "ShardResult", "WorkerSpec", "remote_actor_class"]
 
 
 @dataclass(frozen=True)
@@ -52,48 +42,41 @@ class Shard:
 
 @dataclass
 class ShardResult:
+    """One shard's rollouts (rows in the shard's request order) and where they came from."""
+
     shard_id: int
     request_ids: tuple[str, ...]
-    completions: list[Completion]
-    timings: Timings
-    policy_version: int
+    batch: RolloutBatch
     actor_pid: int
+
+    @property
+    def policy_version(self) -> int:
+        return self.batch.policy_version
 
 
 class RolloutWorker:
-    """Holds one target (the policy copy) and its EAGLE-3 head; generates shards."""
+    """Holds one backend (the policy copy and its EAGLE-3 head); generates shards."""
 
     def __init__(self, spec: WorkerSpec):
-        from rollout.engine import Engine  # the engine imports models lazily too
-
         torch.set_num_threads(spec.threads)
         self.spec = spec
-        self.target, _ = load_target(spec.target)
-        self.target.to(spec.device)
-        self.head = None
-        if spec.drafter_path is not None and spec.spec.mode != "off":
-            from rollout.eagle3 import load_eagle3
+        self.backend = build_backend(spec)
 
-            self.head = load_eagle3(spec.drafter_path, self.target).to(spec.device)
-        self.engine = Engine(self.target, self.head, num_threads=spec.threads)
-        self.version = 0
+    @property
+    def version(self) -> int:
+        return self.backend.version
 
-    def set_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> int:
+    def set_weights(self, state_dict: Mapping[str, torch.Tensor], version: int) -> int:
         """Load new policy weights in place; returns the version now held."""
-        self.target.model.load_state_dict(state_dict)
-        self.version = int(version)
-        return self.version
+        return self.backend.set_weights(state_dict, version)
+
+    def load_drafter(self, path: str) -> None:
+        self.backend.load_drafter(path)
 
     def generate(self, shard: Shard) -> ShardResult:
-        result = self.engine.generate(
-            [list(p) for p in shard.prompts],
-            sampling=self.spec.sampling,
-            spec=self.spec.spec,
-            verifier=self.spec.verifier,
-            seed=shard.seed,
-        )
-        return ShardResult(shard.shard_id, shard.request_ids, result.completions, result.timings,
-                           self.version, os.getpid())
+        batch = self.backend.generate([list(p) for p in shard.prompts], sampling=self.spec.sampling,
+                                      spec=self.spec.spec, verifier=self.spec.verifier, seed=shard.seed)
+        return ShardResult(shard.shard_id, shard.request_ids, batch, os.getpid())
 
     def ping(self) -> tuple[int, float]:
         return os.getpid(), time.time()

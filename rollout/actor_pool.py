@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.actor import Shard, ShardResult, WorkerSpec, remote_actor_class
-from rollout.outputs import Completion, Timings
+from rollout.outputs import RolloutBatch
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +39,7 @@ class RolloutPool:
         self._cls = remote_actor_class(num_cpus_per_actor, num_gpus_per_actor)
         self.actors = [self._cls.remote(spec) for _ in range(num_actors)]
         self._weights_ref = None
+        self._drafter_path: str | None = None
         self.version = 0
         self.stats = PoolStats()
         ray.get([a.ping.remote() for a in self.actors])  # surface load errors now
@@ -51,6 +52,11 @@ class RolloutPool:
         got = self._ray.get([a.set_weights.remote(self._weights_ref, version) for a in self.actors])
         assert all(v == version for v in got), f"actors hold versions {got}, expected {version}"
 
+    def load_drafter(self, path: str) -> None:
+        """Every actor re-loads its EAGLE-3 head from ``path`` (replacements load it too)."""
+        self._drafter_path = path
+        self._ray.get([a.load_drafter.remote(path) for a in self.actors])
+
     def _restart(self, index: int) -> None:
         self.stats.restarts += 1
         log.warning("rollout actor %d died; starting a replacement", index)
@@ -61,6 +67,8 @@ class RolloutPool:
         actor = self._cls.remote(self.spec)
         if self._weights_ref is not None:
             self._ray.get(actor.set_weights.remote(self._weights_ref, self.version))
+        if self._drafter_path is not None:
+            self._ray.get(actor.load_drafter.remote(self._drafter_path))
         self.actors[index] = actor
 
     # ------------------------------------------------------------------ rollouts
@@ -71,8 +79,8 @@ class RolloutPool:
                 for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])) if b > a]
 
     def generate(self, request_ids: list[str], prompts: list[list[int]], seed: int,
-                 ) -> tuple[list[Completion], list[ShardResult]]:
-        """Completions in request order, plus the per-shard results (timings, actor)."""
+                 ) -> tuple[RolloutBatch, list[ShardResult]]:
+        """One RolloutBatch with a row per request in request order, plus the per-shard results."""
         if len(set(request_ids)) != len(request_ids):
             raise ValueError("request ids must be unique")
         shards = self.make_shards(request_ids, prompts, seed)
@@ -103,17 +111,25 @@ class RolloutPool:
         """Called once a step's shards are submitted (a seam for failure-injection tests)."""
 
     @staticmethod
-    def _collect(request_ids: list[str], results: dict[int, ShardResult]) -> list[Completion]:
-        by_id: dict[str, Completion] = {}
-        for res in results.values():
-            for rid, comp in zip(res.request_ids, res.completions, strict=True):
-                if rid in by_id:
+    def _collect(request_ids: list[str], results: dict[int, ShardResult]) -> RolloutBatch:
+        """The shards' rows joined in request order; a request back twice or never is an error."""
+        where: dict[str, tuple[int, int]] = {}  # request id -> (index into parts, row)
+        parts = [results[k] for k in sorted(results)]
+        for p, res in enumerate(parts):
+            if len(res.request_ids) != len(res.batch):
+                raise RuntimeError(f"shard {res.shard_id}: {len(res.batch)} rows for {len(res.request_ids)} requests")
+            for row, rid in enumerate(res.request_ids):
+                if rid in where:
                     raise RuntimeError(f"request {rid} came back twice")
-                by_id[rid] = comp
-        missing = [r for r in request_ids if r not in by_id]
+                where[rid] = (p, row)
+        missing = [r for r in request_ids if r not in where]
         if missing:
             raise RuntimeError(f"{len(missing)} requests came back without a completion, e.g. {missing[0]}")
-        return [by_id[r] for r in request_ids]
+        joined = RolloutBatch.cat([res.batch for res in parts])
+        offsets = [0]
+        for res in parts:
+            offsets.append(offsets[-1] + len(res.batch))
+        return joined.select([offsets[where[r][0]] + where[r][1] for r in request_ids])
 
     def kill_actor(self, index: int) -> None:
         """Kill one actor (tests use this to simulate a node failure)."""
@@ -127,14 +143,3 @@ class RolloutPool:
                 pass
         self.actors = []
 
-
-def merge_timings(results: list[ShardResult]) -> Timings:
-    """Sum of the shards' counters; wall time is the slowest shard's (actors run in parallel)."""
-    out = Timings()
-    for r in results:
-        t = r.timings
-        for name in ("draft_s", "verify_s", "other_s", "target_forwards", "draft_forwards",
-                     "rounds", "row_rounds", "emitted", "tokens"):
-            setattr(out, name, getattr(out, name) + getattr(t, name))
-        out.total_s = max(out.total_s, t.total_s)
-    return out

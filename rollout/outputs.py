@@ -20,6 +20,7 @@ boundary.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -111,16 +112,30 @@ class GenerationResult:
     def tau(self) -> float:
         return self.timings.tau
 
-    def to_batch(self, policy_version: int = 0) -> RolloutBatch:
-        return RolloutBatch.from_completions(self.completions, self.timings, policy_version)
+    def to_batch(self, policy_version: int = 0, pad_id: int = 0) -> RolloutBatch:
+        return RolloutBatch.from_completions(self.completions, self.timings, policy_version, pad_id)
+
+
+#: the work counters a RolloutBatch keeps in ``timings`` (summed when batches are joined)
+COUNTERS = ("target_forwards", "draft_forwards", "rounds", "row_rounds", "emitted", "tokens",
+            "plain_rounds", "plain_row_rounds")
+#: the wall-clock parts of ``timings`` (summed when joined, except total_s: the slowest part's)
+SECONDS = ("draft_s", "verify_s", "other_s", "total_s")
+#: the per-token tensors of a RolloutBatch, [N, C] each
+TOKEN_FIELDS = ("completion_ids", "completion_mask", "behaviour_logprobs", "target_logprobs", "kinds", "relaxed")
 
 
 @dataclass
 class RolloutBatch:
-    """Completions of one call as right-padded tensors: what a rollout actor returns.
+    """Completions of one call as right-padded tensors: what every rollout backend returns.
 
-    prompt_ids [N, P] and completion_ids [N, C] are padded with ``pad_id``; the per-token
-    tensors are [N, C], zero (kind -1) where ``completion_mask`` is False.
+    It is the one shape that leaves a backend (``rollout.backend.RolloutBackend``), crosses
+    the Ray actor boundary, and is consumed as it is by the GRPO trainer and the TRL
+    plug-in. prompt_ids [N, P] and completion_ids [N, C] are right-padded with ``pad_id``;
+    the per-token tensors are [N, C], zero (kind -1) where ``completion_mask`` is False.
+    ``timings`` holds the wall-clock split (``SECONDS``) and the work counters
+    (``COUNTERS``) of the call; ``tau`` is emitted / row_rounds from those counters.
+    ``policy_version`` is the version of the weights that generated every row.
     """
 
     prompt_ids: torch.Tensor  # [N, P] int64
@@ -137,12 +152,80 @@ class RolloutBatch:
     policy_version: int = 0
     pad_id: int = 0
 
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def prompt_lengths(self) -> list[int]:
+        return self.prompt_mask.sum(1).tolist()
+
+    @property
+    def completion_lengths(self) -> list[int]:
+        return self.completion_mask.sum(1).tolist()
+
+    def prompt_lists(self) -> list[list[int]]:
+        """Each row's prompt token ids without padding."""
+        return [row[:n].tolist() for row, n in zip(self.prompt_ids, self.prompt_lengths)]
+
+    def completion_lists(self) -> list[list[int]]:
+        """Each row's completion token ids without padding."""
+        return [row[:n].tolist() for row, n in zip(self.completion_ids, self.completion_lengths)]
+
+    def token_lists(self, name: str) -> list[list]:
+        """A per-token field (e.g. ``"behaviour_logprobs"``) as one unpadded list per row."""
+        if name not in TOKEN_FIELDS:
+            raise ValueError(f"unknown per-token field {name!r} (allowed: {', '.join(TOKEN_FIELDS)})")
+        values = getattr(self, name)
+        return [row[:n].tolist() for row, n in zip(values, self.completion_lengths)]
+
+    def select(self, rows: list[int]) -> RolloutBatch:
+        """The given rows, in that order, trimmed to their own widths; timings kept as they are."""
+        idx = torch.tensor(rows, dtype=torch.long)
+        p = max((self.prompt_lengths[i] for i in rows), default=0)
+        c = max((self.completion_lengths[i] for i in rows), default=0)
+        return dataclasses.replace(
+            self, prompt_ids=self.prompt_ids[idx, :p], prompt_mask=self.prompt_mask[idx, :p],
+            finish_reasons=[self.finish_reasons[i] for i in rows], timings=dict(self.timings),
+            **{name: getattr(self, name)[idx, :c] for name in TOKEN_FIELDS})
+
+    @staticmethod
+    def cat(batches: list[RolloutBatch]) -> RolloutBatch:
+        """Rows of every batch in order, re-padded to the widest; counters summed.
+
+        Seconds are summed too, except ``total_s``, the slowest batch's (parallel
+        actors). Every batch must come from one policy version and share ``pad_id``.
+        """
+        if not batches:
+            raise ValueError("cat needs at least one RolloutBatch")
+        versions = {b.policy_version for b in batches}
+        if len(versions) != 1:
+            raise ValueError(f"cannot join rollouts of different policy versions {sorted(versions)}")
+        pads = {b.pad_id for b in batches}
+        if len(pads) != 1:
+            raise ValueError(f"cannot join rollouts padded with different ids {sorted(pads)}")
+        pad_id = pads.pop()
+
+        def join(name: str, fill) -> torch.Tensor:
+            parts = [getattr(b, name) for b in batches]
+            width = max(t.shape[1] for t in parts)
+            return torch.cat([torch.nn.functional.pad(t, (0, width - t.shape[1]), value=fill) for t in parts])
+
+        timings = {k: sum(b.timings.get(k, 0.0) for b in batches) for k in COUNTERS + SECONDS}
+        timings["total_s"] = max(b.timings.get("total_s", 0.0) for b in batches)
+        fills = {"completion_ids": pad_id, "kinds": -1}
+        return RolloutBatch(
+            prompt_ids=join("prompt_ids", pad_id), prompt_mask=join("prompt_mask", False),
+            finish_reasons=[r for b in batches for r in b.finish_reasons],
+            tau=_tau(timings), timings=timings, policy_version=versions.pop(), pad_id=pad_id,
+            **{name: join(name, fills.get(name, 0)) for name in TOKEN_FIELDS})
+
     @staticmethod
     def from_completions(completions: list[Completion], timings: Timings,
                          policy_version: int = 0, pad_id: int = 0) -> RolloutBatch:
         n = len(completions)
         p = max((len(c.prompt_ids) for c in completions), default=0)
         c_len = max((c.num_tokens for c in completions), default=0)
+        counters = {k: float(getattr(timings, k)) for k in COUNTERS + SECONDS}
         out = RolloutBatch(
             prompt_ids=torch.full((n, p), pad_id, dtype=torch.long),
             prompt_mask=torch.zeros(n, p, dtype=torch.bool),
@@ -154,8 +237,7 @@ class RolloutBatch:
             relaxed=torch.zeros(n, c_len, dtype=torch.bool),
             finish_reasons=[c.finish_reason for c in completions],
             tau=timings.tau,
-            timings={"draft_s": timings.draft_s, "verify_s": timings.verify_s, "other_s": timings.other_s,
-                     "total_s": timings.total_s, "tokens": float(timings.tokens)},
+            timings=counters,
             policy_version=policy_version,
             pad_id=pad_id,
         )
@@ -171,3 +253,7 @@ class RolloutBatch:
                 out.kinds[i, :lc] = torch.tensor(c.kinds, dtype=torch.int8)
                 out.relaxed[i, :lc] = torch.tensor(c.relaxed, dtype=torch.bool)
         return out
+
+
+def _tau(timings: dict[str, float]) -> float:
+    return timings["emitted"] / timings["row_rounds"] if timings.get("row_rounds") else 0.0

@@ -26,8 +26,9 @@ from pathlib import Path
 
 import torch
 
-from rollout.actor import WorkerSpec
-from rollout.actor_pool import RolloutPool, merge_timings
+from rollout.actor_pool import RolloutPool
+from rollout.backend import WorkerSpec
+from rollout.outputs import RolloutBatch
 from rollout.models import load_target
 from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainers.correction import importance_weights
@@ -87,7 +88,7 @@ class GRPOTrainer:
         drafter = self.cfg.model.drafter_path()
         spec = WorkerSpec(target=self.cfg.model.target, drafter_path=str(drafter) if drafter else None,
                           sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor,
-                          device="cuda" if r.num_gpus_per_actor > 0 else "cpu")
+                          device="cuda" if r.num_gpus_per_actor > 0 else "cpu", backend=r.backend)
         self.pool = RolloutPool(spec, r.num_actors, num_cpus_per_actor=r.threads_per_actor,
                                 num_gpus_per_actor=r.num_gpus_per_actor, max_restarts=r.max_restarts)
         self.pool.set_weights(self.policy.state_dict(), self.version)
@@ -110,24 +111,25 @@ class GRPOTrainer:
                 ids.append(f"{step}/{i}/{j}")
                 prompts.append(p)
                 answers.append(prob.answer)
-        completions, shard_results = self.pool.generate(ids, prompts, seed=self.cfg.run.seed * 7919 + step)
-        return problems, answers, completions, merge_timings(shard_results)
+        batch, _ = self.pool.generate(ids, prompts, seed=self.cfg.run.seed * 7919 + step)
+        return problems, answers, batch
 
     def step(self, step: int) -> dict[str, float]:
         t0 = time.perf_counter()
-        problems, answers, completions, timings = self.rollout(step)
+        problems, answers, batch = self.rollout(step)
         t_rollout = time.perf_counter() - t0
-        texts = [self.tokenizer.decode(c.completion_ids, skip_special_tokens=True) for c in completions]
+        texts = self.tokenizer.batch_decode(batch.completion_lists(), skip_special_tokens=True)
         rewards = torch.tensor([answer_reward(t, a, self.cfg.reward) for t, a in zip(texts, answers)])
         correct = torch.tensor([exact_match_reward(t, a) >= 1.0 for t, a in zip(texts, answers)])
         g = self.cfg.grpo.group_size
         adv = group_advantages(rewards.view(-1, g), scale_std=self.cfg.grpo.scale_std,
                                eps=self.cfg.grpo.std_eps).reshape(-1)
-        metrics, records = self.update(completions, adv)
+        metrics, records = self.update(batch, adv)
         metrics.update(reward_stats(rewards.view(-1, g), correct.view(-1, g)))
-        metrics.update(tau=timings.tau, rollout_tokens=float(timings.tokens), rollout_s=t_rollout,
-                       rollout_tokens_per_s=timings.tokens / max(t_rollout, 1e-9),
-                       completion_len_mean=timings.tokens / max(len(completions), 1),
+        tokens = batch.timings["tokens"]
+        metrics.update(tau=batch.tau, rollout_tokens=tokens, rollout_s=t_rollout,
+                       rollout_tokens_per_s=tokens / max(t_rollout, 1e-9),
+                       completion_len_mean=tokens / max(len(batch), 1),
                        policy_version=float(self.version), actor_restarts=float(self.pool.stats.restarts),
                        step_s=time.perf_counter() - t0)
         for rec, r, text in zip(records, rewards.tolist(), texts):
@@ -135,7 +137,7 @@ class GRPOTrainer:
         self.logger.log_rollouts(step + 1, records)
         return metrics
 
-    def update(self, completions, adv: torch.Tensor) -> tuple[dict[str, float], list[dict]]:
+    def update(self, batch: RolloutBatch, adv: torch.Tensor) -> tuple[dict[str, float], list[dict]]:
         """Corrected GRPO loss over the batch, one optimizer step, weight broadcast.
 
         With one gradient step per batch, pi_old is the policy as it is now: its log-probs
@@ -144,10 +146,10 @@ class GRPOTrainer:
         per-sequence modes are exact; the logged weight statistics cover the whole batch.
         """
         c = self.cfg
-        prompts = [x.prompt_ids for x in completions]
-        outs = [x.completion_ids for x in completions]
-        n, mb = len(completions), c.optim.micro_batch
-        behaviour, target_lp, relaxed, mask = self._rollout_tensors(completions)
+        prompts, outs = batch.prompt_lists(), batch.completion_lists()
+        n, mb = len(batch), c.optim.micro_batch
+        behaviour, target_lp, relaxed, mask = (t.to(self.device) for t in (
+            batch.behaviour_logprobs, batch.target_logprobs, batch.relaxed, batch.completion_mask))
         adv = adv.to(self.device)
         total_tokens = mask.sum().clamp(min=1).item()
         logp_old = torch.zeros_like(behaviour)
@@ -178,19 +180,6 @@ class GRPOTrainer:
         metrics = dict(is_stats, loss=loss_sum, grad_norm=float(grad_norm), clip_frac=clip_frac,
                        relaxed_frac=relaxed_fraction(relaxed, mask), rollout_vs_trainer_logp_max=stale)
         return metrics, _records(outs, behaviour, target_lp, logp_old, relaxed, weights)
-
-    def _rollout_tensors(self, completions) -> tuple[torch.Tensor, ...]:
-        """behaviour, rollout-time target log-probs, relaxed flags and the token mask, [N, C]."""
-        n, c_max = len(completions), max((x.num_tokens for x in completions), default=0)
-        behaviour, target_lp = torch.zeros(n, c_max), torch.zeros(n, c_max)
-        relaxed, mask = torch.zeros(n, c_max, dtype=torch.bool), torch.zeros(n, c_max, dtype=torch.bool)
-        for i, x in enumerate(completions):
-            k = x.num_tokens
-            behaviour[i, :k] = torch.tensor(x.behaviour_logprobs)
-            target_lp[i, :k] = torch.tensor(x.target_logprobs)
-            relaxed[i, :k] = torch.tensor(x.relaxed, dtype=torch.bool)
-            mask[i, :k] = True
-        return tuple(t.to(self.device) for t in (behaviour, target_lp, relaxed, mask))
 
     def _logprobs(self, model, prompts, outs, width: int) -> torch.Tensor:
         s = self.cfg.rollout.sampling

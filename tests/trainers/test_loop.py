@@ -120,13 +120,14 @@ def test_killed_actor_loses_no_rollout(tiny_policy_dir, tiny_head_dir, local_ray
     try:
         reference, _ = pool.generate(ids, prompts, seed=5)
         pool.armed = True
-        completions, shards = pool.generate(ids, prompts, seed=5)
+        batch, shards = pool.generate(ids, prompts, seed=5)
     finally:
         pool.shutdown()
     assert pool.stats.restarts == 1
     assert sorted(r for s in shards for r in s.request_ids) == sorted(ids)  # each exactly once
     # the lost shard was re-run with its own seed: identical to the run without a failure
-    assert [c.completion_ids for c in completions] == [c.completion_ids for c in reference]
+    assert batch.completion_lists() == reference.completion_lists()
+    assert torch.equal(batch.behaviour_logprobs, reference.behaviour_logprobs)
 
 
 def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):

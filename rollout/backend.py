@@ -1,0 +1,152 @@
+"""One rollout interface: what every engine offers the actor, the trainer and the TRL plug-in.
+
+Vocabulary:
+- **backend**: an engine that completes token-id prompts under given sampling,
+  speculation and verifier settings and returns a :class:`rollout.outputs.RolloutBatch`
+  (the one shape that leaves a backend). ``hf`` is our own speculative engine
+  (``rollout.engine``); ``vllm`` is vLLM with our verifier (``rollout.vllm``).
+- **policy version**: the number of optimizer steps behind the weights a backend holds;
+  every batch it returns carries it.
+- **worker spec**: everything needed to build a backend in another process (picklable,
+  validated configs); ``build_backend`` picks the class from ``spec.backend``.
+
+A backend built over a model object that the trainer also holds (``HFBackend.from_model``,
+the TRL plug-in on one machine) shares its parameters: ``set_weights(None, version)``
+then moves only the version, and the weights are never stale.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from rollout.models import TargetConfig, TargetModel, load_target
+from rollout.outputs import RolloutBatch
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+
+#: backend name -> "module:class", imported on first use (vLLM is an optional extra)
+BACKENDS: dict[str, str] = {"hf": "rollout.backend:HFBackend", "vllm": "rollout.vllm:VLLMBackend"}
+
+
+@runtime_checkable
+class RolloutBackend(Protocol):
+    """Generate rollouts with exact behaviour log-probs; take new weights; report the version."""
+
+    name: str
+
+    @property
+    def version(self) -> int: ...
+
+    def generate(self, prompts: list[list[int]], *, sampling: SamplingParams, spec: SpecConfig,
+                 verifier: VerifierConfig, seed: int) -> RolloutBatch: ...
+
+    def set_weights(self, state_dict: Mapping[str, torch.Tensor] | None, version: int) -> int: ...
+
+    def load_drafter(self, path: str) -> None: ...
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """Everything a process needs to build its backend (picklable, validated configs).
+
+    backend: a key of ``BACKENDS``; backend_options: keyword options only that backend
+    reads (e.g. vLLM's ``kv_cache_memory_bytes``).
+    """
+
+    target: TargetConfig
+    drafter_path: str | None
+    sampling: SamplingParams
+    spec: SpecConfig
+    verifier: VerifierConfig
+    threads: int = 2
+    device: str = "cpu"
+    backend: str = "hf"
+    backend_options: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ValueError(f"unknown rollout backend {self.backend!r} (allowed: {', '.join(BACKENDS)})")
+
+
+def backend_class(name: str) -> type:
+    """The class registered under ``name``; a missing optional package is named."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown rollout backend {name!r} (allowed: {', '.join(BACKENDS)})")
+    module, cls = BACKENDS[name].split(":")
+    try:
+        return getattr(importlib.import_module(module), cls)
+    except ImportError as err:
+        raise ImportError(f"rollout backend {name!r} cannot be imported ({err}); "
+                          f"for 'vllm' install the extra: pip install -e '.[vllm]'") from err
+
+
+def build_backend(spec: WorkerSpec) -> RolloutBackend:
+    """Build the backend ``spec.backend`` names, from the spec alone (in any process)."""
+    return backend_class(spec.backend).from_spec(spec)
+
+
+class HFBackend:
+    """Our speculative engine (``rollout.engine.Engine``) behind the rollout interface."""
+
+    name = "hf"
+
+    def __init__(self, target: TargetModel, head=None, *, num_threads: int | None = None, pad_id: int = 0,
+                 version: int = 0):
+        from rollout.engine import Engine
+
+        self.target, self.pad_id, self._version = target, pad_id, int(version)
+        self.engine = Engine(target, head, num_threads=num_threads)
+
+    @classmethod
+    def from_spec(cls, spec: WorkerSpec) -> HFBackend:
+        target, tokenizer = load_target(spec.target)
+        target.to(spec.device)
+        pad_id = getattr(tokenizer, "pad_token_id", None)
+        backend = cls(target, None, num_threads=spec.threads, pad_id=pad_id if pad_id is not None else 0)
+        if spec.drafter_path is not None and spec.spec.mode != "off":
+            backend.load_drafter(spec.drafter_path)
+        return backend
+
+    @classmethod
+    def from_model(cls, model: torch.nn.Module, *, drafter_path: str | None = None,
+                   aux_layer_ids: tuple[int, int, int] | None = None, num_threads: int | None = None,
+                   pad_id: int = 0) -> HFBackend:
+        """A backend over a Hugging Face causal LM that the caller keeps training (shared weights)."""
+        backend = cls(TargetModel(model, aux_layer_ids), None, num_threads=num_threads, pad_id=pad_id)
+        if drafter_path is not None:
+            backend.load_drafter(drafter_path)
+        return backend
+
+    @property
+    def version(self) -> int:
+        return self._version
+
+    @property
+    def head(self):
+        return self.engine.head
+
+    def load_drafter(self, path: str) -> None:
+        """Load (or re-load) the EAGLE-3 head from a folder; a head for another target is refused."""
+        from rollout.eagle3 import load_eagle3
+
+        head = load_eagle3(path, self.target).to(self.target.device)
+        if head.cfg.vocab_size != self.target.vocab_size:
+            raise ValueError(f"drafter {path}: vocab_size {head.cfg.vocab_size} != target vocab_size "
+                             f"{self.target.vocab_size}")
+        self.engine.head = head
+
+    def set_weights(self, state_dict: Mapping[str, torch.Tensor] | None, version: int) -> int:
+        """Load new policy weights in place (None: the parameters are shared, only the version moves)."""
+        if state_dict is not None:
+            self.target.model.load_state_dict(state_dict)
+        self._version = int(version)
+        return self._version
+
+    def generate(self, prompts: list[list[int]], *, sampling: SamplingParams, spec: SpecConfig,
+                 verifier: VerifierConfig, seed: int) -> RolloutBatch:
+        result = self.engine.generate(prompts, sampling=sampling, spec=spec, verifier=verifier, seed=seed)
+        return result.to_batch(policy_version=self._version, pad_id=self.pad_id)
