@@ -39,7 +39,7 @@ class Recording:
 
 
 def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, correction=None, steps=2,
-             placement="local", **args):
+             placement="local", reload_every=0, **args):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -59,6 +59,7 @@ def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, c
     settings = RolloutSettings(spec=SpecConfig(mode="chain", num_draft_tokens=3),
                                verifier=VerifierConfig(verifier, params or {}), drafter=str(head_dir),
                                placement=placement, target=TargetConfig(path=str(policy_dir)),
+                               drafter_reload_every=reload_every,
                                threads_per_actor=1, threads=2)
     return Trainer(model=model, reward_funcs=_reward, args=GRPOConfig(**kw),
                    train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]), processing_class=tok,
@@ -157,6 +158,20 @@ def test_ray_pool_gets_the_weights_pushed(tmp_path, tiny_policy_dir, tiny_head_d
         trainer.rollouts.close()
     finally:
         ray.shutdown()
+
+
+def test_draft_head_is_reloaded_between_steps(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
+    from rollout.backend import HFBackend
+
+    loads = []
+    original = HFBackend.load_drafter
+    monkeypatch.setattr(HFBackend, "load_drafter", lambda self, path: (loads.append(path), original(self, path)))
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=3, reload_every=1)
+    assert len(loads) == 1  # built with the head
+    first = trainer.rollouts.backend.head
+    trainer.train()
+    assert loads == [str(tiny_head_dir)] * 3  # re-read before the generations of steps 2 and 3
+    assert trainer.rollouts.backend.head is not first
 
 
 # ---------------------------------------------------------------------------- refusals
