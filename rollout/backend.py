@@ -155,5 +155,11 @@ class HFBackend:
 
     def generate(self, prompts: list[list[int]], *, sampling: SamplingParams, spec: SpecConfig,
                  verifier: VerifierConfig, seed: int) -> RolloutBatch:
-        result = self.engine.generate(prompts, sampling=sampling, spec=spec, verifier=verifier, seed=seed)
+        model = self.target.model
+        training = model.training  # a trainer's model: generate in eval mode (no dropout, no
+        model.eval()               # gradient-checkpointing wrappers), then give it back as it was
+        try:
+            result = self.engine.generate(prompts, sampling=sampling, spec=spec, verifier=verifier, seed=seed)
+        finally:
+            model.train(training)
         return result.to_batch(policy_version=self._version, pad_id=self.pad_id)
