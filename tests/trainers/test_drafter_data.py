@@ -2,11 +2,13 @@
 
 import pytest
 import torch
-from test_drafter import V, make_head, tiny_target
+from test_drafter import V, tiny_target
 
 from rollout.config import ConfigError, from_dict, load_yaml
+from rollout.eagle3 import Eagle3Config, Eagle3Head
 from trainers.drafter import DrafterConfig, train_drafter
-from trainers.drafter_data import (DrafterDataConfig, _sample_next, generate_dataset, sampling_generator)
+from trainers.drafter_data import (DrafterDataConfig, _sample_next, draft_vocab, generate_dataset,
+                                   sampling_generator)
 
 PROMPTS = [[5, 17, 40, 8], [9, 33, 101, 7, 12], [44, 3, 250]]
 
@@ -92,8 +94,8 @@ def test_generate_and_train_a_step_on_cuda(tmp_path):
     a, b = _dataset(target, 0, samples_per_prompt=2, greedy_fraction=0.3), _dataset(target, 0, samples_per_prompt=2,
                                                                                      greedy_fraction=0.3)
     assert torch.equal(a.tokens, b.tokens) and len(a) == 2 * len(PROMPTS)
-    head = make_head(target.cpu(), a, vd=64).to("cuda")
-    target.to("cuda")
+    head = Eagle3Head(Eagle3Config.for_target(target, 64), target.embed_tokens).to("cuda")  # as train_drafter does
+    head.set_draft_vocab(draft_vocab(a, 64, V)[0])
     for p in target.parameters():
         p.requires_grad_(False)
     cfg = DrafterConfig(draft_vocab_size=64, batch_size=3, epochs=1, max_steps=2, ttt_steps=3, warmup_steps=1,
