@@ -5,7 +5,10 @@ Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and VERIFICATION.md):
   forward, emit tokens with the verifier, commit the accepted part of the caches, drop
   finished rows. ``spec.mode == "off"`` runs the same loop with an empty draft (one token
   per round), so speedups compare the same engine. With ``spec.max_batch`` a round over
-  more unfinished rows than that is such a plain round too (the draft catches up later).
+  more unfinished rows than that is such a plain round too (the draft catches up later);
+  with ``max_batch: auto`` :class:`rollout.planner.RoundPlanner` picks, round by round,
+  a plain round or how many tokens to draft, from the costs and acceptance measured in
+  the call.
 - **first token**: each row's first completion token is sampled from the prefill's p
   (a bonus token); from then on every round starts from the row's pending token.
 
@@ -30,6 +33,7 @@ import torch
 from rollout.allocator import tune_malloc
 from rollout.outputs import DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner, sample_draft
 from rollout.sequences import RoundOutput, SequenceTable
 from rollout.tree import chain_tree, draft_tree, root_tree, walk
@@ -56,6 +60,8 @@ class _Call:
     timings: Timings
     debug: list[DebugRecord] | None
     record: list = field(default_factory=list)
+    planner: RoundPlanner | None = None
+    drafted_last: bool = False  # the previous round drafted (else the next draft catches up)
 
     @property
     def verify_kw(self) -> dict:
@@ -101,7 +107,8 @@ class Engine:
         call = _Call(runner=ModelRunner(self.target, head, self.prefill_tokens),
                      table=SequenceTable(prompts, budgets, sampling.stop_token_ids), rule=verifier.rule(),
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
-                     timings=Timings(), debug=[] if debug else None)
+                     timings=Timings(), debug=[] if debug else None,
+                     planner=RoundPlanner.for_spec(spec) if spec.auto else None)
         with torch.inference_mode():
             self._prefill(call, prompts, max(budgets))
             while len(call.table):
@@ -142,18 +149,34 @@ class Engine:
         self._finish_round(call, res, first=True)
 
     def _round(self, call: _Call) -> None:
-        spec, runner = call.spec, call.runner
+        """One round; with a planner, it picks the draft length k (0 = plain) and learns from
+        the round's cost and acceptance."""
+        spec, b = call.spec, len(call.table)
         t0 = time.perf_counter()
-        drafting = spec.drafts_at(len(call.table))
+        if call.planner is not None:
+            k = call.planner.choose(b)
+        else:
+            k = (spec.num_draft_tokens if spec.mode == "chain" else 1) if spec.drafts_at(b) else 0
+        draft_s, counts = self._run_round(call, k, t0)
+        if call.planner is not None:
+            call.planner.observe(b, k, time.perf_counter() - t0 - (draft_s if k else 0.0), draft_s, counts,
+                                 catch_up=not call.drafted_last)
+        call.drafted_last = k > 0
+
+    def _run_round(self, call: _Call, k: int, t0: float) -> tuple[float, list[int]]:
+        """A round drafting ``k`` chain tokens (or a tree when k > 0 in tree mode; a plain round
+        when k = 0). Returns its drafting seconds and the tokens each row emitted."""
+        spec, runner = call.spec, call.runner
+        drafting = k > 0
         if drafting and spec.mode == "chain" and spec.draft_sampling == "sampled":
-            return self._chain_round(call, t0)
+            return self._chain_round(call, t0, k)
         if not drafting:
             tree = root_tree(runner.pending)
             if spec.speculative:
                 call.timings.plain_rounds += 1
                 call.timings.plain_row_rounds += len(call.table)
         elif spec.mode == "chain":
-            drafts, _ = self._draft_chain(call)
+            drafts, _ = self._draft_chain(call, k)
             tree = chain_tree(runner.pending, runner.draft_ids[drafts])
         else:
             tree = draft_tree(runner, runner.pending, spec.depth, spec.top_k, spec.total_tokens)
@@ -163,13 +186,14 @@ class Engine:
         res = walk(call.rule, tree, logits, record=self._record(call), **call.verify_kw)
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
-        runner.commit(res.counts, res.counts.tolist(), res.tokens.clamp(min=0), feats,
-                      res.path if tree.mask is not None else None)
+        host = res.counts.tolist()
+        runner.commit(res.counts, host, res.tokens.clamp(min=0), feats, res.path if tree.mask is not None else None)
         self._finish_round(call, res)
+        return t1 - t0, host
 
-    def _chain_round(self, call: _Call, t0: float) -> None:
+    def _chain_round(self, call: _Call, t0: float, k: int) -> tuple[float, list[int]]:
         runner = call.runner
-        drafts, draft_logits = self._draft_chain(call)  # [B, K] draft ids, [B, K, Vd]
+        drafts, draft_logits = self._draft_chain(call, k)  # [B, K] draft ids, [B, K, Vd]
         tokens = runner.draft_ids[drafts]  # [B, K]
         t1 = time.perf_counter()
         block = torch.cat([runner.pending[:, None], tokens], dim=1)  # [B, K+1]
@@ -183,12 +207,14 @@ class Engine:
         if call.debug is not None:
             call.record = [(k, None, logits[:, k], full_draft[:, k] if k < tokens.shape[1] else None)
                            for k in range(block.shape[1])]
-        runner.commit(counts, counts.tolist(), res.tokens.clamp(min=0), feats, None)
+        host = counts.tolist()
+        runner.commit(counts, host, res.tokens.clamp(min=0), feats, None)
         self._finish_round(call, res)
+        return t1 - t0, host
 
-    def _draft_chain(self, call: _Call) -> tuple[torch.Tensor, torch.Tensor]:
-        """Draft K tokens per row: draft ids ``[B, K]`` and their draft logits ``[B, K, Vd]``."""
-        runner, k = call.runner, call.spec.num_draft_tokens
+    def _draft_chain(self, call: _Call, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft k tokens per row: draft ids ``[B, k]`` and their draft logits ``[B, k, Vd]``."""
+        runner = call.runner
         greedy = call.spec.draft_sampling == "greedy"
         logits, hidden = runner.draft_root()  # [B, Vd], [B, H]
         ids, all_logits = [], [logits]

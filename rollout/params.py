@@ -89,7 +89,12 @@ class SpecConfig:
         larger batches decode one plain token per row (the draft catches up on those tokens
         when drafting resumes). On a CPU a forward's cost grows with its tokens once the
         batch has a few rows, so verifying K+1 tokens per row pays only in the small-batch
-        tail of a call. None: draft in every round.
+        tail of a call. None: draft in every round. ``auto``: decide every round from the
+        step costs and acceptance measured in the call (``rollout.planner``): draft only
+        when it is expected to emit more tokens per second than a plain round.
+    adaptive_k: with ``max_batch: auto`` and a chain, each round also picks its chain
+        length in 1..num_draft_tokens (the most tokens per second under the measured
+        per-depth acceptance and step costs).
     """
 
     mode: str = "chain"
@@ -98,7 +103,8 @@ class SpecConfig:
     depth: int = 5
     top_k: int = 4
     total_tokens: int = 16
-    max_batch: int | None = None
+    max_batch: int | str | None = None
+    adaptive_k: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:
@@ -108,8 +114,14 @@ class SpecConfig:
                               allowed=DRAFT_SAMPLING)
         for name in ("num_draft_tokens", "depth", "top_k", "total_tokens"):
             _positive_int(name, getattr(self, name))
-        if self.max_batch is not None:
+        if self.max_batch is not None and self.max_batch != "auto":
+            if isinstance(self.max_batch, str):
+                raise ConfigError("max_batch", f"must be an integer >= 1, auto or null, got {self.max_batch!r}")
             _positive_int("max_batch", self.max_batch)
+        if not isinstance(self.adaptive_k, bool):
+            raise ConfigError("adaptive_k", f"must be true or false, got {self.adaptive_k!r}")
+        if self.adaptive_k and not (self.mode == "chain" and self.auto):
+            raise ConfigError("adaptive_k", "needs mode chain and max_batch auto (it uses the measured step costs)")
         most = self.top_k + (self.depth - 1) * self.top_k ** 2  # nodes the tree drafting generates
         if self.mode == "tree" and self.total_tokens > most:
             raise ConfigError("total_tokens", f"{self.total_tokens} exceeds the {most} nodes a tree of depth "
@@ -119,9 +131,15 @@ class SpecConfig:
     def speculative(self) -> bool:
         return self.mode != "off"
 
+    @property
+    def auto(self) -> bool:
+        """Whether each round's drafting is planned from measurements (``max_batch: auto``)."""
+        return self.speculative and self.max_batch == "auto"
+
     def drafts_at(self, batch: int) -> bool:
-        """Whether a round over ``batch`` unfinished rows drafts (see ``max_batch``)."""
-        return self.speculative and (self.max_batch is None or batch <= self.max_batch)
+        """Whether a round over ``batch`` unfinished rows drafts (see ``max_batch``; with
+        ``auto`` the engine's planner decides, so this only says whether it may)."""
+        return self.speculative and (self.max_batch in (None, "auto") or batch <= self.max_batch)
 
     @property
     def block_size(self) -> int:

@@ -16,6 +16,16 @@ change of machine load hits them alike. rss_mb is the largest resident memory se
 a run of the configuration, peak_rss_mb the process peak.
 ``--repeat N`` then reruns one speculative configuration N times and reports the RSS
 after each run (memory growth check).
+
+Bound: for each batch size the script also times the engine's own steps on the first
+batch of prompts (median of ``--cost-reps`` runs, interleaved): a target forward over 1 and
+over n block tokens per row, T(1) and T(n), and one draft step, T_draft. A speculative
+configuration with the measured tau can then at best run at
+``bound = tau x T(1) / (T(n) + steps x T_draft)`` times our autoregressive mode (chain:
+n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft levels
+counted as single-token steps, so its bound is optimistic). ``of bound`` = achieved
+speedup / bound shows how far the engine (verifier, bookkeeping, Python) is from its own
+cost model. Rows whose draft length varies per round (``max_batch: auto``) have no bound.
 """
 
 from __future__ import annotations
@@ -38,6 +48,7 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
+from rollout.runner import ModelRunner  # noqa: E402
 from verifiers import native  # noqa: E402
 
 VERIFIER_PARAMS = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
@@ -55,8 +66,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
     ap.add_argument("--tree", default="3,4,8", help="depth,top_k,total_tokens (';' separates several)")
     ap.add_argument("--max-batch", default="none",
-                    help="spec.max_batch values (comma list; 'none' = draft in every round): draft only "
-                         "while at most this many rows are unfinished")
+                    help="spec.max_batch values (comma list; 'none' = draft in every round, 'auto' = "
+                         "decide per round from measured costs): draft only while at most this many rows "
+                         "are unfinished")
+    ap.add_argument("--adaptive-k", action="store_true", help="with max_batch auto: chain length per round")
+    ap.add_argument("--cost-reps", type=int, default=5, help="timed repetitions per step cost (0: no bound)")
     ap.add_argument("--verifier-backend", default=None,
                     help="comma list of native, torch: run each speculative config with each verifier "
                          "backend side by side (default: the default backend only)")
@@ -145,19 +159,65 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
                 specs.append(SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
-    caps = [None if m.strip().lower() == "none" else int(m) for m in args.max_batch.split(",") if m.strip()]
-    specs = [dataclasses.replace(spec, max_batch=cap) for spec in specs for cap in caps or [None]]
+    caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
+    specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
+                                 and spec.mode == "chain") for spec in specs for cap in caps or [None]]
     names = [v for v in args.verifiers.split(",") if v]
     return [(spec, VerifierConfig(v, VERIFIER_PARAMS.get(v, {}))) for spec in specs for v in names]
 
 
+def _cap(text: str) -> int | str | None:
+    return None if text == "none" else "auto" if text == "auto" else int(text)
+
+
 def describe(spec: SpecConfig) -> str:
-    cap = "" if spec.max_batch is None else f" mb={spec.max_batch}"
+    cap = "" if spec.max_batch is None else f" mb={spec.max_batch}" + ("/k" if spec.adaptive_k else "")
     if spec.mode == "chain":
         return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}{cap}"
     if spec.mode == "tree":
         return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{cap}"
     return "off"
+
+
+def _median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int) -> dict:
+    """Median seconds of a target forward over ``n`` block tokens per row (``T(n)``) for each n
+    in ``blocks``, and of one draft step (``draft``), on ``group`` after its prefill; the
+    measurements are interleaved rep by rep."""
+    runner = ModelRunner(engine.target, engine.head, engine.prefill_tokens)
+    times: dict = {n: [] for n in blocks}
+    times["draft"] = []
+    with torch.inference_mode():
+        logits = runner.start(group, max(len(p) for p in group) + max(blocks) + 8)
+        runner.set_first_tokens(logits.argmax(-1))
+        _, hidden = runner.draft_root() if engine.head is not None else (None, None)
+        for rep in range(reps + 1):  # rep 0 warms up
+            for n in blocks:
+                block = runner.pending[:, None].expand(-1, n).contiguous()
+                t0 = time.perf_counter()
+                runner.verify_forward(block, torch.arange(n, device=block.device)[None], None)
+                if rep:
+                    times[n].append(time.perf_counter() - t0)
+            if engine.head is not None:
+                runner._spec_past = None  # every timed draft step is the round's first one
+                t0 = time.perf_counter()
+                runner.draft_step(runner.draft_ids[:1].expand(len(group))[:, None], hidden[:, None], 1, None)
+                if rep:
+                    times["draft"].append(time.perf_counter() - t0)
+    return {k: _median(v) for k, v in times.items() if v}
+
+
+def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
+    """tau x T(1) / (T(n) + steps x T_draft) (see the module docstring); None without one."""
+    if spec is None or not spec.speculative or spec.auto or "draft" not in costs:
+        return None
+    n, steps = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
+        (spec.total_tokens + 1, spec.depth)
+    return tau * costs[1] / (costs[n] + steps * costs["draft"])
 
 
 def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
@@ -175,6 +235,13 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     for spec, v in spec_configs(args) for be in backends]
         totals: list[dict] = [{} for _ in configs]
         groups = batches(prompts, size)
+        costs = {}
+        if args.cost_reps > 0:
+            blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
+            costs = step_costs(engine, groups[0], blocks, args.cost_reps)
+            print(f"  batch {size} step costs (ms): " + ", ".join(
+                f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in costs.items()),
+                flush=True)
         for i, group in enumerate(groups):
             for (mode, _, spec, verifier, backend), tot in zip(configs, totals):
                 seed = args.seed + i
@@ -187,25 +254,30 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows
         speeds = {(mode, vname): tot["tokens"] / tot["seconds"] for (mode, vname, *_), tot in zip(configs, totals)}
         ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
-        for (mode, vname, *_), tot in zip(configs, totals):
+        for (mode, vname, spec, *_), tot in zip(configs, totals):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
             row["tokens_per_s"] = speeds[(mode, vname)]
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
+            row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
+            row["bound"] = bound(spec, row["tau"], costs)
+            row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
             rows.append(row)
             print_row(row)
     return rows
 
 
-HEADER = f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'vs HF':>6} {'RSS MB':>7}"
+HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'bound':>6} "
+          f"{'of bd':>6} {'vs HF':>6} {'RSS MB':>7}")
 
 
 def print_row(row: dict) -> None:
-    ar, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in ("speedup_vs_ar", "speedup_vs_hf"))
+    ar, bd, of, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-"
+                      for k in ("speedup_vs_ar", "bound", "of_bound", "speedup_vs_hf"))
     print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {ar:>6} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
+          f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
 
 
 def memory_check(args, engine, prompts, sampling) -> dict:

@@ -55,7 +55,10 @@ def prompt_sets(d: DrafterDataConfig) -> dict[str, tuple[list[str], list[str]]]:
 
 def data_path(cfg: DrafterConfig) -> Path:
     """Cache file named by a hash of everything that determines the generated data."""
-    key = json.dumps({"data": dataclasses.asdict(cfg.data) | {"cache_dir": None}, "target": cfg.target.path,
+    data = dataclasses.asdict(cfg.data) | {"cache_dir": None}
+    if data["samples_per_prompt"] == 1:  # the default: keep the keys of data cached before the field existed
+        del data["samples_per_prompt"]
+    key = json.dumps({"data": data, "target": cfg.target.path,
                       "dtype": cfg.target.dtype, "aux": cfg.target.aux_layer_ids, "format": 1}, sort_keys=True)
     digest = hashlib.sha256(key.encode()).hexdigest()[:12]
     root = cfg.data.cache_dir or str(Path(os.environ.get("HONEST_ROLLOUTS_CACHE") or "~/.cache/honest-rollouts") / "drafter-data")
@@ -72,11 +75,13 @@ def load_or_generate(cfg: DrafterConfig, target, tok, regenerate: bool) -> tuple
     out = {}
     for split, (texts, kinds) in prompt_sets(cfg.data).items():
         t0 = time.time()
+        n = cfg.data.samples_per_prompt if split == "train" else 1
         out[split] = generate_dataset(target, [chat_ids(tok, t) for t in texts], kinds,
                                       max_new_tokens=cfg.data.max_new_tokens, batch_size=cfg.data.batch_size,
-                                      greedy_fraction=cfg.data.greedy_fraction, gen=gen, desc=f"generate {split}")
+                                      greedy_fraction=cfg.data.greedy_fraction, gen=gen, desc=f"generate {split}",
+                                      samples_per_prompt=n)
         n_resp = len(out[split].response_tokens())
-        print(f"data: {split}: {len(texts)} prompts, {n_resp} response tokens, {int(out[split].offsets[-1])} "
+        print(f"data: {split}: {len(texts)} prompts x {n}, {n_resp} response tokens, {int(out[split].offsets[-1])} "
               f"positions in {time.time() - t0:.0f} s")
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".tmp")

@@ -15,6 +15,11 @@ Vocabulary:
   here: 9.5 vs 133 tok/s at batch 32 on 2 cores).
 - **lossable** position k: ``argmax/final[k]`` predicts a response token, i.e.
   ``prompt_len - 1 <= k <= L - 2``.
+
+Randomness: one seeded CPU ``torch.Generator`` drives the greedy/sampled draw per sample;
+token sampling runs on the target's device with a generator there, seeded from the CPU
+one once per batch (:func:`sampling_generator`), so generation is seeded on any device
+(on the CPU the CPU generator itself samples).
 """
 
 from __future__ import annotations
@@ -38,8 +43,10 @@ class DrafterDataConfig:
     difficulties: which difficulty levels; general_prompts: general instructions
     (``trainers.drafter_prompts``); heldout_arithmetic / heldout_general: held-out prompts
     per kind (held-out arithmetic is spread over ``difficulties``); max_new_tokens:
-    response cap; greedy_fraction: share of prompts answered greedily (the rest at T = 1);
-    batch_size: generation batch; seed: prompt and sampling seed; cache_dir: where the
+    response cap; greedy_fraction: share of samples answered greedily (the rest at T = 1);
+    samples_per_prompt: how many times each *train* prompt is answered (independent
+    samples; the prompt list is repeated, so the data can grow past the distinct prompts
+    the generators make; held-out prompts are answered once); batch_size: generation batch; seed: prompt and sampling seed; cache_dir: where the
     generated dataset is stored (None: ``$HONEST_ROLLOUTS_CACHE`` or ``~/.cache/honest-rollouts``
     + ``/drafter-data``).
     """
@@ -51,6 +58,7 @@ class DrafterDataConfig:
     heldout_general: int = 16
     max_new_tokens: int = 128
     greedy_fraction: float = 0.25
+    samples_per_prompt: int = 1
     batch_size: int = 32
     seed: int = 0
     cache_dir: str | None = None
@@ -66,8 +74,10 @@ class DrafterDataConfig:
             raise ConfigError("max_new_tokens", "must be an integer >= 2")
         if not 0.0 <= self.greedy_fraction <= 1.0:
             raise ConfigError("greedy_fraction", "must be in [0, 1]")
-        if not isinstance(self.batch_size, int) or self.batch_size < 1:
-            raise ConfigError("batch_size", "must be a positive integer")
+        for name in ("batch_size", "samples_per_prompt"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+                raise ConfigError(name, f"must be a positive integer, got {v!r}")
 
 
 @dataclass
@@ -115,9 +125,23 @@ class DrafterData:
         )
 
 
+def sampling_generator(gen: torch.Generator, device: torch.device | str) -> torch.Generator:
+    """A generator that can sample tensors on ``device``: ``gen`` itself when it lives on that
+    device type, else a new generator there seeded by one draw from ``gen`` (so the stream
+    stays a function of ``gen``'s seed). ``torch.multinomial`` refuses a CPU generator for
+    CUDA probabilities."""
+    device = torch.device(device)
+    if gen.device.type == device.type:
+        return gen
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    return torch.Generator(device=device).manual_seed(seed)
+
+
 def _sample_next(logits: torch.Tensor, greedy: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """logits [B, V] float32, greedy [B] bool -> next tokens [B] (T = 1 sampling or argmax)."""
-    probs = torch.softmax(logits, dim=-1)
+    """logits [B, V], greedy [B] bool -> next tokens [B] (T = 1 sampling or argmax); ``gen``
+    must live on the logits' device (see :func:`sampling_generator`)."""
+    assert logits.dim() == 2 and greedy.shape == logits.shape[:1], (logits.shape, greedy.shape)
+    probs = torch.softmax(logits.float(), dim=-1)
     sampled = torch.multinomial(probs, 1, generator=gen).squeeze(1)
     return torch.where(greedy, logits.argmax(-1), sampled)
 
@@ -127,9 +151,11 @@ def generate_batch(
     target: TargetModel, prompts: list[list[int]], greedy: list[bool], *, max_new_tokens: int, eos_id: int,
     gen: torch.Generator,
 ) -> list[dict[str, torch.Tensor]]:
-    """Answer a batch of tokenised prompts; return one record dict per prompt (see module doc)."""
+    """Answer a batch of tokenised prompts; return one record dict per prompt (see module doc).
+    ``gen`` may live on any device (a CPU generator seeds one on the target's device)."""
     b, width = len(prompts), max(len(p) for p in prompts)
     dev = target.device
+    sample_gen = sampling_generator(gen, dev)
     ids = torch.zeros(b, width, dtype=torch.long)
     mask = torch.zeros(b, width, dtype=torch.long)
     for r, p in enumerate(prompts):  # left padding: every prompt ends at the last column
@@ -150,7 +176,7 @@ def generate_batch(
         greedy_t = torch.tensor(greedy, device=dev)
         last_logits, cache, last_pos = out.logits[:, -1], out.cache, pos[:, -1:]
         for step in range(max_new_tokens):
-            nxt = _sample_next(last_logits, greedy_t[live], gen)  # [B_live]
+            nxt = _sample_next(last_logits, greedy_t[live], sample_gen)  # [B_live]
             done = (nxt == eos_id) | (step == max_new_tokens - 1)
             for j, r in enumerate(live.tolist()):
                 recs[r]["tokens"].append(nxt[j: j + 1].cpu())
@@ -199,10 +225,14 @@ def records_to_data(records: list[dict[str, torch.Tensor]], prompt_lens: list[in
 
 def generate_dataset(
     target: TargetModel, prompts: list[list[int]], kinds: list[str], *, max_new_tokens: int, batch_size: int,
-    greedy_fraction: float, gen: torch.Generator, desc: str = "generate",
+    greedy_fraction: float, gen: torch.Generator, desc: str = "generate", samples_per_prompt: int = 1,
 ) -> DrafterData:
-    """Answer every prompt (batched by similar length) and collect the records in prompt order."""
+    """Answer every prompt ``samples_per_prompt`` times (batched by similar length) and collect
+    the records in order: the whole prompt list, then again for each further sample (each
+    sample draws its own greedy/sampled choice and its own tokens)."""
     assert len(prompts) == len(kinds) and prompts, "need at least one prompt and one kind per prompt"
+    assert samples_per_prompt >= 1, samples_per_prompt
+    prompts, kinds = list(prompts) * samples_per_prompt, list(kinds) * samples_per_prompt
     greedy = (torch.rand(len(prompts), generator=gen) < greedy_fraction).tolist()
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     records: dict[int, dict[str, torch.Tensor]] = {}

@@ -71,3 +71,30 @@ def test_verifier_backends_run_side_by_side(tiny):
     with pytest.raises(SystemExit, match="--verifier-backend"):
         measure(parse_args(["--batch-sizes", "2", "--verifier-backend", "cuda"]), target, tok, engine,
                 prompts, SamplingParams(max_new_tokens=6))
+
+
+def test_bound_is_tau_times_measured_step_costs(tiny):
+    """Each fixed speculative row reports bound = tau x T(1) / (T(K+1) + K x T_draft) from the
+    step costs the script measured for that batch size; auto rows and plain rows have none."""
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "6", "--modes", "chain,tree", "--no-hf",
+                       "--verifiers", "lossless", "--tree", "2,2,4", "--chain-k", "2,3", "--max-batch", "none,auto",
+                       "--adaptive-k", "--cost-reps", "2"])
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)],
+                   SamplingParams(max_new_tokens=6))
+    by_mode = {r["mode"]: r for r in rows}
+    assert set(by_mode) == {"off", "chain K=2 sampled", "chain K=3 sampled", "tree d=2 k=2 n=4",
+                            "chain K=2 sampled mb=auto/k", "chain K=3 sampled mb=auto/k", "tree d=2 k=2 n=4 mb=auto"}
+    costs = by_mode["off"]["step_costs_ms"]
+    assert set(costs) == {"1", "3", "4", "5", "draft"} and all(v > 0 for v in costs.values())
+    for k in (2, 3):
+        r = by_mode[f"chain K={k} sampled"]
+        assert r["bound"] == pytest.approx(r["tau"] * costs["1"] / (costs[str(k + 1)] + k * costs["draft"]))
+        assert r["of_bound"] == pytest.approx(r["speedup_vs_ar"] / r["bound"])
+    tree = by_mode["tree d=2 k=2 n=4"]
+    assert tree["bound"] == pytest.approx(tree["tau"] * costs["1"] / (costs["5"] + 2 * costs["draft"]))
+    for mode in ("off", "chain K=3 sampled mb=auto/k", "tree d=2 k=2 n=4 mb=auto"):
+        assert by_mode[mode]["bound"] is None and by_mode[mode]["of_bound"] is None

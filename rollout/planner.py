@@ -1,0 +1,175 @@
+"""Per-round speculation planner (``spec.max_batch: auto``, ``spec.adaptive_k``).
+
+Each round the engine asks :meth:`RoundPlanner.choose` how many tokens to draft: 0 is a
+plain round (one target forward over the pending token; the draft catches up later, see
+``rollout.runner``), k >= 1 a speculative round (a chain of k drafts, or the configured
+tree). The planner decides from what it measured *in this call*:
+
+- **round cost** ``R(b, n)``: seconds of a round without its drafting, over ``b`` live rows
+  with ``n`` block tokens per row (1 for a plain round, k + 1 for a chain of k). Rounds are
+  grouped by batch bucket (1, 2, 3-4, 5-8, ...): a forward's cost changes little within a
+  bucket. Unmeasured n are interpolated linearly between measured ones.
+- **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
+  are not counted: their step 0 is longer).
+- **acceptance**: for chains, the conditional acceptance rate at each draft depth j,
+  alpha_j = P(draft j accepted | drafts 1..j-1 accepted), pooled over rows and rounds; a
+  chain of k then emits E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens per row. Depths
+  not yet tried borrow the mean of the tried ones (pseudo-counts). For trees, the mean
+  tokens emitted per row per tree round.
+
+It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b))
+against 1 / R(b, 1). In a new bucket it first measures a plain round and the largest
+speculative option; an option not run for ``reprobe`` rounds in a bucket is run again, so
+a stale measurement (machine load changes) cannot lock a choice in.
+
+Exactness: every round, plain or speculative, emits tokens from the right conditional
+distribution given the tokens before (lossless: p; lossy: the rule's induced distribution,
+whose log-probs are reported), and the choice depends only on the past, so switching
+keeps outputs exact. The choice depends on wall-clock times, though: with ``auto`` a
+seeded call is exact but not bit-reproducible across runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+def bucket(batch: int) -> int:
+    """Batch bucket: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
+    assert batch >= 1, batch
+    return (batch - 1).bit_length()
+
+
+@dataclass
+class _Ema:
+    alpha: float = 0.3
+    value: float | None = None
+
+    def add(self, x: float) -> None:
+        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+
+
+@dataclass
+class RoundPlanner:
+    """Chooses the draft length of each round (0 = plain). ``options``: the speculative
+    choices (chain lengths 1..K with adaptive K, else just K; a tree is option 1);
+    ``block_tokens[k]``: block tokens per row of option k; ``draft_steps[k]``: draft forwards
+    of option k; ``chain``: acceptance is tracked per depth (else as mean tokens per round)."""
+
+    options: list[int]
+    block_tokens: dict[int, int]
+    draft_steps: dict[int, int]
+    chain: bool = True
+    reprobe: int = 24
+    prior_accept: float = 0.5
+    prior_weight: float = 4.0
+    _round_cost: dict[tuple[int, int], _Ema] = field(default_factory=dict)
+    _draft_cost: dict[int, _Ema] = field(default_factory=dict)
+    _attempts: list[int] = field(default_factory=list)
+    _accepts: list[int] = field(default_factory=list)
+    _tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens, row-rounds
+    _last_run: dict[tuple[int, int], int] = field(default_factory=dict)
+    _round: int = 0
+
+    def __post_init__(self) -> None:
+        assert self.options and min(self.options) >= 1, self.options
+        depth = max(self.options) + 1
+        self._attempts, self._accepts = [0] * depth, [0] * depth
+
+    @classmethod
+    def for_spec(cls, spec, adaptive_k: bool | None = None) -> RoundPlanner:
+        if spec.mode == "chain":
+            k = spec.num_draft_tokens
+            adaptive = spec.adaptive_k if adaptive_k is None else adaptive_k
+            opts = list(range(1, k + 1)) if adaptive else [k]
+            return cls(opts, {o: o + 1 for o in opts}, {o: o for o in opts}, chain=True)
+        return cls([1], {1: spec.total_tokens + 1}, {1: spec.depth}, chain=False)
+
+    # ------------------------------------------------------------------ model
+    def acceptance(self) -> list[float]:
+        """alpha_1..alpha_K (see the module docstring)."""
+        tried = [self._accepts[j] / self._attempts[j] for j in range(1, len(self._attempts)) if self._attempts[j]]
+        prior = sum(tried) / len(tried) if tried else self.prior_accept
+        w = self.prior_weight
+        return [(self._accepts[j] + w * prior) / (self._attempts[j] + w) for j in range(1, len(self._attempts))]
+
+    def expected_tokens(self, k: int) -> float:
+        """Expected tokens per row of option k (1 for a plain round)."""
+        if k == 0:
+            return 1.0
+        if not self.chain:
+            tokens, rounds = self._tree
+            w = self.prior_weight
+            return (tokens + w * (1 + self.prior_accept)) / (rounds + w)
+        out, run = 1.0, 1.0
+        for a in self.acceptance()[:k]:
+            run *= a
+            out += run
+        return out
+
+    def round_cost(self, b: int, n: int) -> float | None:
+        """R(b, n): measured, or linear between the nearest measured block sizes of the bucket."""
+        bk = bucket(b)
+        known = sorted((m, e.value) for (kb, m), e in self._round_cost.items() if kb == bk)
+        exact = [v for m, v in known if m == n]
+        if exact:
+            return exact[0]
+        if len(known) < 2:
+            return None
+        below, above = [p for p in known if p[0] < n], [p for p in known if p[0] > n]
+        if below and above:
+            (m0, v0), (m1, v1) = below[-1], above[0]
+        elif below:  # extrapolate from the two largest
+            (m0, v0), (m1, v1) = below[-2], below[-1]
+        else:
+            (m0, v0), (m1, v1) = above[0], above[1]
+        return max(1e-9, v0 + (v1 - v0) * (n - m0) / (m1 - m0))
+
+    def cost(self, b: int, k: int) -> float | None:
+        """Expected seconds of a round of option k over b rows (None: not measurable yet)."""
+        r = self.round_cost(b, self.block_tokens[k] if k else 1)
+        if r is None:
+            return None
+        d = self._draft_cost.get(bucket(b))
+        return r + (self.draft_steps[k] * d.value if k and d is not None else 0.0)
+
+    # ------------------------------------------------------------------ decide / learn
+    def choose(self, b: int) -> int:
+        """Draft length of the next round over ``b`` live rows (0 = plain)."""
+        self._round += 1
+        bk, top = bucket(b), max(self.options)
+        for k in (0, top):  # measure both extremes first, and again when stale
+            if (bk, k) not in self._last_run or self._round - self._last_run[(bk, k)] > self.reprobe:
+                return self._mark(bk, k)
+        best, best_rate = 0, 1.0 / self.cost(b, 0)
+        for k in self.options:
+            c = self.cost(b, k)
+            if c is not None and self.expected_tokens(k) / c > best_rate:
+                best, best_rate = k, self.expected_tokens(k) / c
+        return self._mark(bk, best)
+
+    def _mark(self, bk: int, k: int) -> int:
+        self._last_run[(bk, k)] = self._round
+        return k
+
+    def observe(self, b: int, k: int, round_s: float, draft_s: float, emitted: list[int],
+                catch_up: bool = False) -> None:
+        """Record a round of option ``k`` over ``b`` rows: its seconds without drafting and of
+        drafting, and the tokens each row emitted (before stop/length truncation).
+        ``catch_up``: the draft consumed pairs of skipped rounds (its draft cost is not typical)."""
+        bk = bucket(b)
+        n = self.block_tokens[k] if k else 1
+        self._round_cost.setdefault((bk, n), _Ema()).add(max(round_s, 1e-9))
+        if k == 0:
+            return
+        if not catch_up:
+            self._draft_cost.setdefault(bk, _Ema()).add(draft_s / self.draft_steps[k])
+        if not self.chain:
+            self._tree[0] += sum(emitted)
+            self._tree[1] += len(emitted)
+            return
+        for e in emitted:
+            accepted = min(e - 1, k)
+            for j in range(1, min(accepted + 1, k) + 1):  # depth j was tried when j - 1 were accepted
+                self._attempts[j] += 1
+                self._accepts[j] += j <= accepted

@@ -1,0 +1,135 @@
+"""Where a plain decoding step of the target goes, next to the memory-bandwidth floor.
+
+    python -m scripts.profile_step [--threads 2] [--reps 20] [--json OUT.json]
+
+Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved):
+- ``engine_ms``: one token of our autoregressive mode (``Engine.generate``, spec off),
+  per token over a 32-token completion;
+- ``forward_ms``: one target forward over the pending token (``ModelRunner.verify_forward``:
+  the decoder stack, the lm_head, the KV-cache write and the mask);
+- ``lm_head_ms``: the 49152 x 576 output projection alone;
+- ``floor_ms``: reading the fp32 weights once (lm_head included, the tied embedding read
+  once) at the bandwidth measured here (``bandwidth_gbs``: a sum over a 1 GiB tensor);
+- ``ops``: the profiler's self CPU time per op category over ``--reps`` forwards
+  (matmul, attention, elementwise/norm/rope, copies and views, other), in percent.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("MKL_CBWR", "AVX2")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from rollout.engine import Engine  # noqa: E402
+from rollout.params import SamplingParams, SpecConfig  # noqa: E402
+from rollout.runner import ModelRunner  # noqa: E402
+
+MATMUL = {"mm", "addmm", "bmm", "matmul", "linear"}
+ELEMENTWISE = {"mul", "add", "pow", "mean", "rsqrt", "silu", "neg", "sin", "cos", "div", "div_", "sum", "where",
+               "softmax", "_softmax", "sub", "exp", "scalar_tensor", "result_type", "add_", "mul_"}
+COPIES = {"copy_", "_to_copy", "to", "cat", "view", "transpose", "slice", "as_strided", "expand", "reshape", "t",
+          "unsqueeze", "narrow", "contiguous", "empty", "empty_strided", "scatter_", "index_select", "gather",
+          "select", "clone", "_unsafe_view", "split", "chunk"}
+
+
+def _median(xs: list[float]) -> float:
+    return sorted(xs)[len(xs) // 2]
+
+
+def bandwidth_gbs(mib: int = 1024, reps: int = 5) -> float:
+    x = torch.ones(mib * 2**18)
+    times = []
+    for _ in range(reps + 1):
+        t0 = time.perf_counter()
+        x.sum()
+        times.append(time.perf_counter() - t0)
+    return x.numel() * 4 / _median(times[1:]) / 1e9
+
+
+def categorise(name: str) -> str:
+    """Op category of a profiler event name."""
+    op = name.removeprefix("aten::")
+    if op in MATMUL:
+        return "matmul"
+    if "attention" in op:
+        return "attention"
+    if op in ELEMENTWISE:
+        return "elementwise/norm/rope"
+    if op in COPIES:
+        return "copies/views"
+    return "other"
+
+
+def measure(target, prompt: list[int], reps: int = 20, bandwidth: float | None = None) -> dict:
+    """The figures of the module docstring for ``target`` on one tokenised ``prompt``."""
+    engine = Engine(target, None, num_threads=torch.get_num_threads())
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32)
+    runner = ModelRunner(target, None)
+    lm_head = target.model.get_output_embeddings()
+    times: dict[str, list[float]] = {"engine_ms": [], "forward_ms": [], "lm_head_ms": []}
+    with torch.inference_mode():
+        logits = runner.start([prompt], len(prompt) + 8)
+        runner.pending = logits.argmax(-1)
+        block, offsets = runner.pending[:, None], torch.zeros(1, 1, dtype=torch.long, device=target.device)
+        hidden = torch.randn(1, 1, target.hidden_size, dtype=target.dtype, device=target.device)
+        engine.generate([prompt], sampling, SpecConfig(mode="off"))  # warm-up
+        for rep in range(max(1, reps // 10) + 1):
+            t = engine.generate([prompt], sampling, SpecConfig(mode="off"), seed=rep).timings
+            if rep:
+                times["engine_ms"].append(t.total_s / t.tokens * 1000)
+        for rep in range(reps + 1):
+            t0 = time.perf_counter()
+            runner.verify_forward(block, offsets, None)
+            t1 = time.perf_counter()
+            lm_head(hidden)
+            t2 = time.perf_counter()
+            if rep:
+                times["forward_ms"].append((t1 - t0) * 1000)
+                times["lm_head_ms"].append((t2 - t1) * 1000)
+        from torch.profiler import ProfilerActivity, profile
+
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            for _ in range(reps):
+                runner.verify_forward(block, offsets, None)
+    ops: dict[str, float] = {}
+    for ev in prof.key_averages():
+        ops[categorise(ev.key)] = ops.get(categorise(ev.key), 0.0) + ev.self_cpu_time_total
+    total = sum(ops.values()) or 1.0
+    bw = bandwidth or bandwidth_gbs()
+    weights = sum(p.numel() * p.element_size() for p in target.parameters())
+    out = {k: _median(v) for k, v in times.items()}
+    out.update(bandwidth_gbs=bw, weight_mb=weights / 1e6, floor_ms=weights / (bw * 1e9) * 1000,
+               ops={k: round(100 * v / total, 1) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])})
+    return out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    from rollout.engine import available_cores
+    from rollout.models import load_embedded_target
+    from scripts.bench_rollout import held_out_prompts
+
+    torch.set_num_threads(args.threads or available_cores())
+    target, tok = load_embedded_target()
+    res = measure(target, held_out_prompts(tok, 1, 0)[0], args.reps)
+    print(f"threads {torch.get_num_threads()}: engine {res['engine_ms']:.1f} ms/token, forward {res['forward_ms']:.1f} ms, "
+          f"lm_head {res['lm_head_ms']:.1f} ms; floor {res['floor_ms']:.1f} ms ({res['weight_mb']:.0f} MB fp32 at "
+          f"{res['bandwidth_gbs']:.1f} GB/s); self CPU time by op category (%): {res['ops']}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=1)
+    return res
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,87 @@
+"""The round planner on synthetic costs and acceptance (deterministic; no models)."""
+
+from __future__ import annotations
+
+import pytest
+
+from rollout.params import SpecConfig
+from rollout.planner import RoundPlanner, bucket
+
+
+def simulate(planner: RoundPlanner, batch: int, rounds: int, cost, accept: float) -> list[int]:
+    """Run ``rounds`` rounds over ``batch`` rows: option k costs ``cost(batch, k)`` seconds (no
+    drafting time) and every row accepts each draft with probability ``accept`` (the planner
+    sees the expected counts, deterministically)."""
+    chosen = []
+    for _ in range(rounds):
+        k = planner.choose(batch)
+        chosen.append(k)
+        if k == 0:
+            emitted = [1] * batch
+        else:  # rows split so that depth j is reached with the geometric frequencies
+            emitted = []
+            for r in range(batch * 8):
+                u = (r + 0.5) / (batch * 8)
+                a = 0
+                while a < k and u < accept ** (a + 1):
+                    a += 1
+                emitted.append(a + 1)
+        planner.observe(batch, k, cost(batch, k), 0.0, emitted, catch_up=False)
+    return chosen
+
+
+def cpu_like(b: int, k: int) -> float:
+    """A forward's cost grows with its tokens once the batch has rows: b * (k + 1) tokens."""
+    return 1.0 + 0.08 * b * (k + 1)
+
+
+def test_bucket():
+    assert [bucket(b) for b in (1, 2, 3, 4, 5, 8, 9, 64)] == [0, 1, 2, 2, 3, 3, 4, 6]
+
+
+def test_it_drafts_at_batch_one_and_stops_drafting_at_large_batches():
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto")
+    small = simulate(RoundPlanner.for_spec(spec), 1, 60, cpu_like, accept=0.6)
+    large = simulate(RoundPlanner.for_spec(spec), 64, 60, cpu_like, accept=0.6)
+    assert small[:2] == [0, 3] and large[:2] == [0, 3]  # it measures both extremes first
+    assert small[2:].count(3) >= len(small) - 2 - 3, small  # drafts, except for re-probes of plain rounds
+    steady = large[2:]
+    assert steady.count(0) >= len(steady) - 3, large  # plain, except for re-probes
+    assert 3 in steady, "a stale option is measured again"
+
+
+def test_adaptive_k_picks_the_best_chain_length():
+    """With acceptance 0.6 and a verify cost linear in the block, E(k)/cost(k) peaks at a
+    middle k: the planner settles there, not at K = 7."""
+    spec = SpecConfig(mode="chain", num_draft_tokens=7, max_batch="auto", adaptive_k=True)
+    planner = RoundPlanner.for_spec(spec)
+    chosen = simulate(planner, 4, 80, cpu_like, accept=0.6)
+
+    def rate(k):
+        e = sum(0.6 ** i for i in range(k + 1))
+        return e / cpu_like(4, k)
+
+    best = max(range(8), key=rate)
+    assert 1 < best < 7
+    assert chosen[-20:].count(best) >= 15, (best, chosen)
+    alphas = planner.acceptance()
+    assert alphas[0] == pytest.approx(0.6, abs=0.05)
+
+
+def test_acceptance_counts_depths_reached_only():
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"), adaptive_k=True)
+    planner.prior_weight = 0.0
+    planner.observe(1, 3, 1.0, 0.3, [1, 2, 4, 3])  # accepted 0, 1, 3, 2 drafts
+    assert planner._attempts[1:] == [4, 3, 2] and planner._accepts[1:] == [3, 2, 1]
+    assert planner.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 2 / 3)
+
+
+def test_round_cost_interpolates_between_measured_blocks():
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=5, max_batch="auto"), adaptive_k=True)
+    planner.observe(2, 0, 1.0, 0.0, [1, 1])
+    assert planner.round_cost(2, 3) is None
+    planner.observe(2, 5, 2.0, 0.5, [1, 1])
+    assert planner.round_cost(2, 1) == 1.0 and planner.round_cost(2, 6) == 2.0
+    assert planner.round_cost(2, 4) == pytest.approx(1.6)
+    assert planner.cost(2, 3) == pytest.approx(1.6 + 3 * 0.1)  # + 3 draft steps of 0.5 / 5 s
+    assert planner.round_cost(8, 1) is None  # another bucket

@@ -1,0 +1,25 @@
+"""scripts/profile_step.py on the tiny random policy (the figures come from running it on the
+embedded model)."""
+
+from __future__ import annotations
+
+import pytest
+
+
+def test_profile_reports_costs_floor_and_op_shares(tiny_policy_dir):
+    import torch
+
+    from rollout.models import TargetConfig, load_target
+    from scripts.profile_step import categorise, measure
+
+    target, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    res = measure(target, [1, 20, 300, 7], reps=3, bandwidth=10.0)
+    weights = sum(p.numel() * 4 for p in target.parameters())
+    assert res["floor_ms"] == pytest.approx(weights / 10e9 * 1000)
+    assert res["engine_ms"] > 0 and res["forward_ms"] > 0 and res["lm_head_ms"] > 0
+    assert sum(res["ops"].values()) == pytest.approx(100, abs=0.5)
+    assert res["ops"].get("matmul", 0) > 0 and res["ops"].get("attention", 0) > 0
+    assert categorise("aten::mm") == "matmul" and categorise("aten::_scaled_dot_product_flash_attention_for_cpu") \
+        == "attention" and categorise("aten::pow") == "elementwise/norm/rope" and categorise("aten::cat") \
+        == "copies/views" and categorise("aten::foo") == "other"
+    assert torch.get_num_threads() >= 1

@@ -1,0 +1,106 @@
+"""Drafter data generation: seeded sampling on any device, and several samples per prompt."""
+
+import pytest
+import torch
+from test_drafter import V, tiny_target
+
+from rollout.config import ConfigError, from_dict, load_yaml
+from rollout.eagle3 import Eagle3Config, Eagle3Head
+from trainers.drafter import DrafterConfig, train_drafter
+from trainers.drafter_data import (DrafterDataConfig, _sample_next, draft_vocab, generate_dataset,
+                                   sampling_generator)
+
+PROMPTS = [[5, 17, 40, 8], [9, 33, 101, 7, 12], [44, 3, 250]]
+
+
+def _dataset(target, seed: int, samples_per_prompt: int = 1, greedy_fraction: float = 0.0):
+    return generate_dataset(target, PROMPTS, ["arithmetic", "general", "arithmetic"], max_new_tokens=10,
+                            batch_size=2, greedy_fraction=greedy_fraction, gen=torch.Generator().manual_seed(seed),
+                            desc="test", samples_per_prompt=samples_per_prompt)
+
+
+def test_sampling_generator_is_the_generator_on_its_own_device():
+    gen = torch.Generator().manual_seed(3)
+    assert sampling_generator(gen, "cpu") is gen
+    assert sampling_generator(gen, torch.device("cpu")) is gen
+
+
+def test_sample_next_draws_from_softmax_and_is_seeded():
+    """T = 1 samples follow softmax(logits) (Monte Carlo, 4 sigma); greedy rows take the argmax;
+    the same seed gives the same tokens."""
+    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 0.5, 0.1]])
+    greedy = torch.tensor([False, True])
+    n = 4000
+    draws = torch.stack([_sample_next(logits, greedy, g) for g in [torch.Generator().manual_seed(7)] for _ in range(n)])
+    assert bool((draws[:, 1] == 1).all())
+    freq = torch.bincount(draws[:, 0], minlength=4).double() / n
+    p = torch.softmax(logits[0].double(), -1)
+    assert bool(((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-3).all()), (freq, p)
+    again = torch.stack([_sample_next(logits, greedy, g) for g in [torch.Generator().manual_seed(7)] for _ in range(50)])
+    assert torch.equal(again, draws[:50])
+
+
+def test_generation_is_seeded():
+    target = tiny_target(init_range=0.3)
+    a, b, c = _dataset(target, 0), _dataset(target, 0), _dataset(target, 1)
+    assert torch.equal(a.tokens, b.tokens) and torch.equal(a.features, b.features)
+    assert not torch.equal(a.tokens, c.tokens) if len(a.tokens) == len(c.tokens) else True
+    assert a.tokens.tolist() != c.tokens.tolist()
+
+
+def test_samples_per_prompt_answers_each_prompt_independently():
+    target = tiny_target(init_range=0.3)
+    one = _dataset(target, 0)
+    two = _dataset(target, 0, samples_per_prompt=2)
+    assert len(one) == len(PROMPTS) and len(two) == 2 * len(PROMPTS)
+    assert two.kinds == ["arithmetic", "general", "arithmetic"] * 2
+    responses = []
+    for i in range(len(two)):
+        lo, hi, plen = int(two.offsets[i]), int(two.offsets[i + 1]), int(two.prompt_lens[i])
+        assert two.tokens[lo: lo + plen].tolist() == PROMPTS[i % len(PROMPTS)]  # prompts in order, repeated
+        responses.append(two.tokens[lo + plen: hi].tolist())
+    assert any(responses[i] != responses[i + len(PROMPTS)] for i in range(len(PROMPTS))), \
+        "the second sample of a prompt at T = 1 should be an independent draw"
+    assert len(two.response_tokens()) > len(one.response_tokens())
+
+
+def test_samples_per_prompt_config():
+    assert DrafterDataConfig().samples_per_prompt == 1
+    with pytest.raises(ConfigError, match="samples_per_prompt"):
+        DrafterDataConfig(samples_per_prompt=0)
+    gpu = from_dict(DrafterConfig, load_yaml("configs/drafter_gpu.yaml"))
+    assert gpu.data.samples_per_prompt == 2 and gpu.device == "cuda" and gpu.max_steps == 966
+    assert gpu.data.arithmetic_per_difficulty == 1100 and gpu.data.general_prompts == 6000
+
+
+def test_data_cache_key_keeps_old_caches_and_separates_samples():
+    import dataclasses
+
+    from scripts.train_drafter import data_path
+
+    cfg = from_dict(DrafterConfig, load_yaml("configs/drafter.yaml"))
+    two = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, samples_per_prompt=2))
+    assert data_path(cfg) != data_path(two)
+    assert data_path(cfg).name == "data-2d02cc6619d3.pt"  # the key before samples_per_prompt existed
+
+
+@pytest.mark.gpu
+def test_generate_and_train_a_step_on_cuda(tmp_path):
+    """On CUDA with a CPU generator (as scripts/train_drafter.py passes): seeded generation and
+    one training step."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
+    target = tiny_target(init_range=0.3).to("cuda")
+    a, b = _dataset(target, 0, samples_per_prompt=2, greedy_fraction=0.3), _dataset(target, 0, samples_per_prompt=2,
+                                                                                     greedy_fraction=0.3)
+    assert torch.equal(a.tokens, b.tokens) and len(a) == 2 * len(PROMPTS)
+    head = Eagle3Head(Eagle3Config.for_target(target, 64), target.embed_tokens).to("cuda")  # as train_drafter does
+    head.set_draft_vocab(draft_vocab(a, 64, V)[0])
+    for p in target.parameters():
+        p.requires_grad_(False)
+    cfg = DrafterConfig(draft_vocab_size=64, batch_size=3, epochs=1, max_steps=2, ttt_steps=3, warmup_steps=1,
+                        out_dir=str(tmp_path), device="cuda")
+    before = head.fc.weight.detach().clone()
+    report = train_drafter(cfg, head, a, progress=False, log=lambda *_: None)
+    assert report["steps"] == 2 and torch.isfinite(torch.tensor(report["loss"]))
+    assert not torch.equal(before, head.fc.weight.detach())
