@@ -132,6 +132,7 @@ class VLLMBackend:
         self.drafter_path = drafter_path
         self.pad_id = int(self.target_cfg.get("pad_token_id") or 0)
         self.llm = self._build(target, spec_cfg, seed, threads, device)
+        self.record = False  # when True, the plug-in keeps every verified group (tests, debugging)
 
     @classmethod
     def from_spec(cls, spec) -> VLLMBackend:
@@ -186,6 +187,20 @@ class VLLMBackend:
         rule = None if verifier is None else {"name": verifier.name, "params": dict(verifier.params)}
         return self.llm.collective_rpc(configure_worker, args=(rule, seed, record))
 
+    def records(self) -> list[dict]:
+        """What the plug-in verified since the last ``generate`` (``self.record`` must be True):
+        per group the setting, rows, raw target logits, drafts, q, the generator state and
+        the results (see ``rollout.vllm.plugin.verify_flat``)."""
+        from rollout.vllm.plugin import records_worker
+
+        return self.llm.collective_rpc(records_worker)[0]
+
+    def sampler_stats(self) -> dict:
+        """Seconds spent in the rejection sampler (ours or vLLM's) and its calls since configure."""
+        from rollout.vllm.plugin import stats_worker
+
+        return self.llm.collective_rpc(stats_worker)[0]
+
     def generate_raw(self, prompts: list[list[int]], sampling: SamplingParams, seed: int, num_logprobs: int = 1):
         """vLLM's RequestOutputs (one per prompt, in order) under the configured rule."""
         from vllm.inputs import TokensPrompt
@@ -198,7 +213,7 @@ class VLLMBackend:
         self._check_call(sampling, spec)
         verifier.rule()  # an unknown rule / bad parameters raise here, naming the setting
         start = time.perf_counter()
-        self.configure(verifier, seed)
+        self.configure(verifier, seed, self.record)
         outs = self.generate_raw(prompts, sampling, seed)
         completions = [decode_completion(p, o.outputs[0]) for p, o in zip(prompts, outs)]
         t = Timings(total_s=time.perf_counter() - start)

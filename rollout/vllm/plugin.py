@@ -85,6 +85,11 @@ def stats_worker(worker) -> dict:
     return {"seconds": STATE.seconds, "calls": STATE.calls}
 
 
+def records_worker(worker) -> list:
+    """``collective_rpc``: the groups recorded since :func:`configure` (with ``record=True``)."""
+    return list(STATE.record or [])
+
+
 def encode_rank(kinds: Tensor, relaxed: Tensor) -> Tensor:
     return -(1 + kinds.long() + 3 * relaxed.long())
 
