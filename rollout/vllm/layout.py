@@ -90,13 +90,22 @@ def groups(settings: list[Setting], logits: Tensor, target_logits_indices: Tenso
         # logits rows: the K drafted positions, then the bonus position
         idx = torch.cat([target_logits_indices.long()[flat].view(b, k),
                          bonus_logits_indices.long()[rows].view(b, 1)], dim=1)  # [b, K+1]
-        target = logits.index_select(0, idx.flatten()).view(b, k + 1, -1).float()
+        target = _rows(logits, idx.flatten()).view(b, k + 1, -1).float()
         tokens = draft_token_ids.long()[flat].view(b, k)
         q = None
         if draft_probs is not None and k > 0 and s.temperature > 0:
-            q = draft_probs.index_select(0, flat).view(b, k, -1)
+            q = _rows(draft_probs, flat).view(b, k, -1)
         out.append(Group(s, rows, target, tokens, q))
     return out
+
+
+def _rows(t: Tensor, idx: Tensor) -> Tensor:
+    """t[idx] for a 1-d index: a view when the rows are consecutive (the usual case: one group,
+    requests in order, vLLM's rows of a request contiguous), else a copy."""
+    n = idx.numel()
+    if n and int(idx[-1]) - int(idx[0]) == n - 1 and bool((idx.diff() == 1).all()):
+        return t[int(idx[0]):int(idx[0]) + n]
+    return t.index_select(0, idx)
 
 
 def scatter_tokens(out: Tensor, rows: Tensor, values: Tensor) -> None:

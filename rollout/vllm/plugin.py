@@ -119,7 +119,9 @@ def verify_group(rule, group: Group, generator: torch.Generator) -> dict[str, Te
     s = group.setting
     kw = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p, "generator": generator}
     if group.draft_probs is not None:  # drafts sampled from q: chain verification
-        draft_logits = group.draft_probs.float().log() * s.temperature  # q = softmax(. / T)
+        draft_logits = group.draft_probs.float().log()  # verify_chain takes q = softmax(. / T)
+        if s.temperature != 1.0:
+            draft_logits.mul_(s.temperature)
         res = verify_chain(rule, group.target_logits, draft_logits, group.draft_tokens, **kw)
         kinds = res.kinds.long()
     else:  # greedy drafts (or none): deterministic candidates along the chain

@@ -45,10 +45,13 @@ def prompt(hf):
 
 @pytest.fixture(scope="module")
 def backend():
-    from rollout.vllm.backend import VLLMBackend
+    from rollout.backend import RolloutBackend, WorkerSpec, build_backend
 
-    be = VLLMBackend(TargetConfig(), str(HEAD), SPEC, options={"kv_cache_memory_bytes": 1 << 29,
-                                                              "max_model_len": 512, "max_num_seqs": 128})
+    spec = WorkerSpec(target=TargetConfig(), drafter_path=str(HEAD), sampling=SamplingParams(), spec=SPEC,
+                      verifier=VerifierConfig(), backend="vllm",
+                      backend_options={"kv_cache_memory_bytes": 1 << 29, "max_model_len": 512, "max_num_seqs": 128})
+    be = build_backend(spec)  # what the Ray actor does
+    assert isinstance(be, RolloutBackend) and be.name == "vllm" and be.version == 0
     yield be
     del be
 
