@@ -88,7 +88,8 @@ class GRPOTrainer:
         drafter = self.cfg.model.drafter_path()
         spec = WorkerSpec(target=self.cfg.model.target, drafter_path=str(drafter) if drafter else None,
                           sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor,
-                          device="cuda" if r.num_gpus_per_actor > 0 else "cpu", backend=r.backend)
+                          device="cuda" if r.num_gpus_per_actor > 0 else "cpu", backend=r.backend,
+                          backend_options=dict(r.backend_options))
         self.pool = RolloutPool(spec, r.num_actors, num_cpus_per_actor=r.threads_per_actor,
                                 num_gpus_per_actor=r.num_gpus_per_actor, max_restarts=r.max_restarts)
         self.pool.set_weights(self.policy.state_dict(), self.version)

@@ -91,12 +91,15 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """backend: "hf" (our engine) or "vllm" (not available yet).
+    """backend: "hf" (our engine) or "vllm" (vLLM with our verifier, ``rollout.vllm``; chain or
+    off only). backend_options: options only that backend reads (vllm: kv_cache_memory_bytes,
+    enforce_eager, max_model_len, max_num_seqs, ... see ``rollout.vllm.backend``).
     num_actors: Ray rollout actors; threads_per_actor: torch threads in each.
     num_gpus_per_actor: GPUs Ray reserves for each actor; > 0 runs its engine on cuda.
     max_restarts: how often a dead actor is restarted within one step before giving up."""
 
     backend: str = "hf"
+    backend_options: dict = field(default_factory=dict)
     num_actors: int = 1
     threads_per_actor: int = 2
     num_gpus_per_actor: float = 0.0
@@ -108,8 +111,10 @@ class RolloutConfig:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=BACKENDS)
-        if self.backend == "vllm":
-            raise ConfigError("backend", "the vLLM backend is not implemented yet", allowed=["hf"])
+        if not isinstance(self.backend_options, dict):
+            raise ConfigError("backend_options", f"must be a mapping, got {self.backend_options!r}")
+        if self.backend == "vllm" and self.spec.mode == "tree":
+            raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
         _positive_int("num_actors", self.num_actors)
         _positive_int("threads_per_actor", self.threads_per_actor)
         _non_negative_int("max_restarts", self.max_restarts)

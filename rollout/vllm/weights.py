@@ -1,0 +1,49 @@
+"""Weight updates inside vLLM's workers (sent with ``LLM.collective_rpc``).
+
+The policy: the model's own ``load_weights`` takes Hugging Face parameter names (it fuses
+q/k/v and gate/up itself). The EAGLE-3 head: the proposer's model ``load_weights`` takes the
+names of our EAGLE checkpoint (``midlayer.*``, ``fc``, ``norm``, ``lm_head``, ``d2t``).
+Tensors travel by value (pickled when the engine core is another process), which suits the
+small models this project runs on CPUs; a GPU cluster would use vLLM's weight-transfer
+engine (``init_weight_transfer_engine`` / ``update_weights``) with the same names.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+
+def _runner(worker):
+    runner = getattr(worker, "model_runner", None)
+    if runner is None:
+        raise RuntimeError(f"{type(worker).__name__} has no model_runner (unsupported vLLM worker)")
+    return runner
+
+
+def load_policy_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
+    """``collective_rpc``: load the policy's weights in place; returns how many were loaded."""
+    model = _runner(worker).get_model()
+    loaded = model.load_weights(iter(tensors.items()))
+    return len(loaded) if loaded is not None else len(tensors)
+
+
+def load_drafter_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
+    """``collective_rpc``: load the EAGLE-3 head's weights into the proposer's model."""
+    drafter = getattr(_runner(worker), "drafter", None)
+    if drafter is None or not hasattr(drafter, "model"):
+        raise RuntimeError("this vLLM engine has no EAGLE-3 drafter to load weights into")
+    drafter.model.load_weights(iter(tensors.items()))
+    return len(tensors)
+
+
+def read_head_weights(path: str | Path) -> dict[str, torch.Tensor]:
+    """The tensors of an EAGLE-format head folder (safetensors or pytorch_model.bin)."""
+    path = Path(path)
+    if (path / "model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "model.safetensors"))
+    return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+

@@ -1,0 +1,162 @@
+"""Rollout throughput on vLLM against our ``hf`` engine, side by side on the same prompts.
+
+    python -m scripts.bench_vllm --batch-sizes 1,8,32 --max-new-tokens 96 --json OUT.json
+    python -m scripts.bench_vllm --quick
+
+Configurations (T = 1 by default, chain K = 3 with probabilistic drafts for EAGLE-3):
+``vllm-plain`` (no speculation), ``vllm-eagle3-own`` (vLLM's own lossless rejection sampler),
+``vllm-eagle3-<rule>`` (our verifier through the plug-in: lossless, mars, overshoot),
+``hf-plain`` and ``hf-chain-<rule>`` (our engine). For batch size b one call completes the first
+b held-out prompts (``--repeats`` calls, seeds differ); tokens/s = completion tokens / wall time.
+``sampler_ms`` is the mean time of one rejection-sampler call (ours or vLLM's) and
+``sampler_pct`` its share of the call's wall time; tau = tokens per row per verification
+round. Every configuration runs on each batch before the next batch (interleaved), so a
+change of machine load hits them alike; the load average is printed with each row.
+Needs the vllm extra (``make vllm-venv``); both vLLM engines live in this process.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
+os.environ.setdefault("MKL_CBWR", "AVX2")
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+from rollout.models import TargetConfig  # noqa: E402
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
+
+RULES = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--max-new-tokens", type=int, default=96)
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--k", type=int, default=3, help="chain length K")
+    ap.add_argument("--rules", default="lossless,mars,overshoot")
+    ap.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped head)")
+    ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--no-hf", action="store_true", help="skip our hf engine")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--quick", action="store_true", help="batch 1 and 4, 24 tokens")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.batch_sizes, args.max_new_tokens = "1,4", 24
+    return args
+
+
+def _load() -> float:
+    with open("/proc/loadavg") as f:
+        return float(f.read().split()[0])
+
+
+def vllm_runner(backend, spec: SpecConfig, rule: str | None):
+    """A callable (prompts, sampling, seed) -> result row for one vLLM configuration."""
+    verifier = None if rule is None else VerifierConfig(rule, RULES[rule])
+
+    def run(prompts, sampling, seed) -> dict:
+        start = time.perf_counter()
+        if verifier is None:  # vLLM's own sampler (or plain decoding): raw outputs
+            backend.configure(None, seed)
+            outs = backend.generate_raw(prompts, sampling, seed, num_logprobs=0)
+            tokens, tau = sum(len(o.outputs[0].token_ids) for o in outs), float("nan")
+        else:
+            batch = backend.generate(prompts, sampling=sampling, spec=spec, verifier=verifier, seed=seed)
+            tokens, tau = int(batch.completion_mask.sum()), batch.tau
+        seconds = time.perf_counter() - start
+        st = backend.sampler_stats()
+        return {"tokens": tokens, "seconds": seconds, "tau": tau, "sampler_s": st["seconds"], "sampler_calls": st["calls"]}
+
+    return run
+
+
+def hf_runner(engine, spec: SpecConfig, rule: str):
+    verifier = VerifierConfig(rule, RULES[rule])
+
+    def run(prompts, sampling, seed) -> dict:
+        t = engine.generate(prompts, sampling, spec, verifier, seed=seed).timings
+        return {"tokens": t.tokens, "seconds": t.total_s, "tau": t.tau if spec.speculative else 1.0,
+                "sampler_s": t.verify_s, "sampler_calls": max(t.rounds, 1)}
+
+    return run
+
+
+def build(args):
+    """The configurations: name -> runner."""
+    from rollout.eagle3 import default_head_path
+    from rollout.vllm.backend import VLLMBackend
+
+    head = args.head or str(default_head_path())
+    opts = {"kv_cache_memory_bytes": 1 << 29, "max_model_len": 1024, "max_num_seqs": 64}
+    chain = SpecConfig(mode="chain", num_draft_tokens=args.k, draft_sampling="sampled")
+    off = SpecConfig(mode="off")
+    plain = VLLMBackend(TargetConfig(), None, off, options=opts)
+    eagle = VLLMBackend(TargetConfig(), head, chain, options=opts)
+    runs = {"vllm-plain": vllm_runner(plain, off, None), "vllm-eagle3-own": vllm_runner(eagle, chain, None)}
+    for rule in args.rules.split(","):
+        runs[f"vllm-eagle3-{rule}"] = vllm_runner(eagle, chain, rule)
+    if not args.no_hf:
+        from rollout.eagle3 import load_eagle3
+        from rollout.engine import Engine
+        from rollout.models import load_embedded_target
+
+        target, _ = load_embedded_target()
+        engine = Engine(target, load_eagle3(head, target), num_threads=2)
+        runs["hf-plain"] = hf_runner(engine, off, "lossless")
+        for rule in args.rules.split(","):
+            runs[f"hf-chain-{rule}"] = hf_runner(engine, chain, rule)
+    return runs
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from transformers import AutoTokenizer
+
+    from rollout.vllm.backend import target_folder
+    from scripts.bench_rollout import held_out_prompts
+
+    tok = AutoTokenizer.from_pretrained(target_folder(TargetConfig()))
+    sizes = [int(b) for b in args.batch_sizes.split(",")]
+    prompts = held_out_prompts(tok, max(sizes), args.seed)
+    sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
+                              stop_token_ids=(tok.eos_token_id,))
+    runs = build(args)
+    for run in runs.values():  # warm-up (first-call costs: kernels, caches)
+        run(prompts[:2], SamplingParams(temperature=args.temperature, max_new_tokens=8), 0)
+    print(f"T={args.temperature}, K={args.k}, max_new_tokens={args.max_new_tokens}, repeats={args.repeats}")
+    print(f"{'config':22s} {'batch':>5s} {'tok/s':>8s} {'tokens':>7s} {'tau':>5s} {'sampler_ms':>10s} "
+          f"{'sampler_pct':>11s} {'load':>5s}")
+    rows = []
+    for b in sizes:
+        acc = {name: {"tokens": 0, "seconds": 0.0, "tau": [], "sampler_s": 0.0, "sampler_calls": 0, "load": []}
+               for name in runs}
+        for r in range(args.repeats):
+            for name, run in runs.items():
+                res = run(prompts[:b], sampling, args.seed + 1000 * r)
+                a = acc[name]
+                for key in ("tokens", "seconds", "sampler_s", "sampler_calls"):
+                    a[key] += res[key]
+                a["tau"].append(res["tau"])
+                a["load"].append(_load())
+        for name, a in acc.items():
+            row = {"config": name, "batch": b, "tokens": a["tokens"], "seconds": a["seconds"],
+                   "tok_s": a["tokens"] / a["seconds"], "tau": sum(a["tau"]) / len(a["tau"]),
+                   "sampler_ms": 1000 * a["sampler_s"] / max(a["sampler_calls"], 1),
+                   "sampler_pct": 100 * a["sampler_s"] / a["seconds"], "load": sum(a["load"]) / len(a["load"])}
+            rows.append(row)
+            print(f"{name:22s} {b:5d} {row['tok_s']:8.1f} {row['tokens']:7d} {row['tau']:5.2f} "
+                  f"{row['sampler_ms']:10.1f} {row['sampler_pct']:10.1f}% {row['load']:5.1f}", flush=True)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "results": rows}, f, indent=1)
+        print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,113 @@
+"""The vllm backend's checks and output decoding, without vLLM: refusals name the setting,
+the head folder prepared for vLLM carries our draft temperature, and vLLM's flat log-prob
+channel decodes into behaviour / target log-probs, kinds, relaxed flags and rounds."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from rollout.config import ConfigError
+from rollout.params import SpecConfig
+from rollout.vllm.backend import DEFAULTS, VLLMBackend, decode_completion, speculative_config
+from rollout.vllm.head import check_head, prepare_head
+from rollout.vllm.plugin import configure, encode_rank
+
+import torch
+
+HEAD = Path(__file__).resolve().parents[2] / "rollout" / "heads" / "smollm2-135m-eagle3"
+TARGET_CFG = {"vocab_size": 49152, "hidden_size": 576, "num_hidden_layers": 30}
+
+
+def _head_copy(tmp_path: Path, **changes) -> Path:
+    out = tmp_path / "head"
+    shutil.copytree(HEAD, out)
+    cfg = json.loads((out / "config.json").read_text())
+    cfg.update(changes)
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out
+
+
+def test_tree_mode_is_refused_naming_spec_mode():
+    with pytest.raises(ConfigError, match=r"spec\.mode.*no tree"):
+        speculative_config(SpecConfig(mode="tree"), str(HEAD))
+
+
+def test_chain_maps_to_eagle3_with_the_draft_method():
+    cfg = speculative_config(SpecConfig(mode="chain", num_draft_tokens=4, draft_sampling="greedy"), "/h")
+    assert cfg == {"method": "eagle3", "model": "/h", "num_speculative_tokens": 4, "draft_sample_method": "greedy"}
+    assert speculative_config(SpecConfig(mode="chain"), "/h")["draft_sample_method"] == "probabilistic"
+    assert speculative_config(SpecConfig(mode="off"), None) is None
+    with pytest.raises(ConfigError, match="drafter_path"):
+        speculative_config(SpecConfig(mode="chain"), None)
+
+
+@pytest.mark.parametrize("change,match", [({"vocab_size": 32000}, "vocab_size 32000"),
+                                          ({"target_hidden_size": 768}, "target_hidden_size 768"),
+                                          ({"eagle_aux_hidden_state_layer_ids": [2, 15, 40],
+                                            "eagle_config": {}}, r"\[2, 15, 40\]")])
+def test_head_for_another_target_is_refused(tmp_path, change, match):
+    head = _head_copy(tmp_path, **change)
+    with pytest.raises(ConfigError, match="drafter_path") as err:
+        check_head(head, TARGET_CFG)
+    assert "another target" in str(err.value) and err.match(match)
+
+
+def test_aux_layers_must_agree_with_the_head():
+    assert check_head(HEAD, TARGET_CFG, (2, 15, 27))["vocab_size"] == 49152
+    with pytest.raises(ConfigError, match="aux_layer_ids"):
+        check_head(HEAD, TARGET_CFG, (3, 15, 27))
+
+
+def test_prepare_head_carries_our_draft_temperature(tmp_path):
+    cfg = check_head(HEAD, TARGET_CFG)
+    out = Path(prepare_head(HEAD, cfg, tmp_path))
+    new = json.loads((out / "config.json").read_text())
+    assert new["logit_scale"] == cfg["draft_logit_scale"] != 1.0  # vLLM reads logit_scale
+    assert (out / "model.safetensors").resolve() == (HEAD / "model.safetensors").resolve()
+    plain = _head_copy(tmp_path, draft_logit_scale=None)
+    assert prepare_head(plain, check_head(plain, TARGET_CFG)) == str(plain)
+
+
+def test_unknown_rule_and_options_are_refused():
+    with pytest.raises(ConfigError, match=r"'name'.*unknown verification rule 'nope'"):
+        configure({"name": "nope"})
+    with pytest.raises(ConfigError, match="'params'"):
+        configure({"name": "mars", "params": {"theta": 3.0}})
+    with pytest.raises(ConfigError, match="backend_options"):
+        VLLMBackend(None, None, SpecConfig(mode="off"), options={"kv_cache_bytes": 1})
+    assert "kv_cache_memory_bytes" in DEFAULTS
+
+
+def _flat(tokens, behaviour, target, kinds, relaxed):
+    """A vLLM FlatLogprobs with 2 columns per position; kind None = vLLM's plain sampler."""
+    lp = SimpleNamespace(token_ids=[], logprobs=[], ranks=[], start_indices=[], end_indices=[])
+    for t, b, g, k, r in zip(tokens, behaviour, target, kinds, relaxed):
+        lp.start_indices.append(len(lp.token_ids))
+        rank = 3 if k is None else int(encode_rank(torch.tensor(k), torch.tensor(r)))
+        lp.token_ids += [t, t if k is not None else 99]
+        lp.logprobs += [b, g]
+        lp.ranks += [rank, 1]
+        lp.end_indices.append(len(lp.token_ids))
+    return SimpleNamespace(token_ids=tokens, logprobs=lp, finish_reason="stop")
+
+
+def test_decode_completion_reads_the_log_prob_channel():
+    out = _flat([5, 6, 7, 8, 9], [-1.0, -0.5, -0.2, -2.0, -0.1], [-9.0, -0.7, -0.3, -2.5, -0.1],
+                [None, 0, 0, 1, 2], [False, True, False, False, False])
+    c = decode_completion([1, 2], out)
+    assert c.completion_ids == [5, 6, 7, 8, 9]
+    assert c.behaviour_logprobs == [-1.0, -0.5, -0.2, -2.0, -0.1]
+    assert c.target_logprobs == [-1.0, -0.7, -0.3, -2.5, -0.1]  # plain sampler: target = column 0
+    assert c.kinds == [2, 0, 0, 1, 2] and c.relaxed == [False, True, False, False, False]
+    assert c.step_emitted == [1, 3, 1] and c.finish_reason == "stop"
+
+
+def test_decode_completion_refuses_a_missing_channel():
+    out = SimpleNamespace(token_ids=[1, 2], logprobs=None, finish_reason="length")
+    with pytest.raises(RuntimeError, match="log-prob positions"):
+        decode_completion([0], out)
