@@ -42,6 +42,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped head)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="skip our hf engine")
+    ap.add_argument("--hf-rules", default="lossless", help="rules for our hf engine's chain configs")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="batch 1 and 4, 24 tokens")
@@ -109,7 +110,7 @@ def build(args):
         target, _ = load_embedded_target()
         engine = Engine(target, load_eagle3(head, target), num_threads=2)
         runs["hf-plain"] = hf_runner(engine, off, "lossless")
-        for rule in args.rules.split(","):
+        for rule in args.hf_rules.split(","):
             runs[f"hf-chain-{rule}"] = hf_runner(engine, chain, rule)
     return runs
 
