@@ -78,6 +78,10 @@ def _prefix_law_test(counts: Counter, probs: dict, n: int) -> float:
     rest_e = n - sum(e for _, e in cells)
     if rest_e >= 5:
         cells.append((rest_o, rest_e))
+    if len(cells) < 2:  # (nearly) all mass on one token: how many samples fell outside it
+        from scipy.stats import poisson
+
+        return float(poisson.sf(rest_o - 1, max(rest_e, 1e-3)))
     return _chi2_pvalue([o for o, _ in cells], [e for _, e in cells])
 
 
