@@ -78,6 +78,10 @@ class RolloutWorker:
                                       spec=self.spec.spec, verifier=self.spec.verifier, seed=shard.seed)
         return ShardResult(shard.shard_id, shard.request_ids, batch, os.getpid())
 
+    def next_token_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+        """The backend's raw next-token logits [N, V] (a weight-sync check)."""
+        return self.backend.next_token_logits(prompts)
+
     def ping(self) -> tuple[int, float]:
         return os.getpid(), time.time()
 

@@ -131,6 +131,10 @@ class RolloutPool:
             offsets.append(offsets[-1] + len(res.batch))
         return joined.select([offsets[where[r][0]] + where[r][1] for r in request_ids])
 
+    def next_token_logits(self, prompts: list[list[int]]) -> list[torch.Tensor]:
+        """Each actor's raw next-token logits [N, V] for ``prompts`` (a weight-sync check)."""
+        return self._ray.get([a.next_token_logits.remote(prompts) for a in self.actors])
+
     def kill_actor(self, index: int) -> None:
         """Kill one actor (tests use this to simulate a node failure)."""
         self._ray.kill(self.actors[index], no_restart=True)

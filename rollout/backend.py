@@ -146,7 +146,20 @@ class HFBackend:
         self._version = int(version)
         return self._version
 
+    @torch.inference_mode()
+    def next_token_logits(self, prompts: list[list[int]]) -> torch.Tensor:
+        """Raw target logits [N, V] after each prompt (a check that the weights are the policy's)."""
+        model, dev = self.target.model, self.target.device
+        rows = [model(input_ids=torch.tensor([p], device=dev), use_cache=False).logits[0, -1] for p in prompts]
+        return torch.stack(rows).float().cpu()
+
     def generate(self, prompts: list[list[int]], *, sampling: SamplingParams, spec: SpecConfig,
                  verifier: VerifierConfig, seed: int) -> RolloutBatch:
-        result = self.engine.generate(prompts, sampling=sampling, spec=spec, verifier=verifier, seed=seed)
+        model = self.target.model
+        training = model.training  # a trainer's model: generate in eval mode (no dropout, no
+        model.eval()               # gradient-checkpointing wrappers), then give it back as it was
+        try:
+            result = self.engine.generate(prompts, sampling=sampling, spec=spec, verifier=verifier, seed=seed)
+        finally:
+            model.train(training)
         return result.to_batch(policy_version=self._version, pad_id=self.pad_id)

@@ -1,0 +1,223 @@
+"""The TRL plug-in with a real TRL GRPOTrainer on the tiny random policy (CPU): it trains
+through our rollout_func, TRL's importance ratios are 1 for lossless rollouts and differ
+from 1 (and change the loss) for lossy ones, the backend holds the trainer's weights
+after an optimizer step (in-process and through the Ray pool), and settings TRL cannot
+honour are refused before training starts."""
+
+from __future__ import annotations
+
+import math
+import os
+
+import pytest
+import torch
+
+from rollout.config import ConfigError
+from rollout.models import TargetConfig
+from rollout.outputs import RolloutBatch
+from rollout.params import SpecConfig, VerifierConfig
+from trainers.correction import CorrectionConfig
+
+os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
+trl = pytest.importorskip("trl")
+
+PROMPTS = [[{"role": "user", "content": f"What is {i} plus {2 * i}?"}] for i in range(8)]
+
+
+def _reward(completions, **kwargs):
+    """Varies within a group (so advantages, and the gradient, are non-zero)."""
+    return [float(len(c[0]["content"]) % 3) for c in completions]
+
+
+class Recording:
+    """Mixed into the trainer: keeps every generation's output and TRL's ratios."""
+
+    def _generate_and_score_completions(self, inputs):
+        out = super()._generate_and_score_completions(inputs)
+        self.outputs = getattr(self, "outputs", []) + [out]
+        return out
+
+
+def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, correction=None, steps=2,
+             placement="local", reload_every=0, **args):
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig
+
+    from trainers.trl import RolloutSettings, SpeculativeGRPOTrainer
+
+    class Trainer(Recording, SpeculativeGRPOTrainer):
+        pass
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(str(policy_dir))
+    tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    kw = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
+              num_generations=4, max_completion_length=8, max_steps=steps, learning_rate=1e-3, report_to=[],
+              logging_steps=1, save_strategy="no", temperature=1.0, seed=0)
+    kw.update(args)
+    settings = RolloutSettings(spec=SpecConfig(mode="chain", num_draft_tokens=3),
+                               verifier=VerifierConfig(verifier, params or {}), drafter=str(head_dir),
+                               placement=placement, target=TargetConfig(path=str(policy_dir)),
+                               drafter_reload_every=reload_every,
+                               threads_per_actor=1, threads=2)
+    return Trainer(model=model, reward_funcs=_reward, args=GRPOConfig(**kw),
+                   train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]), processing_class=tok,
+                   rollouts=settings, correction=correction or CorrectionConfig(mode="token_tis", cap=2.0))
+
+
+def _valid_ratios(trainer) -> torch.Tensor:
+    return torch.cat([trainer.importance_ratios(o)[o["completion_mask"].bool()] for o in trainer.outputs])
+
+
+# ---------------------------------------------------------------------------- training
+def test_trains_two_steps_lossless_on_policy(tmp_path, tiny_policy_dir, tiny_head_dir):
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "lossless")
+    before = [p.detach().clone() for p in trainer.model.parameters()]
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    assert all(h["grad_norm"] > 0 for h in logs)
+    assert any(not torch.equal(a, b) for a, b in zip(before, trainer.model.parameters())), "weights did not change"
+    ratios = _valid_ratios(trainer)  # step 2 ran on the weights step 1 changed: still on-policy
+    assert ratios.numel() > 0 and (ratios - 1).abs().max() < 1e-3
+    for h in logs:  # our metrics go through TRL's own logging
+        assert abs(h["sampling/importance_sampling_ratio/max"] - 1) < 1e-3
+        assert h["speculative/tau"] > 1.0  # the drafts were used
+        assert h["speculative/relaxed_fraction"] == 0.0
+        assert h["speculative/kl_k3"] < 1e-6 and h["speculative/is_ess"] > 0.999
+    assert isinstance(trainer.rollouts.last_batch, RolloutBatch)
+
+
+def test_lossy_ratios_differ_and_the_correction_changes_the_loss(tmp_path, tiny_policy_dir, tiny_head_dir):
+    # on the random tiny model MARS almost never sees its runner-up drafted (q is spread over
+    # 49k tokens), so its ratios stay ~1 here; the overshoot cap relaxes the p < q draws.
+    # MARS at theta 0.9 on the real model: test_mars_on_the_embedded_model (slow).
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "overshoot", {"lenience": 0.3}, steps=1)
+    inputs = [{"prompt": PROMPTS[i // 4]} for i in range(8)]
+    out = trainer._generate_and_score_completions(inputs)
+    batch = trainer.rollouts.last_batch
+    mask = out["completion_mask"].bool()
+    # what TRL divides by is our behaviour log-prob, token for token
+    assert torch.allclose(out["sampling_per_token_logps"][mask], batch.behaviour_logprobs[batch.completion_mask])
+    ratios = trainer.importance_ratios(out)[mask]
+    assert (ratios - 1).abs().max() > 1e-2 and batch.relaxed.any()
+    assert ratios.max() <= 2.0 + 1e-6  # token_tis: truncated at cap
+    with torch.no_grad():
+        on = trainer.compute_loss(trainer.model, out).item()
+        trainer.use_vllm = False  # TRL's gate: the same batch without the correction
+        off = trainer.compute_loss(trainer.model, out).item()
+    assert math.isfinite(on) and math.isfinite(off) and abs(on - off) > 1e-6
+
+
+@pytest.mark.parametrize("mode, trl_mode, clip", [
+    ("token_tis", "token_truncate", (None, 2.0)), ("token_mis", "token_mask", (0.5, 2.0)),
+    ("seq_tis", "sequence_truncate", (None, 2.0)), ("seq_mis", "sequence_mask", (0.5, 2.0)),
+])
+def test_correction_modes_map_onto_trl(mode, trl_mode, clip):
+    from trainers.trl import trl_correction
+
+    got = trl_correction(CorrectionConfig(mode=mode, cap=2.0, low=0.5, high=2.0))
+    assert got == {"mode": trl_mode, "clip_min": clip[0], "clip_max": clip[1]}
+    assert trl_correction(CorrectionConfig(mode="none")) is None
+
+
+# ---------------------------------------------------------------------------- weights
+def _assert_same_logits(backend_logits: torch.Tensor, model, prompts) -> None:
+    with torch.no_grad():
+        ref = torch.stack([model(input_ids=torch.tensor([p])).logits[0, -1] for p in prompts]).float()
+    assert torch.allclose(backend_logits, ref, atol=1e-5), (backend_logits - ref).abs().max()
+
+
+def test_in_process_backend_holds_the_trained_weights(tmp_path, tiny_policy_dir, tiny_head_dir):
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=1)
+    prompts = [[1, 20, 300], [5, 6]]
+    start = trainer.rollouts.backend.next_token_logits(prompts)
+    trainer.train()
+    after = trainer.rollouts.backend.next_token_logits(prompts)
+    assert not torch.allclose(start, after, atol=1e-5)  # the step moved the logits ...
+    _assert_same_logits(after, trainer.model, prompts)  # ... and the backend sees the new ones
+    assert trainer.rollouts.backend.version == 0  # generated before the only optimizer step
+
+
+def test_ray_pool_gets_the_weights_pushed(tmp_path, tiny_policy_dir, tiny_head_dir):
+    import ray
+
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=2, placement="ray")
+        trainer.train()
+        pool = trainer.rollouts.pool
+        assert pool.version == 1  # pushed before the second step's generation
+        ratios = _valid_ratios(trainer)  # the actors' rollouts were on-policy at both steps
+        assert (ratios - 1).abs().max() < 1e-3
+        prompts = [[1, 20, 300], [5, 6]]
+        trainer.rollouts.sync(trainer)  # push the weights of the last step too
+        for logits in pool.next_token_logits(prompts):
+            _assert_same_logits(logits, trainer.model, prompts)
+        trainer.rollouts.close()
+    finally:
+        ray.shutdown()
+
+
+def test_draft_head_is_reloaded_between_steps(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
+    from rollout.backend import HFBackend
+
+    loads = []
+    original = HFBackend.load_drafter
+    monkeypatch.setattr(HFBackend, "load_drafter", lambda self, path: (loads.append(path), original(self, path)))
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=3, reload_every=1)
+    assert len(loads) == 1  # built with the head
+    first = trainer.rollouts.backend.head
+    trainer.train()
+    assert loads == [str(tiny_head_dir)] * 3  # re-read before the generations of steps 2 and 3
+    assert trainer.rollouts.backend.head is not first
+
+
+# ---------------------------------------------------------------------------- refusals
+def test_geo_mis_is_refused_naming_the_setting(tmp_path, tiny_policy_dir, tiny_head_dir):
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, correction=CorrectionConfig(mode="geo_mis"))
+    assert err.value.field == "correction.mode" and "token_tis" in str(err.value)
+
+
+def test_use_vllm_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir):
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, use_vllm=True)
+    assert "use_vllm" in str(err.value)
+
+
+def test_sampling_trl_does_not_apply_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir):
+    with pytest.raises(ConfigError) as err:
+        _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, top_p=0.9)
+    assert err.value.field == "GRPOConfig.top_p"
+
+
+def test_head_for_another_model_is_refused(tmp_path, tiny_policy_dir):
+    from rollout.eagle3 import default_head_path
+
+    with pytest.raises(Exception) as err:  # the SmolLM2 head: hidden size 576, the tiny policy's is 64
+        _trainer(tmp_path, tiny_policy_dir, default_head_path())
+    assert "hidden" in str(err.value).lower() or "mismatch" in str(err.value).lower(), str(err.value)
+
+
+def test_unknown_verifier_is_refused():
+    with pytest.raises(ConfigError) as err:
+        VerifierConfig("mystery")
+    assert "mars" in str(err.value)
+
+
+# ---------------------------------------------------------------------------- real model
+@pytest.mark.slow
+def test_mars_on_the_embedded_model(tmp_path):
+    """MARS at theta 0.9 with the embedded SmolLM2 and the shipped head: ratios differ from 1."""
+    from rollout.eagle3 import default_head_path
+    from rollout.models import embedded_cache_dir, load_embedded_target
+
+    load_embedded_target()  # builds the safetensors cache the trainer loads from
+    trainer = _trainer(tmp_path, embedded_cache_dir(), default_head_path(), "mars", {"theta": 0.9}, steps=1,
+                       max_completion_length=32)
+    out = trainer._generate_and_score_completions([{"prompt": PROMPTS[i // 4]} for i in range(8)])
+    ratios = trainer.importance_ratios(out)[out["completion_mask"].bool()]
+    assert trainer.rollouts.last_batch.relaxed.any()
+    assert (ratios - 1).abs().max() > 1e-2

@@ -1,0 +1,220 @@
+"""A TRL ``rollout_func`` that generates with our speculative backend.
+
+TRL's ``GRPOTrainer`` calls ``rollout_func(prompts, trainer)`` once per generation batch
+with the prompts already repeated ``num_generations`` times, and expects
+``{"prompt_ids", "completion_ids", "logprobs", ...}``; extra keys reach the reward
+functions. :class:`SpeculativeRollouts` is such a callable:
+
+- **placement** ``"local"``: an ``hf`` backend in this process over the trainer's own
+  model object (shared parameters: the rollouts always use the current weights, nothing is
+  copied); ``"ray"``: our Ray actor pool (``rollout.actor_pool``), which gets the
+  trainer's weights pushed whenever TRL's optimizer step moved since the last push.
+- the chat template is applied here, at the backend boundary (conversational prompts);
+  plain-text prompts are tokenized as TRL does;
+- ``logprobs`` are the **behaviour log-probs** (log P(y) under the distribution the
+  verifier induced), which TRL's importance-sampling correction divides by; the extra
+  fields are ``tau`` (the call's mean acceptance length), ``relaxed_fraction`` (per
+  completion: tokens emitted by a relaxed, lossy acceptance) and ``verifier`` (the rule).
+- the sampling settings come from TRL's ``GRPOConfig`` (temperature,
+  ``max_completion_length``), so TRL's recomputed log-probs and ours describe the same
+  processed distribution; settings TRL's log-probs do not apply (top-p, top-k, min-p,
+  repetition penalty) are refused.
+- **the draft head follows the policy** only by re-loading: with
+  ``drafter_reload_every: n`` the head is re-read from its folder every n optimizer steps
+  (a drafter trainer elsewhere may rewrite it). A head that stays fixed while the policy
+  drifts keeps every output exact (the verifier corrects for any draft), but its
+  acceptance tau falls as the policy moves away from the one it was trained on, so
+  rollouts slow down; tau is logged every step (``speculative/tau``) to show it.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from rollout.backend import HFBackend, RolloutBackend, WorkerSpec
+from rollout.config import ConfigError
+from rollout.models import TargetConfig
+from rollout.outputs import RolloutBatch
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+
+PLACEMENTS = ("local", "ray")
+
+
+@dataclass(frozen=True)
+class RolloutSettings:
+    """How the plug-in generates (one per trainer).
+
+    spec / verifier: our speculation and verification settings. drafter: an EAGLE-3 head
+    folder, "default" (the shipped head) or null (``spec.mode`` must be "off").
+    drafter_reload_every: re-load the head from its folder every n optimizer steps (0 = never).
+    placement: "local" (in this process, sharing the trainer's model) or "ray" (our actor pool;
+    ``target`` is what each actor loads before the weights are pushed). seed: base seed of
+    the rollouts (call i uses a seed derived from it and i). threads: torch threads of the
+    local backend (null = the cores this process may use).
+    """
+
+    spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", num_draft_tokens=3))
+    verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    drafter: str | None = "default"
+    drafter_reload_every: int = 0
+    placement: str = "local"
+    target: TargetConfig | None = None
+    num_actors: int = 1
+    threads_per_actor: int = 2
+    seed: int = 0
+    threads: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.placement not in PLACEMENTS:
+            raise ConfigError("placement", f"unknown placement {self.placement!r}", allowed=PLACEMENTS)
+        if self.drafter is None and self.spec.mode != "off":
+            raise ConfigError("spec.mode", "speculation needs a drafter (drafter is null)", allowed=["off"])
+        for name in ("drafter_reload_every", "seed"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+        for name in ("num_actors", "threads_per_actor"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+        if self.placement == "ray" and self.target is None:
+            raise ConfigError("target", "placement 'ray' needs the target config the actors load")
+
+    def drafter_path(self) -> str | None:
+        if self.drafter == "default":
+            from rollout.eagle3 import default_head_path
+
+            return str(default_head_path())
+        return self.drafter
+
+
+def sampling_from_trl(args: Any, eos_token_id: int | None) -> SamplingParams:
+    """Our SamplingParams from a TRL ``GRPOConfig``; refuses what TRL's log-probs do not apply."""
+    unsupported = {"top_p": (args.top_p, 1.0), "top_k": (args.top_k, None), "min_p": (args.min_p, None),
+                   "repetition_penalty": (args.repetition_penalty, 1.0)}
+    for name, (value, neutral) in unsupported.items():
+        if value is not None and value != neutral and not (name == "top_k" and value in (0, -1)):
+            raise ConfigError(f"GRPOConfig.{name}", f"{value!r} is not supported with speculative rollouts: TRL "
+                              "recomputes the policy log-probs with the temperature only, so the importance "
+                              "ratios would compare different distributions", allowed=[neutral])
+    if not args.temperature > 0:
+        raise ConfigError("GRPOConfig.temperature", f"must be > 0 for policy-gradient rollouts, got {args.temperature!r}")
+    if args.max_completion_length is None:
+        raise ConfigError("GRPOConfig.max_completion_length", "must be set (speculative rollouts need a budget)")
+    stop = (eos_token_id,) if eos_token_id is not None else ()
+    return SamplingParams(temperature=float(args.temperature), max_new_tokens=int(args.max_completion_length),
+                          stop_token_ids=stop)
+
+
+def tokenize_prompts(tokenizer: Any, prompts: list, chat_template_kwargs: dict | None = None) -> list[list[int]]:
+    """Token ids of TRL prompts: chat messages get the chat template (with the generation prompt)."""
+    out = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            out.append(list(tokenizer(text=prompt)["input_ids"]))
+        else:
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
+                                                 **(chat_template_kwargs or {}))
+            out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+class SpeculativeRollouts:
+    """TRL's ``rollout_func``: our speculative backend under our verifier (see module docstring)."""
+
+    def __init__(self, settings: RolloutSettings):
+        self.settings = settings
+        self.backend: RolloutBackend | None = None
+        self.pool = None
+        self.sampling: SamplingParams | None = None
+        self.last_batch: RolloutBatch | None = None
+        self.last_seconds = 0.0
+        self._calls = 0
+        self._pushed_step = -1
+        self._loaded_step = 0
+
+    # ------------------------------------------------------------------ set-up
+    def bind(self, trainer: Any) -> None:
+        """Build the backend for ``trainer`` (called by the trainer before training; idempotent)."""
+        if self.sampling is not None:
+            return
+        tokenizer = _tokenizer(trainer)
+        self.sampling = sampling_from_trl(trainer.args, tokenizer.eos_token_id)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        s = self.settings
+        drafter = s.drafter_path() if s.spec.mode != "off" else None
+        if s.placement == "local":
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            self.backend = HFBackend.from_model(model, drafter_path=drafter, num_threads=s.threads, pad_id=pad)
+        else:
+            from rollout.actor_pool import RolloutPool
+
+            spec = WorkerSpec(target=s.target, drafter_path=drafter, sampling=self.sampling, spec=s.spec,
+                              verifier=s.verifier, threads=s.threads_per_actor)
+            self.pool = RolloutPool(spec, s.num_actors, num_cpus_per_actor=s.threads_per_actor)
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+            self.pool = None
+
+    # ------------------------------------------------------------------ weights
+    def sync(self, trainer: Any) -> None:
+        """Bring the backend to the trainer's current policy (and head) before a generation."""
+        step = int(trainer.state.global_step)
+        every = self.settings.drafter_reload_every
+        if every and step >= self._loaded_step + every and self.settings.spec.mode != "off":
+            self._reload_drafter()
+            self._loaded_step = step
+        if step == self._pushed_step:
+            return
+        if self.backend is not None:
+            self.backend.set_weights(None, step)  # shared parameters: only the version moves
+        else:
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            self.pool.set_weights(model.state_dict(), step)
+        self._pushed_step = step
+
+    def _reload_drafter(self) -> None:
+        path = self.settings.drafter_path()
+        if self.backend is not None:
+            self.backend.load_drafter(path)
+        else:
+            self.pool.load_drafter(path)
+
+    # ------------------------------------------------------------------ generation
+    def generate(self, prompt_ids: list[list[int]]) -> RolloutBatch:
+        seed = self.settings.seed * 1_000_003 + self._calls
+        self._calls += 1
+        s = self.settings
+        if self.backend is not None:
+            return self.backend.generate(prompt_ids, sampling=self.sampling, spec=s.spec, verifier=s.verifier,
+                                         seed=seed)
+        ids = [f"{self._calls}/{i}" for i in range(len(prompt_ids))]
+        batch, _ = self.pool.generate(ids, prompt_ids, seed=seed)
+        return batch
+
+    def __call__(self, prompts: list, trainer: Any) -> dict[str, Any]:
+        self.bind(trainer)
+        self.sync(trainer)
+        prompt_ids = tokenize_prompts(_tokenizer(trainer), prompts, getattr(trainer, "chat_template_kwargs", None))
+        t0 = time.perf_counter()
+        batch = self.generate(prompt_ids)
+        self.last_seconds = time.perf_counter() - t0
+        self.last_batch = batch
+        relaxed = (batch.relaxed & batch.completion_mask).sum(1) / batch.completion_mask.sum(1).clamp(min=1)
+        return {
+            "prompt_ids": batch.prompt_lists(),
+            "completion_ids": batch.completion_lists(),
+            "logprobs": batch.token_lists("behaviour_logprobs"),
+            "tau": batch.tau,
+            "relaxed_fraction": relaxed.tolist(),
+            "verifier": self.settings.verifier.name,
+        }
+
+
+def _tokenizer(trainer: Any) -> Any:
+    proc = trainer.processing_class
+    return getattr(proc, "tokenizer", proc)

@@ -1,0 +1,145 @@
+"""A TRL GRPO run from a ``TRLConfig``: the dataset, the rewards, the trainer, the report.
+
+``generation: ours`` trains with ``SpeculativeGRPOTrainer`` (our rollouts, TRL's
+correction); ``generation: trl`` trains the same job with TRL's own generation (the
+baseline). Both time the generation the same way (around TRL's ``_generate``), so their
+rollout tokens/s compare. Each logged step goes to ``metrics.jsonl`` under our metric
+names, so the summary table and the plots are those of ``make run``.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from trainers.report import MetricsLogger, plot_run, read_metrics, summary_table
+from trainers.rewards import answer_reward, exact_match_reward
+from trainers.tasks import load_jsonl, make_problems
+from trainers.trl.config import TRLConfig
+
+#: our metric name <- TRL's logged key
+METRIC_NAMES = {
+    "reward_mean": "reward", "accuracy": "rewards/accuracy/mean", "tau": "speculative/tau",
+    "relaxed_frac": "speculative/relaxed_fraction", "kl_k1": "speculative/kl_k1", "kl_k3": "speculative/kl_k3",
+    "is_ess": "speculative/is_ess", "is_weight_min": "sampling/importance_sampling_ratio/min",
+    "is_weight_mean": "sampling/importance_sampling_ratio/mean",
+    "is_weight_max": "sampling/importance_sampling_ratio/max", "rollout_tokens_per_s": "generation/tokens_per_s",
+    "rollout_s": "generation/seconds", "loss": "loss", "grad_norm": "grad_norm", "step_s": "step_time",
+    "completion_len_mean": "completions/mean_length",
+}
+
+
+class TimedGeneration:
+    """Mixed into a GRPOTrainer: logs the wall time and tokens/s of each ``_generate`` call."""
+
+    def _generate(self, prompts: list):
+        t0 = time.perf_counter()
+        out = super()._generate(prompts)
+        seconds = time.perf_counter() - t0
+        completion_ids = out[1]  # (prompt_ids, completion_ids, ...) in TRL 1.16
+        tokens = sum(len(c) for c in completion_ids)
+        m = self._metrics["train" if self.model.training else "eval"]
+        m["generation/seconds"].append(seconds)
+        m["generation/tokens_per_s"].append(tokens / max(seconds, 1e-9))
+        return out
+
+
+class StepLog(TrainerCallback):
+    """Writes each logged step to metrics.jsonl (our names) and prints a progress line."""
+
+    def __init__(self, logger: MetricsLogger, steps: int):
+        self.logger, self.steps = logger, steps
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not logs or "loss" not in logs:
+            return
+        row = {ours: float(logs[theirs]) for ours, theirs in METRIC_NAMES.items() if logs.get(theirs) is not None}
+        self.logger.log(state.global_step, row)
+        line = f"step {state.global_step}/{self.steps}  reward {row.get('reward_mean', 0):.3f}  " \
+               f"acc {row.get('accuracy', 0):.2f}  gen tok/s {row.get('rollout_tokens_per_s', 0):.1f}"
+        if "tau" in row:
+            line += f"  tau {row['tau']:.2f}  relaxed {row.get('relaxed_frac', 0):.2f}  " \
+                    f"KL {row.get('kl_k3', 0):.2e}  ESS {row.get('is_ess', 1):.3f}"
+        print(line + f"  {row.get('step_s', 0):.1f}s", flush=True)
+
+
+def build_dataset(cfg: TRLConfig):
+    """Conversational prompts with their reference answers (TRL passes ``answer`` to the rewards)."""
+    from datasets import Dataset
+
+    n = cfg.run.steps * cfg.task.prompts_per_step
+    if cfg.task.source == "jsonl":
+        problems = load_jsonl(cfg.task.path)
+    else:
+        problems = make_problems(n, cfg.task.difficulty, "train", seed=cfg.run.seed)
+    rows = []
+    for prob in problems:
+        messages = [{"role": "user", "content": prob.prompt}]
+        if cfg.task.system_prompt:
+            messages.insert(0, {"role": "system", "content": cfg.task.system_prompt})
+        rows.append({"prompt": messages, "answer": prob.answer})
+    return Dataset.from_list(rows)
+
+
+def reward_functions(cfg: TRLConfig) -> tuple[list, list[float]]:
+    """Our answer reward (weight 1) and plain accuracy (weight 0: logged, not trained on)."""
+    def _text(c: Any) -> str:
+        return c if isinstance(c, str) else c[-1]["content"]
+
+    def reward(completions, answer, **kwargs):
+        return [answer_reward(_text(c), a, cfg.reward) for c, a in zip(completions, answer)]
+
+    def accuracy(completions, answer, **kwargs):
+        return [exact_match_reward(_text(c), a) for c, a in zip(completions, answer)]
+
+    return [reward, accuracy], [1.0, 0.0]
+
+
+def build_trainer(cfg: TRLConfig, callbacks: list | None = None):
+    from trl import GRPOConfig, GRPOTrainer
+
+    from rollout.models import load_target
+    from trainers.trl.trainer import SpeculativeGRPOTrainer
+
+    target, tokenizer = load_target(cfg.model.target)
+    model = target.model
+    trl_args = dict(cfg.trl)
+    n_gen = int(trl_args.get("num_generations", 8))
+    cpu = not torch.cuda.is_available()
+    args = GRPOConfig(output_dir=cfg.run.out_dir, max_steps=cfg.run.steps, seed=cfg.run.seed,
+                      per_device_train_batch_size=cfg.task.prompts_per_step * n_gen,
+                      use_cpu=cpu, bf16=False, **trl_args)
+    funcs, weights = reward_functions(cfg)
+    args.reward_weights = weights
+    common = dict(model=model, reward_funcs=funcs, args=args, train_dataset=build_dataset(cfg),
+                  processing_class=tokenizer, callbacks=callbacks)
+    if cfg.run.generation == "trl":
+        return type("TimedGRPOTrainer", (TimedGeneration, GRPOTrainer), {})(**common)
+    cls = type("TimedSpeculativeGRPOTrainer", (TimedGeneration, SpeculativeGRPOTrainer), {})
+    return cls(rollouts=cfg.settings(), correction=cfg.correction, **common)
+
+
+def run(cfg: TRLConfig) -> list[dict]:
+    out = Path(cfg.run.out_dir)
+    logger = MetricsLogger(out)
+    (out / "metrics.jsonl").write_text("")  # a TRL run starts over (TRL's own checkpoints resume)
+    trainer = build_trainer(cfg, callbacks=[StepLog(logger, cfg.run.steps)])
+    try:
+        trainer.train()
+    finally:
+        logger.close()
+        rollouts = getattr(trainer, "rollouts", None)
+        if rollouts is not None:
+            rollouts.close()
+    rows = read_metrics(out)
+    table = summary_table(rows)
+    (out / "summary.md").write_text(table + "\n")
+    plots = plot_run(rows, out)
+    print("\n" + table, flush=True)
+    print(f"\noutputs in {out.resolve()}: metrics.jsonl, summary.md, plots/ "
+          f"({', '.join(p.name for p in plots)}), TRL's logs in runs/", flush=True)
+    return rows

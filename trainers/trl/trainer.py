@@ -1,0 +1,129 @@
+"""``SpeculativeGRPOTrainer``: TRL's GRPOTrainer with our rollouts and TRL's own off-policy
+correction switched on.
+
+TRL 1.16 applies its importance-sampling correction (``vllm_importance_sampling_*``:
+ratio pi_old(y) / P(y) from the rollout's log-probs, truncated or masked, per token or per
+sequence) only when ``use_vllm`` is true. This subclass builds TRL with ``use_vllm=False``
+(no vLLM engine is created), then turns the correction on for our rollouts: it sets
+``use_vllm`` on the instance and puts a small weight-sync object where TRL keeps its vLLM
+generation (TRL calls its ``sync_weights()`` before a generation whenever the optimizer
+stepped; for us that pushes the weights to the backend). Nothing of TRL's code is copied:
+the correction, its loss and its ``sampling/importance_sampling_ratio/*`` metrics are TRL's.
+
+Our correction modes map onto TRL's (``CORRECTION_TO_TRL``):
+
+  token_tis -> token_truncate     w = min(r, cap)              (TRL: clip_max = cap, no clip_min)
+  token_mis -> token_mask         w = r in [low, high], else 0
+  seq_tis   -> sequence_truncate  w = min(prod r, cap)
+  seq_mis   -> sequence_mask      w = prod r in [low, high], else 0
+  none      -> correction off (the behaviour log-probs are kept but unused)
+  geo_mis   -> refused: TRL has no geometric-mean mode (use trainers.loop for it).
+
+Our metrics go through TRL's own ``_metrics`` (so they show in its logs and TensorBoard):
+``speculative/tau``, ``speculative/relaxed_fraction``, ``speculative/rollout_tokens_per_s``,
+``speculative/kl_k1``, ``speculative/kl_k3`` (KL(P || pi) estimated from the sampled tokens)
+and ``speculative/is_ess`` (normalised effective sample size of TRL's weights).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from trl import GRPOTrainer
+
+from rollout.config import ConfigError
+from trainers.correction import CorrectionConfig
+from trainers.metrics import drift_stats, effective_sample_size
+from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts
+
+CORRECTION_TO_TRL = {"token_tis": "token_truncate", "token_mis": "token_mask",
+                     "seq_tis": "sequence_truncate", "seq_mis": "sequence_mask"}
+
+
+def trl_correction(cfg: CorrectionConfig) -> dict[str, Any] | None:
+    """TRL's ``vllm_importance_sampling_*`` settings for our mode (None: correction off)."""
+    if cfg.mode == "none":
+        return None
+    if cfg.mode not in CORRECTION_TO_TRL:
+        raise ConfigError("correction.mode", f"{cfg.mode!r} has no TRL equivalent (TRL has no geometric-mean "
+                          "mode); train with scripts.train for it", allowed=["none", *CORRECTION_TO_TRL])
+    truncate = cfg.mode.endswith("_tis")
+    return {"mode": CORRECTION_TO_TRL[cfg.mode], "clip_min": None if truncate else cfg.low,
+            "clip_max": cfg.cap if truncate else cfg.high}
+
+
+class _BackendSync:
+    """Stands where TRL keeps its vLLM generation: TRL calls ``sync_weights`` after optimizer steps."""
+
+    def __init__(self, trainer: SpeculativeGRPOTrainer):
+        self.trainer = trainer
+
+    def sync_weights(self) -> None:
+        self.trainer.rollouts.sync(self.trainer)
+
+
+class SpeculativeGRPOTrainer(GRPOTrainer):
+    """GRPOTrainer whose rollouts come from our speculative backend, with the IS correction on.
+
+    rollouts: our generation settings (``RolloutSettings``) or a ready ``SpeculativeRollouts``.
+    correction: our correction config, mapped onto TRL's (see the module docstring).
+    Every other argument is GRPOTrainer's; ``args.use_vllm`` must be false.
+    """
+
+    def __init__(self, *args: Any, rollouts: RolloutSettings | SpeculativeRollouts,
+                 correction: CorrectionConfig = CorrectionConfig(), **kwargs: Any):
+        targs = kwargs.get("args", args[2] if len(args) > 2 else None)
+        if targs is not None and getattr(targs, "use_vllm", False):
+            raise ConfigError("GRPOConfig.use_vllm", "must be false with speculative rollouts: they replace "
+                              "TRL's generation (vLLM included)", allowed=[False])
+        if kwargs.get("rollout_func") is not None:
+            raise ConfigError("rollout_func", "SpeculativeGRPOTrainer supplies its own rollout_func")
+        ismap = trl_correction(correction)  # refuse before the model loads
+        self.rollouts = rollouts if isinstance(rollouts, SpeculativeRollouts) else SpeculativeRollouts(rollouts)
+        self.correction = correction
+        super().__init__(*args, rollout_func=self.rollouts, **kwargs)
+        self.rollouts.bind(self)  # a bad head or sampling setting fails here, before training
+        self.vllm_importance_sampling_correction = ismap is not None
+        if ismap is not None:
+            self.use_vllm = True  # TRL's gate for its correction; no vLLM engine exists
+            self.vllm_generation = _BackendSync(self)
+            self._last_loaded_step = -1
+            self.vllm_importance_sampling_mode = ismap["mode"]
+            self.vllm_importance_sampling_clip_min = ismap["clip_min"]
+            self.vllm_importance_sampling_clip_max = ismap["clip_max"]
+
+    def _generate_and_score_completions(self, inputs):
+        if not self.use_vllm:
+            self.rollouts.sync(self)  # with the correction off TRL does not call sync_weights
+        output = super()._generate_and_score_completions(inputs)
+        self._log_rollout_metrics(output)
+        return output
+
+    def _log_rollout_metrics(self, output: dict[str, Any]) -> None:
+        batch = self.rollouts.last_batch
+        if batch is None:
+            return
+        m = self._metrics["train" if self.model.training else "eval"]
+        mask = batch.completion_mask
+        m["speculative/tau"].append(batch.tau)
+        m["speculative/relaxed_fraction"].append(float((batch.relaxed & mask).sum() / mask.sum().clamp(min=1)))
+        m["speculative/rollout_tokens_per_s"].append(batch.timings["tokens"] / max(self.rollouts.last_seconds, 1e-9))
+        old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
+        if old is None or sampled is None:
+            return
+        valid = output["completion_mask"].bool()
+        stats = drift_stats((old - sampled).float(), valid)
+        m["speculative/kl_k1"].append(stats["kl_k1"])
+        m["speculative/kl_k3"].append(stats["kl_k3"])
+        ratio = output.get("importance_sampling_ratio")
+        if ratio is not None:
+            w = ratio.expand_as(old) if ratio.shape[-1] == 1 else ratio
+            m["speculative/is_ess"].append(effective_sample_size(w[valid]))
+
+    def importance_ratios(self, output: dict[str, Any]) -> torch.Tensor | None:
+        """TRL's importance-sampling ratios [B, T] of one generation's output (None: off)."""
+        ratio = output.get("importance_sampling_ratio")
+        if ratio is None:
+            return None
+        return ratio.expand_as(output["completion_mask"]) if ratio.shape[-1] == 1 else ratio
