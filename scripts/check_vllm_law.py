@@ -37,6 +37,10 @@ def chi2_pvalue(counts: Counter, lp: torch.Tensor, n: int) -> float:
     rest = (n - sum(o for o, _ in cells), n - sum(e for _, e in cells))
     if rest[1] >= 5:
         cells.append(rest)
+    if len(cells) < 2:  # (nearly) all mass on one token: how many samples fell outside it
+        from scipy.stats import poisson
+
+        return float(poisson.sf(rest[0] - 1, max(rest[1], 1e-3)))
     stat = sum((o - e) ** 2 / e for o, e in cells)
     return float(chi2.sf(stat, len(cells) - 1))
 

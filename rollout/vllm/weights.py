@@ -23,18 +23,26 @@ def _runner(worker):
 
 
 def load_policy_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
-    """``collective_rpc``: load the policy's weights in place; returns how many were loaded."""
-    model = _runner(worker).get_model()
-    loaded = model.load_weights(iter(tensors.items()))
-    return len(loaded) if loaded is not None else len(tensors)
+    """``collective_rpc``: reload the policy's weights in place (vLLM's layerwise reload: the
+    CPU kernels repack weights after loading, so a bare ``load_weights`` cannot be used)."""
+    _runner(worker).reload_weights(weights_iterator=iter(tensors.items()), is_checkpoint_format=True)
+    return len(tensors)
 
 
 def load_drafter_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
-    """``collective_rpc``: load the EAGLE-3 head's weights into the proposer's model."""
-    drafter = getattr(_runner(worker), "drafter", None)
+    """``collective_rpc``: reload the EAGLE-3 head's weights into the proposer's model (the
+    same layerwise reload, with the draft model's config; the shared embedding is kept)."""
+    from vllm.model_executor.model_loader.reload.layerwise import (finalize_layerwise_reload,
+                                                                   initialize_layerwise_reload)
+
+    runner = _runner(worker)
+    drafter = getattr(runner, "drafter", None)
     if drafter is None or not hasattr(drafter, "model"):
         raise RuntimeError("this vLLM engine has no EAGLE-3 drafter to load weights into")
-    drafter.model.load_weights(iter(tensors.items()))
+    model = drafter.model
+    initialize_layerwise_reload(model)
+    model.load_weights(iter(tensors.items()))
+    finalize_layerwise_reload(model, runner.vllm_config.speculative_config.draft_model_config)
     return len(tensors)
 
 

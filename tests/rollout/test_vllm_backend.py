@@ -78,43 +78,11 @@ def _prefix_law_test(counts: Counter, probs: dict, n: int) -> float:
     rest_e = n - sum(e for _, e in cells)
     if rest_e >= 5:
         cells.append((rest_o, rest_e))
+    if len(cells) < 2:  # (nearly) all mass on one token: how many samples fell outside it
+        from scipy.stats import poisson
+
+        return float(poisson.sf(rest_o - 1, max(rest_e, 1e-3)))
     return _chi2_pvalue([o for o, _ in cells], [e for _, e in cells])
-
-
-def test_lossless_first_three_positions_follow_the_target(backend, hf, prompt):
-    model, _ = hf
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
-    batch = backend.generate([prompt] * N_SAMPLES, sampling=sampling, spec=SPEC,
-                             verifier=VerifierConfig("lossless"), seed=11)
-    seqs = batch.completion_lists()
-    assert all(len(s) == 3 for s in seqs)
-    mask = batch.completion_mask
-    # lossless: behaviour log-prob == target log-prob (processed), token by token
-    assert (batch.behaviour_logprobs[mask] - batch.target_logprobs[mask]).abs().max() <= 1e-4
-    assert (batch.kinds[:, 1:] >= 0).all() and batch.tau > 1.0
-    # the joint law of the first 3 tokens against the target's, position by position
-    for j in range(3):
-        counts = Counter(tuple(s[: j + 1]) for s in seqs)
-        prefixes = sorted(k[:j] for k in counts)
-        probs = {}
-        for pre in set(prefixes):
-            lp = _hf_logprobs(model, [prompt + list(pre)])[0]
-            base = sum(_exact_prefix_logprob(model, prompt, pre)) if pre else 0.0
-            for tok in lp.topk(50).indices.tolist():
-                probs[pre + (tok,)] = math.exp(base + float(lp[tok]))
-        p = _prefix_law_test(counts, probs, N_SAMPLES)
-        assert p > 1e-3, f"position {j}: chi-square p = {p:.2e}"
-    # target log-probs agree with the Hugging Face copy of the target
-    lp0 = _hf_logprobs(model, [prompt])[0]
-    first = torch.tensor([s[0] for s in seqs[:20]])
-    torch.testing.assert_close(batch.target_logprobs[:20, 0], lp0[first], atol=2e-3, rtol=0)
-
-
-def _exact_prefix_logprob(model, prompt, prefix) -> list[float]:
-    out = []
-    for i, tok in enumerate(prefix):
-        out.append(float(_hf_logprobs(model, [prompt + list(prefix[:i])])[0, tok]))
-    return out
 
 
 LOSSY = [("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
@@ -136,7 +104,11 @@ def test_lossy_behaviour_logprobs_equal_the_closed_form(backend, prompt, name, p
     checked = 0
     for rec in records:
         t = rec["setting"].temperature
-        q_logits = rec["draft_probs"].log() * t  # [b, K, V]
+        if rec["draft_probs"] is None:  # a step without drafts (the prefill's token): P = p
+            assert rec["setting"].k == 0
+            q_logits = rec["target_logits"][:, :0]
+        else:
+            q_logits = rec["draft_probs"].log() * t  # [b, K, V]
         for b in range(rec["tokens"].shape[0]):
             n = int((rec["tokens"][b] >= 0).sum())
             for j in range(n):
@@ -158,44 +130,6 @@ def test_lossy_behaviour_logprobs_equal_the_closed_form(backend, prompt, name, p
         assert batch.relaxed.any()
 
 
-def test_mars_empirical_law_matches_the_induced_distribution(backend, hf, prompt):
-    """Position 1 (the first verified token) given the most frequent first token: empirical
-    law over many samples vs the closed-form MARS-induced P from the logits vLLM verified."""
-    verifier = VerifierConfig("mars", {"theta": 0.9})
-    backend.record = True
-    try:
-        batch = backend.generate([prompt] * N_SAMPLES, sampling=SamplingParams(temperature=1.0, max_new_tokens=2),
-                                 spec=SPEC, verifier=verifier, seed=21)
-        records = backend.records()
-    finally:
-        backend.record = False
-    seqs = batch.completion_lists()
-    y0 = Counter(s[0] for s in seqs).most_common(1)[0][0]
-    second = Counter(s[1] for s in seqs if s[0] == y0)
-    n = sum(second.values())
-    assert n >= 500
-    # the logits vLLM verified at position 1 after prompt + y0: a recorded row whose first
-    # position's logits are the target's after prompt + y0
-    model, _ = hf
-    want = model.model(torch.tensor([prompt + [y0]])).logits[0, -1].float().detach()
-    rule, P, p = verifier.rule(), None, None
-    for rec in records:
-        t = rec["setting"].temperature
-        diff = (rec["target_logits"][:, 0] - want).abs().amax(-1)
-        rows = (diff < 1e-2).nonzero()[:, 0].tolist()
-        if rows:
-            b = rows[0]
-            P = induced_chain(rule, rec["target_logits"][b, :1], rec["draft_probs"][b, :1].log() * t, temperature=t)[0]
-            p = torch.softmax(rec["target_logits"][b, 0] / t, -1)
-            break
-    assert P is not None
-    tv_pp = 0.5 * float((P - p).abs().sum())
-    assert tv_pp > 0.05  # MARS moves this position's law away from p: the test can tell them apart
-    probs = {tok: float(P[tok]) for tok in P.topk(50).indices.tolist()}
-    pv = _prefix_law_test(second, probs, n)
-    assert pv > 1e-3, f"chi-square p = {pv:.2e} (TV(P, p) = {tv_pp:.3f})"
-
-
 def test_decisions_equal_the_hf_verifier_on_the_same_uniforms(backend, prompt):
     """The hf engine verifies a sampled chain with ``verify_chain(rule, logits, draft, x,
     generator=...)``; given the logits and drafts vLLM produced and the same generator state,
@@ -209,8 +143,11 @@ def test_decisions_equal_the_hf_verifier_on_the_same_uniforms(backend, prompt):
             records = backend.records()
         finally:
             backend.record = False
+        assert any(rec["draft_probs"] is not None for rec in records)
         for rec in records:
             t = rec["setting"].temperature
+            if rec["draft_probs"] is None:  # no drafts in this step
+                continue
             g = torch.Generator()
             g.set_state(rec["generator_state"])
             res = verify_chain(rule, rec["target_logits"], rec["draft_probs"].log() * t, rec["draft_tokens"],
@@ -286,5 +223,76 @@ def test_drafter_reload_changes_acceptance(backend, prompt, tmp_path):
     finally:
         backend.load_drafter(str(HEAD))
     again = backend.generate([prompt] * 4, sampling=sampling, spec=SPEC, verifier=VerifierConfig(), seed=1).tau
-    assert worse < 1.1 < good
-    assert abs(again - good) < 1e-9
+    # (vLLM samples probabilistic drafts with unseeded noise, so taus of equal calls differ a little)
+    assert worse < 1.1 < min(good, again)
+
+
+def test_lossless_first_three_positions_follow_the_target(backend, hf, prompt):
+    model, _ = hf
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
+    batch = backend.generate([prompt] * N_SAMPLES, sampling=sampling, spec=SPEC,
+                             verifier=VerifierConfig("lossless"), seed=11)
+    seqs = batch.completion_lists()
+    assert all(len(s) == 3 for s in seqs)
+    mask = batch.completion_mask
+    # lossless: behaviour log-prob == target log-prob (processed), token by token
+    assert (batch.behaviour_logprobs[mask] - batch.target_logprobs[mask]).abs().max() <= 1e-4
+    assert (batch.kinds[:, 1:] >= 0).all() and batch.tau > 1.0
+    # the next-token law at positions 0, 1, 2 against the target's, given each frequent prefix
+    tested = 0
+    for j in range(3):
+        prefixes = Counter(tuple(s[:j]) for s in seqs)
+        for pre, n in prefixes.most_common(3):
+            if n < 200:
+                break
+            counts = Counter(s[j] for s in seqs if tuple(s[:j]) == pre)
+            lp = _hf_logprobs(model, [prompt + list(pre)])[0]
+            probs = {tok: math.exp(float(lp[tok])) for tok in lp.topk(50).indices.tolist()}
+            p = _prefix_law_test(counts, probs, n)
+            assert p > 1e-3, f"position {j} after {pre}: chi-square p = {p:.2e} over {n} samples"
+            tested += 1
+    assert tested >= 3
+    # target log-probs agree with the Hugging Face copy of the target
+    lp0 = _hf_logprobs(model, [prompt])[0]
+    first = torch.tensor([s[0] for s in seqs[:20]])
+    torch.testing.assert_close(batch.target_logprobs[:20, 0], lp0[first], atol=2e-3, rtol=0)
+
+
+def test_mars_empirical_law_matches_the_induced_distribution(backend, hf, prompt):
+    """Position 1 (the first verified token) given the most frequent first token: empirical
+    law over many samples vs the closed-form MARS-induced P from the logits vLLM verified."""
+    verifier = VerifierConfig("mars", {"theta": 0.9})
+    backend.record = True
+    try:
+        batch = backend.generate([prompt] * N_SAMPLES, sampling=SamplingParams(temperature=1.0, max_new_tokens=2),
+                                 spec=SPEC, verifier=verifier, seed=21)
+        records = backend.records()
+    finally:
+        backend.record = False
+    seqs = batch.completion_lists()
+    y0 = Counter(s[0] for s in seqs).most_common(1)[0][0]
+    second = Counter(s[1] for s in seqs if s[0] == y0)
+    n = sum(second.values())
+    assert n >= 500
+    # the logits vLLM verified at position 1 after prompt + y0: a recorded row whose first
+    # position's logits are the target's after prompt + y0
+    model, _ = hf
+    want = model.model(torch.tensor([prompt + [y0]])).logits[0, -1].float().detach()
+    rule, P, p = verifier.rule(), None, None
+    for rec in records:
+        t = rec["setting"].temperature
+        if rec["draft_probs"] is None:
+            continue
+        diff = (rec["target_logits"][:, 0] - want).abs().amax(-1)
+        rows = (diff < 1e-2).nonzero()[:, 0].tolist()
+        if rows:
+            b = rows[0]
+            P = induced_chain(rule, rec["target_logits"][b, :1], rec["draft_probs"][b, :1].log() * t, temperature=t)[0]
+            p = torch.softmax(rec["target_logits"][b, 0] / t, -1)
+            break
+    assert P is not None
+    tv_pp = 0.5 * float((P - p).abs().sum())
+    assert tv_pp > 0.05  # MARS moves this position's law away from p: the test can tell them apart
+    probs = {tok: float(P[tok]) for tok in P.topk(50).indices.tolist()}
+    pv = _prefix_law_test(second, probs, n)
+    assert pv > 1e-3, f"chi-square p = {pv:.2e} (TV(P, p) = {tv_pp:.3f})"

@@ -33,7 +33,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.backend import HFBackend, RolloutBackend, WorkerSpec
+from rollout.backend import BACKENDS, HFBackend, RolloutBackend, WorkerSpec, build_backend
 from rollout.config import ConfigError
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
@@ -52,7 +52,10 @@ class RolloutSettings:
     placement: "local" (in this process, sharing the trainer's model) or "ray" (our actor pool;
     ``target`` is what each actor loads before the weights are pushed). seed: base seed of
     the rollouts (call i uses a seed derived from it and i). threads: torch threads of the
-    local backend (null = the cores this process may use).
+    local backend (null = the cores this process may use). backend: "hf" or "vllm" (vLLM
+    with our verifier; it holds its own copy of the policy, so "local" pushes the trainer's
+    weights to it after each optimizer step like "ray" does; ``target`` names what it loads
+    first, null = the embedded model); backend_options: options of that backend.
     """
 
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", num_draft_tokens=3))
@@ -65,8 +68,14 @@ class RolloutSettings:
     threads_per_actor: int = 2
     seed: int = 0
     threads: int | None = None
+    backend: str = "hf"
+    backend_options: dict = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        if self.backend not in BACKENDS:
+            raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=sorted(BACKENDS))
+        if self.backend == "vllm" and self.spec.mode == "tree":
+            raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
         if self.placement not in PLACEMENTS:
             raise ConfigError("placement", f"unknown placement {self.placement!r}", allowed=PLACEMENTS)
         if self.drafter is None and self.spec.mode != "off":
@@ -145,14 +154,19 @@ class SpeculativeRollouts:
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         s = self.settings
         drafter = s.drafter_path() if s.spec.mode != "off" else None
-        if s.placement == "local":
+        if s.placement == "local" and s.backend != "hf":  # its own weights: pushed in sync()
+            self.backend = build_backend(WorkerSpec(
+                target=s.target or TargetConfig(), drafter_path=drafter, sampling=self.sampling, spec=s.spec,
+                verifier=s.verifier, threads=s.threads or 2, backend=s.backend, backend_options=s.backend_options))
+        elif s.placement == "local":
             model = trainer.accelerator.unwrap_model(trainer.model)
             self.backend = HFBackend.from_model(model, drafter_path=drafter, num_threads=s.threads, pad_id=pad)
         else:
             from rollout.actor_pool import RolloutPool
 
             spec = WorkerSpec(target=s.target, drafter_path=drafter, sampling=self.sampling, spec=s.spec,
-                              verifier=s.verifier, threads=s.threads_per_actor)
+                              verifier=s.verifier, threads=s.threads_per_actor, backend=s.backend,
+                              backend_options=s.backend_options)
             self.pool = RolloutPool(spec, s.num_actors, num_cpus_per_actor=s.threads_per_actor)
 
     def close(self) -> None:
@@ -170,8 +184,10 @@ class SpeculativeRollouts:
             self._loaded_step = step
         if step == self._pushed_step:
             return
-        if self.backend is not None:
+        if self.backend is not None and self.backend.name == "hf":
             self.backend.set_weights(None, step)  # shared parameters: only the version moves
+        elif self.backend is not None:  # a backend with its own copy (vllm): push the weights
+            self.backend.set_weights(trainer.accelerator.unwrap_model(trainer.model).state_dict(), step)
         else:
             model = trainer.accelerator.unwrap_model(trainer.model)
             self.pool.set_weights(model.state_dict(), step)

@@ -1,0 +1,48 @@
+"""The V2 (CUDA, vllm 0.33) plug-in's layout mapping on stand-ins for vLLM's V2 sampler: no
+vLLM, no GPU. The real V2 engine has not been run; this checks that the V2 layout (per-request
+logits rows, input tokens per row, draft logits by request-state index) reaches ``verify_chain``
+as the V1 path does."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+
+from rollout.vllm import plugin, plugin_v2
+from verifiers import get_rule, verify_chain
+
+V, K = 10, 3
+
+
+def _sampler(temps: torch.Tensor):
+    states = SimpleNamespace(temperature=SimpleNamespace(gpu=temps), top_k=None, top_p=None)
+    return SimpleNamespace(sampling_states=states, apply_sampling_params=lambda logits, *a: logits)
+
+
+def test_v2_verify_matches_verify_chain_per_request():
+    g = torch.Generator().manual_seed(0)
+    r = 3
+    idx_mapping = torch.tensor([5, 2, 7])  # request-state indices
+    temps = torch.full((8,), 0.9)
+    logits = torch.randn(r * (K + 1), V, generator=g) * 2  # raw, K + 1 rows per request
+    draft_logits = torch.randn(8, K, V, generator=g) * 2  # raw, by request-state index
+    q = torch.softmax(draft_logits[idx_mapping] / 0.9, -1)  # [r, K, V]
+    x = torch.multinomial(q.view(-1, V), 1, generator=g).view(r, K)
+    inputs = torch.cat([torch.full((r, 1), 4), x], 1).flatten()  # row 0: the last accepted token
+    cu = torch.arange(r + 1) * (K + 1)
+    self = SimpleNamespace(sampler=_sampler(temps), num_speculative_steps=K)
+    rule = get_rule("mars", theta=0.5)
+    plugin.STATE.rule, plugin.STATE.generator, plugin.STATE.seed, plugin.STATE.record = rule, None, 3, None
+    try:
+        _, sampled, num_sampled = plugin_v2._verify(self, logits, draft_logits, inputs, None, cu, idx_mapping,
+                                                    idx_mapping.numpy(), None, None, None, inputs)
+    finally:
+        plugin.STATE.rule = None
+    exp = verify_chain(rule, logits.view(r, K + 1, V), draft_logits[idx_mapping], x, temperature=0.9,
+                       generator=torch.Generator().manual_seed(3))
+    assert sampled.shape == (r, K + 1)
+    assert sampled.long().tolist() == exp.tokens.tolist()
+    assert num_sampled.tolist() == exp.num_emitted.tolist()
+    lp = plugin_v2._LAST["out"]
+    torch.testing.assert_close(lp["behaviour"], exp.behaviour_logprobs, atol=1e-5, rtol=0)
