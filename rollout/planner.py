@@ -8,7 +8,8 @@ tree). The planner decides from what it measured *in this call*:
 - **round cost** ``R(b, n)``: seconds of a round without its drafting, over ``b`` live rows
   with ``n`` block tokens per row (1 for a plain round, k + 1 for a chain of k). Rounds are
   grouped by batch bucket (1, 2, 3-4, 5-8, ...): a forward's cost changes little within a
-  bucket. Unmeasured n are interpolated linearly between measured ones.
+  bucket. Each cost is the median of its last 5 measurements. Unmeasured n are
+  interpolated linearly between measured ones.
 - **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
   are not counted: their step 0 is longer).
 - **acceptance**: for chains, the conditional acceptance rate at each draft depth j,
@@ -41,12 +42,19 @@ def bucket(batch: int) -> int:
 
 
 @dataclass
-class _Ema:
-    alpha: float = 0.3
-    value: float | None = None
+class _Recent:
+    """The median of the last ``keep`` measurements: one round slowed by another process
+    does not move it, a lasting change of cost does within a few rounds."""
+
+    keep: int = 5
+    values: list[float] = field(default_factory=list)
 
     def add(self, x: float) -> None:
-        self.value = x if self.value is None else (1 - self.alpha) * self.value + self.alpha * x
+        self.values = (self.values + [x])[-self.keep:]
+
+    @property
+    def value(self) -> float:
+        return sorted(self.values)[len(self.values) // 2]
 
 
 @dataclass
@@ -63,8 +71,8 @@ class RoundPlanner:
     reprobe: int = 24
     prior_accept: float = 0.5
     prior_weight: float = 4.0
-    _round_cost: dict[tuple[int, int], _Ema] = field(default_factory=dict)
-    _draft_cost: dict[int, _Ema] = field(default_factory=dict)
+    _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
+    _draft_cost: dict[int, _Recent] = field(default_factory=dict)
     _attempts: list[int] = field(default_factory=list)
     _accepts: list[int] = field(default_factory=list)
     _tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens, row-rounds
@@ -159,11 +167,11 @@ class RoundPlanner:
         ``catch_up``: the draft consumed pairs of skipped rounds (its draft cost is not typical)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
-        self._round_cost.setdefault((bk, n), _Ema()).add(max(round_s, 1e-9))
+        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9))
         if k == 0:
             return
         if not catch_up:
-            self._draft_cost.setdefault(bk, _Ema()).add(draft_s / self.draft_steps[k])
+            self._draft_cost.setdefault(bk, _Recent()).add(draft_s / self.draft_steps[k])
         if not self.chain:
             self._tree[0] += sum(emitted)
             self._tree[1] += len(emitted)

@@ -85,3 +85,13 @@ def test_round_cost_interpolates_between_measured_blocks():
     assert planner.round_cost(2, 4) == pytest.approx(1.6)
     assert planner.cost(2, 3) == pytest.approx(1.6 + 3 * 0.1)  # + 3 draft steps of 0.5 / 5 s
     assert planner.round_cost(8, 1) is None  # another bucket
+
+
+def test_one_slow_round_does_not_move_the_cost():
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"))
+    for s in (1.0, 1.1, 0.9, 10.0, 1.0):  # one round hit by another process
+        planner.observe(1, 0, s, 0.0, [1])
+    assert planner.round_cost(1, 1) == 1.0
+    for _ in range(3):  # a lasting change is followed
+        planner.observe(1, 0, 3.0, 0.0, [1])
+    assert planner.round_cost(1, 1) == 3.0
