@@ -29,13 +29,15 @@ import torch
 from rollout.actor import WorkerSpec
 from rollout.actor_pool import RolloutPool, merge_timings
 from rollout.models import load_target
-from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.checkpoint import load_checkpoint, save_checkpoint
 from trainers.correction import importance_weights
 from trainers.grpo import group_advantages, policy_loss
+from trainers.guards import check_loss_and_grad, check_weights
 from trainers.metrics import relaxed_fraction, reward_stats
 from trainers.policy import completion_logprobs
 from trainers.report import MetricsLogger, plot_run, read_metrics, summary_table
 from trainers.rewards import answer_reward, exact_match_reward
+from trainers.run_dir import prepare_run_dir
 from trainers.tasks import Problem, load_jsonl, make_problems
 from trainers.train_config import TrainConfig
 
@@ -76,7 +78,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
-        ckpt = latest_checkpoint(self.out_dir) if self.cfg.run.resume else None
+        ckpt = prepare_run_dir(self.cfg)
         if ckpt is not None:
             state = load_checkpoint(ckpt, self.policy, self.optimizer)
             self.start_step, self.version = state["step"], state["version"]
@@ -170,7 +172,9 @@ class GRPOTrainer:
             clip_frac += pg_stats["clip_frac"] * share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
                                                    c.optim.grad_clip if c.optim.grad_clip > 0 else float("inf"))
+        check_loss_and_grad(self.version + 1, loss_sum, grad_norm)
         self.optimizer.step()
+        check_weights(self.version + 1, self.policy)
         self.version += 1
         self.pool.set_weights(self.policy.state_dict(), self.version)
         weights, _, is_stats = importance_weights(logp_old, behaviour, mask, c.correction)
