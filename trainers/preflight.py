@@ -126,14 +126,14 @@ def check_head_fits(head: Path, target) -> None:
         h, vocab = int(fields["hidden_size"]), int(fields["vocab_size"])
     except (KeyError, TypeError, ValueError) as err:
         raise ConfigError("model.drafter", f"{head}/config.json lacks a usable {err}") from None
+    ids = fields.get("eagle_aux_hidden_state_layer_ids")
+    where = f"{head} does not fit the target"
+    if shapes is not None and h != shapes["hidden_size"]:
+        raise ConfigError("model.drafter", f"{where}: head hidden_size {h}, target hidden_size {shapes['hidden_size']}")
     if fc_in is not None and fc_in != 3 * h:
         raise ConfigError("model.drafter", f"{head}: fc takes {fc_in} features, expected 3 x hidden_size {h}")
-    ids = fields.get("eagle_aux_hidden_state_layer_ids")
     if shapes is None:
         return
-    where = f"{head} does not fit the target"
-    if h != shapes["hidden_size"]:
-        raise ConfigError("model.drafter", f"{where}: head hidden_size {h}, target hidden_size {shapes['hidden_size']}")
     if vocab != shapes["vocab_size"]:
         raise ConfigError("model.drafter", f"{where}: head vocab_size {vocab}, target vocab_size {shapes['vocab_size']}")
     n = shapes["num_hidden_layers"]
