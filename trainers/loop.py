@@ -91,7 +91,8 @@ class GRPOTrainer:
                           sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor,
                           device="cuda" if r.num_gpus_per_actor > 0 else "cpu")
         self.pool = RolloutPool(spec, r.num_actors, num_cpus_per_actor=r.threads_per_actor,
-                                num_gpus_per_actor=r.num_gpus_per_actor, max_restarts=r.max_restarts)
+                                num_gpus_per_actor=r.num_gpus_per_actor, max_restarts=r.max_restarts,
+                                timeout_s=r.actor_timeout_s)
         self.pool.set_weights(self.policy.state_dict(), self.version)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
