@@ -1,11 +1,14 @@
 """Run GRPO training from one YAML config.
 
     python -m scripts.train --config configs/default.yaml [--steps N] [--out-dir DIR] [--fresh]
-    ray job submit --working-dir . -- python -m scripts.train --config configs/X.yaml
+    ray job submit --working-dir . -- "$PWD/.venv/bin/python" -m scripts.train --config X.yaml --out-dir /abs/dir
 
-The config is validated before Ray or any model starts; a bad field exits with status 2
-and a message naming it. Without a cluster (no RAY_ADDRESS, ``ray.address: null``) a
-local Ray is started and stopped by this process.
+The config (and, on resume, that it matches the run folder's snapshot) is validated
+before Ray or any model starts; a bad field exits with status 2 and one line naming it. A
+non-finite loss, gradient or weight stops the run with status 3 before the weights are
+broadcast or saved. Without a cluster (no RAY_ADDRESS, ``ray.address: null``) a local Ray
+is started and stopped by this process. Under ``ray job submit --working-dir`` the job
+runs in a temporary copy that Ray deletes: a relative out_dir is refused there.
 """
 
 from __future__ import annotations
