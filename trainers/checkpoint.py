@@ -101,6 +101,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     weights = load_file(str(path / "policy.safetensors"))
     for name, target in state.get("aliases", {}).items():
         weights[name] = weights[target]
+    for name, t in weights.items():  # a checkpoint written before the guards existed may hold NaNs
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            from trainers.guards import NonFiniteError
+
+            raise NonFiniteError(state["step"], f"checkpoint {path.name}", f"{name} holds NaN or inf; resume "
+                                 "from an earlier checkpoint (move this one aside) or start over with --fresh")
     model.load_state_dict(weights)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     random.setstate(_decode_py_rng(state["python_rng"]))

@@ -20,8 +20,11 @@ class NonFiniteError(RuntimeError):
 
     def __init__(self, step: int, quantity: str, detail: str):
         self.step, self.quantity = step, quantity
-        super().__init__(f"step {step}: {quantity} is not finite ({detail}); stopped before the weight "
-                         "broadcast and before any checkpoint (the last checkpoint is the last good policy)")
+        if quantity.startswith("checkpoint"):
+            super().__init__(f"step {step}: {quantity} is not finite ({detail})")
+        else:
+            super().__init__(f"step {step}: {quantity} is not finite ({detail}); stopped before the weight "
+                             "broadcast and before any checkpoint (the last checkpoint is the last good policy)")
 
 
 def check_loss_and_grad(step: int, loss: float, grad_norm: float | torch.Tensor) -> None:

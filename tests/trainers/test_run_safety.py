@@ -200,3 +200,13 @@ def test_guards_name_the_step_and_the_quantity():
         model.bias[1] = float("inf")
     with pytest.raises(NonFiniteError, match=r"step 7: updated weights is not finite \(bias: 1 of 3"):
         check_weights(7, model)
+
+
+def test_a_non_finite_checkpoint_is_refused_on_load(tmp_path):
+    model, opt = _model_and_opt()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    path = save_checkpoint(tmp_path, 5, model, opt, {"version": 5})
+    fresh, fresh_opt = _model_and_opt(seed=1)
+    with pytest.raises(NonFiniteError, match="step 5: checkpoint step_000005 is not finite .*weight holds NaN"):
+        load_checkpoint(path, fresh, fresh_opt)
