@@ -5,6 +5,7 @@ update that makes the weights non-finite."""
 from __future__ import annotations
 
 import json
+import logging
 import math
 import os
 import signal
@@ -61,12 +62,16 @@ class KillingPool(RolloutPool):
 
 
 def test_actor_killed_in_set_weights_and_in_generate(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray,
-                                                     monkeypatch):
+                                                     monkeypatch, caplog):
     reference = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "clean")
     reference.run()
     monkeypatch.setattr("trainers.loop.RolloutPool", KillingPool)
     faulty = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "faulty")
-    rows = faulty.run()
+    with caplog.at_level(logging.WARNING, logger="rollout.actor_pool"):
+        rows = faulty.run()
+    said = [r.getMessage() for r in caplog.records if r.name == "rollout.actor_pool"]
+    assert [m.split(" (")[0] for m in said] == ["rollout actor 0 died during set_weights",
+                                               "rollout actor 0 died during generate"], said
     pool = faulty.pool
     assert [r["step"] for r in rows] == [1, 2, 3]
     assert pool.stats.restarts == 2 and rows[-1]["actor_restarts"] == 2.0
