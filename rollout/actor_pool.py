@@ -76,14 +76,23 @@ class RolloutPool:
         """Called once set_weights calls are submitted (a seam for failure-injection tests)."""
 
     def _replace(self, index: int, deaths: int, why: str) -> int:
-        """Count one actor death within the current call and replace the actor; returns the count."""
-        deaths += 1
-        if deaths > self.max_restarts:
-            raise RuntimeError(f"rollout actors died or hung {deaths} times in one call "
-                               f"(max_restarts {self.max_restarts}); last: actor {index} {why}")
-        log.warning("rollout actor %d %s; starting a replacement", index, why)
-        self._restart(index)
-        return deaths
+        """Count one actor death within the current call and replace the actor (a replacement
+        that dies or hangs while loading counts as another); returns the count."""
+        while True:
+            deaths += 1
+            if deaths > self.max_restarts:
+                raise RuntimeError(f"rollout actors died or hung {deaths} times in one call "
+                                   f"(max_restarts {self.max_restarts}); last: actor {index} {why}")
+            log.warning("rollout actor %d %s; starting a replacement", index, why)
+            try:
+                self._restart(index)
+                return deaths
+            except self._ray.exceptions.GetTimeoutError:
+                why = f"(replacement) did not load in {self.timeout_s:g} s"
+            except Exception as err:
+                if not is_actor_death(self._ray, err):
+                    raise
+                why = f"(replacement) died while loading ({type(err).__name__})"
 
     def _restart(self, index: int) -> None:
         """A fresh actor in slot ``index`` holding the current weights and version."""
@@ -93,10 +102,17 @@ class RolloutPool:
         except Exception:  # already gone
             pass
         actor = self._cls.remote(self.spec)
-        if self._weights_ref is not None:
-            got = self._ray.get(actor.set_weights.remote(self._weights_ref, self.version), timeout=self.timeout_s)
-            if got != self.version:
-                raise RuntimeError(f"replacement actor {index} holds version {got}, expected {self.version}")
+        try:
+            if self._weights_ref is not None:
+                got = self._ray.get(actor.set_weights.remote(self._weights_ref, self.version), timeout=self.timeout_s)
+                if got != self.version:
+                    raise RuntimeError(f"replacement actor {index} holds version {got}, expected {self.version}")
+        except BaseException:
+            try:
+                self._ray.kill(actor, no_restart=True)  # a failed replacement is not left running
+            except Exception:
+                pass
+            raise
         self.actors[index] = actor
 
     # ------------------------------------------------------------------ rollouts
