@@ -1,9 +1,10 @@
 """The driver's side of the rollout actors: weight broadcast, sharding, failure recovery.
 
 A step's requests are split into one contiguous shard per live actor. When an actor dies
-mid-shard (``RayActorError``), the pool starts a replacement, gives it the current
-weights and version, and re-runs the lost shard there with the shard's own seed, so the
-step's rollouts are the same as without the failure. Results are keyed by request id:
+mid-shard or mid-broadcast (killed, crashed, out of memory, its node gone: see
+``is_actor_death``) or does not answer within ``timeout_s`` (hung), the pool starts a
+replacement, gives it the current weights and version, and re-runs the lost shard there
+with the shard's own seed, so the step's rollouts are the same as without the failure. Results are keyed by request id:
 the pool checks that every request comes back exactly once and from the current policy
 version before returning them in request order.
 """
@@ -30,12 +31,13 @@ class PoolStats:
 
 class RolloutPool:
     def __init__(self, spec: WorkerSpec, num_actors: int, *, num_cpus_per_actor: float = 1.0,
-                 num_gpus_per_actor: float = 0.0, max_restarts: int = 2):
+                 num_gpus_per_actor: float = 0.0, max_restarts: int = 2, timeout_s: float = 1800.0):
         import ray
 
         self._ray = ray
         self.spec = spec
         self.max_restarts = max_restarts
+        self.timeout_s = timeout_s
         self._cls = remote_actor_class(num_cpus_per_actor, num_gpus_per_actor)
         self.actors = [self._cls.remote(spec) for _ in range(num_actors)]
         self._weights_ref = None
@@ -46,11 +48,52 @@ class RolloutPool:
 
     # ------------------------------------------------------------------ weights
     def set_weights(self, state_dict: dict[str, torch.Tensor], version: int) -> None:
-        """Broadcast weights (one object-store copy) and wait until every actor holds them."""
+        """Broadcast weights (one object-store copy) and wait until every actor holds them;
+        an actor that dies or hangs meanwhile is replaced (the replacement gets these weights)."""
         self._weights_ref = self._ray.put({k: v.detach().cpu() for k, v in state_dict.items()})
         self.version = version
-        got = self._ray.get([a.set_weights.remote(self._weights_ref, version) for a in self.actors])
-        assert all(v == version for v in got), f"actors hold versions {got}, expected {version}"
+        pending = {a.set_weights.remote(self._weights_ref, version): i for i, a in enumerate(self.actors)}
+        self._weights_dispatched()
+        deaths = 0
+        while pending:
+            done = wait_one(self._ray, list(pending), self.timeout_s)
+            if done is None:  # every actor still pending is hung
+                for index in pending.values():
+                    deaths = self._replace(index, deaths, f"did not finish set_weights in {self.timeout_s:g} s")
+                pending.clear()
+                continue
+            index = pending.pop(done)
+            try:
+                got = self._ray.get(done)
+            except Exception as err:
+                if not is_actor_death(self._ray, err):
+                    raise
+                deaths = self._replace(index, deaths, f"died during set_weights ({type(err).__name__})")
+                continue
+            if got != version:
+                raise RuntimeError(f"actor {index} holds version {got}, expected {version}")
+
+    def _weights_dispatched(self) -> None:
+        """Called once set_weights calls are submitted (a seam for failure-injection tests)."""
+
+    def _replace(self, index: int, deaths: int, why: str) -> int:
+        """Count one actor death within the current call and replace the actor (a replacement
+        that dies or hangs while loading counts as another); returns the count."""
+        while True:
+            deaths += 1
+            if deaths > self.max_restarts:
+                raise RuntimeError(f"rollout actors died or hung {deaths} times in one call "
+                                   f"(max_restarts {self.max_restarts}); last: actor {index} {why}")
+            log.warning("rollout actor %d %s; starting a replacement", index, why)
+            try:
+                self._restart(index)
+                return deaths
+            except self._ray.exceptions.GetTimeoutError:
+                why = f"(replacement) did not load in {self.timeout_s:g} s"
+            except Exception as err:
+                if not is_actor_death(self._ray, err):
+                    raise
+                why = f"(replacement) died while loading ({type(err).__name__})"
 
     def load_drafter(self, path: str) -> None:
         """Every actor re-loads its EAGLE-3 head from ``path`` (replacements load it too)."""
@@ -58,17 +101,26 @@ class RolloutPool:
         self._ray.get([a.load_drafter.remote(path) for a in self.actors])
 
     def _restart(self, index: int) -> None:
+        """A fresh actor in slot ``index`` holding the current weights and version."""
         self.stats.restarts += 1
-        log.warning("rollout actor %d died; starting a replacement", index)
         try:
-            self._ray.kill(self.actors[index])
+            self._ray.kill(self.actors[index], no_restart=True)
         except Exception:  # already gone
             pass
         actor = self._cls.remote(self.spec)
-        if self._weights_ref is not None:
-            self._ray.get(actor.set_weights.remote(self._weights_ref, self.version))
-        if self._drafter_path is not None:
-            self._ray.get(actor.load_drafter.remote(self._drafter_path))
+        try:
+            if self._weights_ref is not None:
+                got = self._ray.get(actor.set_weights.remote(self._weights_ref, self.version), timeout=self.timeout_s)
+                if got != self.version:
+                    raise RuntimeError(f"replacement actor {index} holds version {got}, expected {self.version}")
+            if self._drafter_path is not None:
+                self._ray.get(actor.load_drafter.remote(self._drafter_path), timeout=self.timeout_s)
+        except BaseException:
+            try:
+                self._ray.kill(actor, no_restart=True)  # a failed replacement is not left running
+            except Exception:
+                pass
+            raise
         self.actors[index] = actor
 
     # ------------------------------------------------------------------ rollouts
@@ -88,17 +140,23 @@ class RolloutPool:
         pending = {self.actors[i].generate.remote(s): (i, s) for i, s in enumerate(shards)}
         self._dispatched(shards)
         results: dict[int, ShardResult] = {}
-        restarts = 0
+        deaths = 0
         while pending:
-            done, _ = self._ray.wait(list(pending), num_returns=1)
-            index, shard = pending.pop(done[0])
+            done = wait_one(self._ray, list(pending), self.timeout_s)
+            if done is None:  # every shard still pending is on a hung actor: re-run them elsewhere
+                lost = list(pending.values())
+                pending.clear()
+                for index, shard in lost:
+                    deaths = self._replace(index, deaths, f"did not finish its shard in {self.timeout_s:g} s")
+                    pending[self.actors[index].generate.remote(shard)] = (index, shard)
+                continue
+            index, shard = pending.pop(done)
             try:
-                res: ShardResult = self._ray.get(done[0])
-            except self._ray.exceptions.RayActorError:
-                restarts += 1
-                if restarts > self.max_restarts:
-                    raise RuntimeError(f"rollout actors died {restarts} times in one step; giving up") from None
-                self._restart(index)
+                res: ShardResult = self._ray.get(done)
+            except Exception as err:
+                if not is_actor_death(self._ray, err):
+                    raise
+                deaths = self._replace(index, deaths, f"died during generate ({type(err).__name__})")
                 pending[self.actors[index].generate.remote(shard)] = (index, shard)
                 continue
             if res.policy_version != self.version:
@@ -146,4 +204,20 @@ class RolloutPool:
             except Exception:
                 pass
         self.actors = []
+
+
+def is_actor_death(ray, err: BaseException) -> bool:
+    """Whether ``err`` from ``ray.get`` means the actor is gone (killed, crashed, its node or
+    raylet died, Ray's memory monitor killed it, its result object was lost), as opposed to
+    an exception raised by the actor's own code (a bug: re-raised, not retried)."""
+    ex = ray.exceptions
+    deaths = (ex.RayActorError, ex.WorkerCrashedError, ex.NodeDiedError, ex.LocalRayletDiedError,
+              ex.OutOfMemoryError, ex.ObjectLostError)
+    return isinstance(err, deaths)
+
+
+def wait_one(ray, refs: list, timeout_s: float):
+    """The first of ``refs`` to finish, or None when none finished within ``timeout_s``."""
+    done, _ = ray.wait(refs, num_returns=1, timeout=timeout_s)
+    return done[0] if done else None
 

@@ -9,6 +9,7 @@ unknown keys (typos are the most common config bug) and builds nested dataclasse
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from pathlib import Path
@@ -41,6 +42,42 @@ def _nested_dataclass(tp: Any) -> type | None:
     return None
 
 
+def _allows_none(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in typing.get_args(tp)
+
+
+def _describe(value: Any) -> str:
+    return f"{type(value).__name__} {value!r}" if value is not None else "null"
+
+
+def check_leaf(path: str, tp: Any, value: Any) -> None:
+    """Refuse a YAML scalar of the wrong kind for a field typed ``float``, ``int``, ``str`` or
+    ``bool`` (optionally ``| None``): a bool is not a number, a number is not a string, and a
+    float must be finite (YAML's ``.inf`` / ``.nan`` are never a meaningful setting here).
+    Containers and other types are left to the dataclass's own ``__post_init__``."""
+    if value is None and _allows_none(tp):
+        return
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) != 1:
+            return
+        tp = args[0]
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(path, f"must be a number, got {_describe(value)}")
+        if not math.isfinite(value):
+            raise ConfigError(path, f"must be a finite number, got {value!r}")
+    elif tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(path, f"must be an integer, got {_describe(value)}")
+    elif tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(path, f"must be a string, got {_describe(value)}")
+    elif tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(path, f"must be true or false, got {_describe(value)}")
+
+
 def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
     """Build dataclass ``cls`` from ``data``; unknown keys and bad nested values raise ConfigError."""
     data = {} if data is None else data
@@ -58,6 +95,10 @@ def from_dict(cls: type[T], data: dict[str, Any] | None, prefix: str = "") -> T:
         sub = _nested_dataclass(hints[name])
         if sub is not None and isinstance(value, dict):
             value = from_dict(sub, value, path)
+        elif sub is not None and not (value is None and _allows_none(hints[name])):
+            raise ConfigError(path, f"must be a mapping (a config section), got {_describe(value)}")
+        else:
+            check_leaf(path, hints[name], value)
         kwargs[name] = value
     try:
         return cls(**kwargs)

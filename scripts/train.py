@@ -1,11 +1,14 @@
 """Run GRPO training from one YAML config.
 
     python -m scripts.train --config configs/default.yaml [--steps N] [--out-dir DIR] [--fresh]
-    ray job submit --working-dir . -- python -m scripts.train --config configs/X.yaml
+    ray job submit --working-dir . -- "$PWD/.venv/bin/python" -m scripts.train --config X.yaml --out-dir /abs/dir
 
-The config is validated before Ray or any model starts; a bad field exits with status 2
-and a message naming it. Without a cluster (no RAY_ADDRESS, ``ray.address: null``) a
-local Ray is started and stopped by this process.
+The config (and, on resume, that it matches the run folder's snapshot) is validated
+before Ray or any model starts; a bad field exits with status 2 and one line naming it. A
+non-finite loss, gradient or weight stops the run with status 3 before the weights are
+broadcast or saved. Without a cluster (no RAY_ADDRESS, ``ray.address: null``) a local Ray
+is started and stopped by this process. Under ``ray job submit --working-dir`` the job
+runs in a temporary copy that Ray deletes: a relative out_dir is refused there.
 """
 
 from __future__ import annotations
@@ -28,13 +31,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--config", required=True, help="training YAML (configs/default.yaml is the embedded default)")
     ap.add_argument("--steps", type=int, help="override run.steps")
     ap.add_argument("--out-dir", help="override run.out_dir")
-    ap.add_argument("--fresh", action="store_true", help="ignore existing checkpoints in out_dir (run.resume=false)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="start at step 0 (run.resume=false); the old checkpoints move to out_dir/superseded/")
+    ap.add_argument("--allow-config-change", action="store_true",
+                    help="resume even if seed/model/sampling/verifier/task/loss settings changed (run.allow_config_change)")
     return ap.parse_args(argv)
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rollout.allocator import tune_malloc
+    from trainers.run_dir import resume_point
     from trainers.train_config import load_train_config
 
     tune_malloc()  # the driver computes the GRPO loss over vocabulary-sized logits
@@ -42,13 +49,19 @@ def main(argv: list[str] | None = None) -> int:
     run_over = {k: v for k, v in (("steps", args.steps), ("out_dir", args.out_dir)) if v is not None}
     if args.fresh:
         run_over["resume"] = False
+    if args.allow_config_change:
+        run_over["allow_config_change"] = True
     try:
         cfg = load_train_config(args.config, {"run": run_over} if run_over else None)
+        resume_point(cfg)  # a resume that does not belong to this config is refused here
+        check_job_out_dir(cfg.run.out_dir)
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    print(f"run folder: {os.path.abspath(cfg.run.out_dir)}", flush=True)
     import ray
 
+    from trainers.guards import NonFiniteError
     from trainers.loop import GRPOTrainer
 
     if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:
@@ -57,9 +70,25 @@ def main(argv: list[str] | None = None) -> int:
         ray.init(address=cfg.ray.address or "auto")
     try:
         GRPOTrainer(cfg).run()
+    except NonFiniteError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 3
     finally:
         ray.shutdown()
     return 0
+
+
+def check_job_out_dir(out_dir: str) -> None:
+    """Under ``ray job submit --working-dir`` the job runs in a copy of the working directory
+    inside Ray's session folder, deleted with the session: a relative out_dir would put the
+    checkpoints there and lose them. Refuse it (exit 2) and ask for an absolute path."""
+    if os.path.isabs(os.path.expanduser(out_dir)):
+        return
+    cwd = os.getcwd()
+    if "runtime_resources" in cwd.split(os.sep):
+        raise ConfigError("run.out_dir", f"{out_dir!r} is relative, and this Ray job runs in a temporary copy of "
+                          f"the working directory ({cwd}) that Ray deletes with its session; give an absolute "
+                          "path (e.g. --out-dir /shared/runs/x) so the outputs survive and a resubmission resumes")
 
 
 if __name__ == "__main__":

@@ -3,20 +3,27 @@
 Layout: ``<out_dir>/checkpoints/step_000004/`` with ``policy.safetensors`` (fp32),
 ``optimizer.pt``, ``state.json`` (step, policy version, seed, drafter path, RNG states of
 ``random`` and torch) and, when a drafter is used, a copy of the head folder in
-``drafter/``. A checkpoint is written to a temporary folder and renamed, so a crash
-never leaves a half-written one behind. Every randomness of the loop is derived from
+``drafter/``. A checkpoint is written to ``step_N.tmp`` and renamed, ``state.json`` last
+and atomically, so a kill never leaves a half-written one where ``latest_checkpoint``
+looks (it ignores ``.tmp`` folders and unreadable states). Every randomness of the loop is derived from
 (seed, step), so restoring these gives the same next step as an uninterrupted run.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
 import random
+import re
 import shutil
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file, save_file
+
+log = logging.getLogger(__name__)
+_STEP_DIR = re.compile(r"step_(\d+)")
 
 
 def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
@@ -24,9 +31,38 @@ def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
 
 
 def latest_checkpoint(out_dir: str | Path) -> Path | None:
+    """The highest complete ``step_NNNNNN`` folder; ``step_N.tmp`` folders (a save cut short)
+    and folders whose ``state.json`` does not parse are skipped, the latter with a warning."""
     root = Path(out_dir) / "checkpoints"
-    found = sorted(p for p in root.glob("step_*") if (p / "state.json").is_file()) if root.is_dir() else []
-    return found[-1] if found else None
+    if not root.is_dir():
+        return None
+    steps = sorted((int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name)) and p.is_dir())
+    for _, path in reversed(steps):
+        if read_state(path) is not None:
+            return path
+        log.warning("skipping checkpoint %s: its state.json is missing or unreadable", path)
+    return None
+
+
+def read_state(path: Path) -> dict | None:
+    """A checkpoint's state.json, or None when it is missing or not a complete JSON object."""
+    try:
+        state = json.loads((Path(path) / "state.json").read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return state if isinstance(state, dict) and "step" in state else None
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write ``text`` to ``path`` through a temporary file, fsync and rename: a kill leaves
+    either the old file or the new one, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
@@ -54,7 +90,7 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
     if drafter_path is not None:
         shutil.copytree(drafter_path, tmp / "drafter")
         full_state["drafter"] = "drafter"
-    (tmp / "state.json").write_text(json.dumps(full_state, indent=1))
+    write_atomic(tmp / "state.json", json.dumps(full_state, indent=1))
     shutil.rmtree(final, ignore_errors=True)
     tmp.rename(final)
     return final
@@ -65,6 +101,12 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     weights = load_file(str(path / "policy.safetensors"))
     for name, target in state.get("aliases", {}).items():
         weights[name] = weights[target]
+    for name, t in weights.items():  # a checkpoint written before the guards existed may hold NaNs
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            from trainers.guards import NonFiniteError
+
+            raise NonFiniteError(state["step"], f"checkpoint {path.name}", f"{name} holds NaN or inf; resume "
+                                 "from an earlier checkpoint (move this one aside) or start over with --fresh")
     model.load_state_dict(weights)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     random.setstate(_decode_py_rng(state["python_rng"]))

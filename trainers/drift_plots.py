@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 
 from trainers.drift_report import finite_json, sequence_ess
+from trainers.report import read_jsonl
 
 
 def _plt():
@@ -139,15 +140,12 @@ ROLLOUT_FIELDS = ("step", "completion_ids", "behaviour_logprobs", "target_logpro
 
 
 def read_rollouts(run_dir: str | Path) -> dict[int, list[dict]]:
-    """``run_dir/rollouts.jsonl`` grouped by step; a bad line raises ValueError naming it."""
+    """``run_dir/rollouts.jsonl`` grouped by step; a bad record raises ValueError naming it."""
     path = Path(run_dir) / "rollouts.jsonl"
     if not path.is_file():
         raise FileNotFoundError(f"no rollouts.jsonl in {run_dir}")
     steps: dict[int, list[dict]] = {}
-    for n, line in enumerate(path.read_text().splitlines(), start=1):
-        if not line.strip():
-            continue
-        rec = json.loads(line)
+    for n, rec in enumerate(read_jsonl(path), start=1):  # n: the record's number (a torn tail is dropped)
         missing = [f for f in ROLLOUT_FIELDS if f not in rec]
         if missing:
             raise ValueError(f"{path}:{n}: missing fields {missing}")

@@ -30,13 +30,15 @@ from rollout.actor_pool import RolloutPool
 from rollout.backend import WorkerSpec
 from rollout.outputs import RolloutBatch
 from rollout.models import load_target
-from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.checkpoint import load_checkpoint, save_checkpoint
 from trainers.correction import importance_weights
 from trainers.grpo import group_advantages, policy_loss
+from trainers.guards import check_loss_and_grad, check_weights
 from trainers.metrics import relaxed_fraction, reward_stats
 from trainers.policy import completion_logprobs
 from trainers.report import MetricsLogger, plot_run, read_metrics, summary_table
 from trainers.rewards import answer_reward, exact_match_reward
+from trainers.run_dir import prepare_run_dir
 from trainers.tasks import Problem, load_jsonl, make_problems
 from trainers.train_config import TrainConfig
 
@@ -77,7 +79,7 @@ class GRPOTrainer:
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
-        ckpt = latest_checkpoint(self.out_dir) if self.cfg.run.resume else None
+        ckpt = prepare_run_dir(self.cfg)
         if ckpt is not None:
             state = load_checkpoint(ckpt, self.policy, self.optimizer)
             self.start_step, self.version = state["step"], state["version"]
@@ -91,7 +93,8 @@ class GRPOTrainer:
                           device="cuda" if r.num_gpus_per_actor > 0 else "cpu", backend=r.backend,
                           backend_options=dict(r.backend_options))
         self.pool = RolloutPool(spec, r.num_actors, num_cpus_per_actor=r.threads_per_actor,
-                                num_gpus_per_actor=r.num_gpus_per_actor, max_restarts=r.max_restarts)
+                                num_gpus_per_actor=r.num_gpus_per_actor, max_restarts=r.max_restarts,
+                                timeout_s=r.actor_timeout_s)
         self.pool.set_weights(self.policy.state_dict(), self.version)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
@@ -173,7 +176,9 @@ class GRPOTrainer:
             clip_frac += pg_stats["clip_frac"] * share
         grad_norm = torch.nn.utils.clip_grad_norm_(self.policy.parameters(),
                                                    c.optim.grad_clip if c.optim.grad_clip > 0 else float("inf"))
+        check_loss_and_grad(self.version + 1, loss_sum, grad_norm)
         self.optimizer.step()
+        check_weights(self.version + 1, self.policy)
         self.version += 1
         self.pool.set_weights(self.policy.state_dict(), self.version)
         weights, _, is_stats = importance_weights(logp_old, behaviour, mask, c.correction)

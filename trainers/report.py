@@ -11,7 +11,9 @@
 from __future__ import annotations
 
 import json
+import logging
 import math
+import os
 from pathlib import Path
 
 SUMMARY_KEYS = (
@@ -20,6 +22,7 @@ SUMMARY_KEYS = (
     ("log_ratio_mean", "mean log w"), ("is_ess", "ESS"), ("is_masked_frac", "masked"),
     ("step_s", "step s"),
 )
+log = logging.getLogger(__name__)
 
 
 class MetricsLogger:
@@ -56,16 +59,40 @@ class MetricsLogger:
             self.tb.close()
 
 
+def read_jsonl(path: Path) -> list[dict]:
+    """The records of a JSONL log. A torn last line (a kill during its write) is dropped with a
+    warning; a bad line before the last is damage this code did not make and raises, naming it."""
+    lines = Path(path).read_text().splitlines()
+    out = []
+    for i, line in enumerate(lines, start=1):
+        if not line.strip():
+            continue
+        try:
+            rec = json.loads(line)
+            if not isinstance(rec, dict) or not isinstance(rec.get("step"), int):
+                raise ValueError("not a record with an integer 'step'")
+        except ValueError as err:
+            if i == len(lines):
+                log.warning("%s: dropping a torn last line %d (%s)", path, i, err)
+                break
+            raise ValueError(f"{path}:{i}: corrupt log line ({err})") from None
+        out.append(rec)
+    return out
+
+
 def _truncate_after(path: Path, step: int) -> None:
+    """Keep the records up to ``step`` (a resume point), rewritten atomically; drops a torn tail."""
     if not path.is_file():
         return
-    keep = [line for line in path.read_text().splitlines() if line and json.loads(line)["step"] <= step]
-    path.write_text("".join(line + "\n" for line in keep))
+    keep = [rec for rec in read_jsonl(path) if rec["step"] <= step]
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(json.dumps(rec) + "\n" for rec in keep))
+    os.replace(tmp, path)
 
 
 def read_metrics(out_dir: Path) -> list[dict]:
     path = Path(out_dir) / "metrics.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line] if path.is_file() else []
+    return read_jsonl(path) if path.is_file() else []
 
 
 def summary_table(rows: list[dict]) -> str:

@@ -8,6 +8,7 @@ the field (dotted path, e.g. ``rollout.verifier.name``) and the allowed values.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -34,9 +35,18 @@ def _non_negative_int(path: str, value) -> None:
         raise ConfigError(path, f"must be an integer >= 0, got {value!r}")
 
 
+def _number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 def _positive_float(path: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-        raise ConfigError(path, f"must be a number > 0, got {value!r}")
+    if not _number(value) or not value > 0:
+        raise ConfigError(path, f"must be a finite number > 0, got {value!r}")
+
+
+def _non_negative_float(path: str, value) -> None:
+    if not _number(value) or value < 0:
+        raise ConfigError(path, f"must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -44,8 +54,11 @@ class RunConfig:
     """out_dir: where metrics, TensorBoard events, checkpoints and plots go.
     steps: optimizer steps. seed: seeds prompts, rollouts and the trainer.
     checkpoint_every: save every n steps (and at the end); 0 = only at the end.
-    resume: continue from the newest checkpoint in out_dir when there is one.
-    device: where the trainer's policy lives: "cpu", "cuda" or "auto" (cuda when present)."""
+    resume: continue from the newest checkpoint in out_dir when there is one; false (the
+        CLI's --fresh) moves the old checkpoints aside (run_dir.py) and starts at step 0.
+    device: where the trainer's policy lives: "cpu", "cuda" or "auto" (cuda when present).
+    allow_config_change: resume even when the seed, model, sampling, verifier, task or loss
+        settings differ from the run folder's config snapshot (refused by default)."""
 
     out_dir: str = "runs/default"
     steps: int = 8
@@ -53,8 +66,13 @@ class RunConfig:
     checkpoint_every: int = 2
     resume: bool = True
     device: str = "cpu"
+    allow_config_change: bool = False
 
     def __post_init__(self) -> None:
+        if not isinstance(self.out_dir, str) or not self.out_dir.strip():
+            raise ConfigError("out_dir", f"must be a non-empty path string, got {self.out_dir!r}")
+        if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
+            raise ConfigError("out_dir", f"{self.out_dir!r} exists and is not a folder")
         _positive_int("steps", self.steps)
         _non_negative_int("seed", self.seed)
         _non_negative_int("checkpoint_every", self.checkpoint_every)
@@ -62,6 +80,8 @@ class RunConfig:
             raise ConfigError("device", f"unknown device {self.device!r}", allowed=DEVICES)
         if not isinstance(self.resume, bool):
             raise ConfigError("resume", f"must be true or false, got {self.resume!r}")
+        if not isinstance(self.allow_config_change, bool):
+            raise ConfigError("allow_config_change", f"must be true or false, got {self.allow_config_change!r}")
 
 
 @dataclass(frozen=True)
@@ -96,7 +116,9 @@ class RolloutConfig:
     enforce_eager, max_model_len, max_num_seqs, ... see ``rollout.vllm.backend``).
     num_actors: Ray rollout actors; threads_per_actor: torch threads in each.
     num_gpus_per_actor: GPUs Ray reserves for each actor; > 0 runs its engine on cuda.
-    max_restarts: how often a dead actor is restarted within one step before giving up."""
+    max_restarts: how often a dead actor is restarted within one step before giving up.
+    actor_timeout_s: a generate or set_weights call that has not returned after this long
+        counts as a hung actor: it is killed and replaced like a dead one."""
 
     backend: str = "hf"
     backend_options: dict = field(default_factory=dict)
@@ -104,6 +126,7 @@ class RolloutConfig:
     threads_per_actor: int = 2
     num_gpus_per_actor: float = 0.0
     max_restarts: int = 2
+    actor_timeout_s: float = 1800.0
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecConfig = field(default_factory=SpecConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
@@ -118,9 +141,8 @@ class RolloutConfig:
         _positive_int("num_actors", self.num_actors)
         _positive_int("threads_per_actor", self.threads_per_actor)
         _non_negative_int("max_restarts", self.max_restarts)
-        if isinstance(self.num_gpus_per_actor, bool) or not isinstance(self.num_gpus_per_actor, (int, float)) \
-                or self.num_gpus_per_actor < 0:
-            raise ConfigError("num_gpus_per_actor", f"must be a number >= 0, got {self.num_gpus_per_actor!r}")
+        _positive_float("actor_timeout_s", self.actor_timeout_s)
+        _non_negative_float("num_gpus_per_actor", self.num_gpus_per_actor)
 
 
 @dataclass(frozen=True)
@@ -158,14 +180,12 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _positive_float("lr", self.lr)
-        if not isinstance(self.weight_decay, (int, float)) or self.weight_decay < 0:
-            raise ConfigError("weight_decay", f"must be >= 0, got {self.weight_decay!r}")
+        _non_negative_float("weight_decay", self.weight_decay)
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if betas is None or len(betas) != 2 or not all(0 <= b < 1 for b in betas):
+        if betas is None or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
             raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", betas)
-        if not isinstance(self.grad_clip, (int, float)) or self.grad_clip < 0:
-            raise ConfigError("grad_clip", f"must be >= 0, got {self.grad_clip!r}")
+        _non_negative_float("grad_clip", self.grad_clip)  # NaN would silently mean "no clipping"
         _positive_int("micro_batch", self.micro_batch)
 
 
@@ -178,6 +198,8 @@ class RayConfig:
     num_cpus: int | None = None
 
     def __post_init__(self) -> None:
+        if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
+            raise ConfigError("address", f"must be null, \"auto\" or a cluster address string, got {self.address!r}")
         if self.num_cpus is not None:
             _positive_int("num_cpus", self.num_cpus)
 
@@ -198,6 +220,9 @@ class TrainConfig:
         if self.model.drafter is None and self.rollout.spec.mode != "off":
             raise ConfigError("rollout.spec.mode", "speculation needs a drafter (model.drafter is null)",
                               allowed=["off"])
+        if self.rollout.sampling.temperature <= 0:
+            raise ConfigError("rollout.sampling.temperature", "must be > 0 for training: the policy log-probs "
+                              f"and importance weights need a sampling distribution, got {self.rollout.sampling.temperature}")
 
     @property
     def rollouts_per_step(self) -> int:
@@ -208,12 +233,21 @@ def load_train_config(path: str | Path, overrides: dict | None = None) -> TrainC
     """Read and validate a training YAML; ``overrides`` ({"run": {"steps": 2}}) are merged in
     key by key at every depth ({"rollout": {"spec": {"max_batch": 4}}} keeps the other spec
     keys), except that a rule's ``params`` mapping is replaced whole (they belong to its name)."""
-    return from_dict(TrainConfig, _merged(load_yaml(path), overrides or {}))
+    from trainers.preflight import check_files
+
+    cfg = from_dict(TrainConfig, _merged(load_yaml(path), overrides or {}))
+    check_files(cfg)
+    return cfg
 
 
 def _merged(data: dict, overrides: dict) -> dict:
     out = dict(data or {})
     for key, value in overrides.items():
         deep = isinstance(value, dict) and key != "params"
-        out[key] = _merged(out.get(key) or {}, value) if deep else value
+        base = out.get(key)
+        if not deep:
+            out[key] = value
+        elif base is None or isinstance(base, dict):
+            out[key] = _merged(base or {}, value)
+        # else: the file's section is not a mapping; keep it for the validator to refuse
     return out

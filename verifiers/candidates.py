@@ -45,7 +45,7 @@ def _log_prob(nq: NodeQuantities, cands: Tensor, y: Tensor) -> Tensor:
 def _sampled_chunk(rule, raw, cands, u_accept, u_final, temperature, top_k, top_p):
     """Verify one chunk of nodes; returns (tokens, accepted_index, behaviour, target, relaxed)."""
     z = process_logits(raw, temperature, top_k, top_p)  # [n, V]
-    nq = node_quantities(rule, z, checked_softmax("target_logits", raw, z), cands)
+    nq = node_quantities(rule, z, checked_softmax("target_logits", raw, z, temperature), cands)
     accepted = u_accept < nq.alpha  # [n, m]
     any_acc = accepted.any(-1)
     first = accepted.int().argmax(-1, keepdim=True) if cands.shape[1] else None
@@ -86,7 +86,7 @@ def _native_nodes(rule, raw, cands, u_accept, u_final, temperature, top_k, top_p
             raise RuntimeError("internal error: a node rejected every candidate but its fallback is empty") from None
         if err.status == 4:
             check_candidate_inputs(rule, raw, cands, temperature, top_k, top_p)
-        raise_if_bad_rows("target_logits", raw, torch.where(err.bad_rows.bool(), float("nan"), 0.0))
+        raise_if_bad_rows("target_logits", raw, torch.where(err.bad_rows.bool(), float("nan"), 0.0), temperature)
         raise AssertionError("the C++ verifier flagged a bad row that has none") from None
 
 

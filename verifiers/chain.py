@@ -183,7 +183,7 @@ def _zero_q_error(x: Tensor, b: int, j: int) -> ValueError:
                       "use verify_candidates for deterministic drafts)")
 
 
-def _check_rows(rows: _Rows, target, draft, x) -> None:
+def _check_rows(rows: _Rows, target, draft, x, temperature: float) -> None:
     """Raise for NaN/+inf/all -inf logit rows and for draft tokens that q gives zero mass
     (one host sync: NaN propagates through the probe sums)."""
     probes = [rows.p_probe.sum(), rows.q_probe.sum()]
@@ -192,8 +192,8 @@ def _check_rows(rows: _Rows, target, draft, x) -> None:
     checks = torch.stack(probes).tolist()
     if all(c == c for c in checks) and (len(checks) == 2 or checks[2] > 0):
         return
-    raise_if_bad_rows("target_logits", target, rows.p_probe)
-    raise_if_bad_rows("draft_logits", draft, rows.q_probe)
+    raise_if_bad_rows("target_logits", target, rows.p_probe, temperature)
+    raise_if_bad_rows("draft_logits", draft, rows.q_probe, temperature)
     raise _zero_q_error(x, *(rows.q_x <= 0).nonzero()[0].tolist())
 
 
@@ -219,8 +219,8 @@ def _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u
         bad = err.bad_rows.bool()
         probe_t = torch.where(bad[:b * k1].view(b, k1), nan, 0.0)
         probe_d = torch.where(bad[b * k1:].view(b, k1 - 1), nan, 0.0)
-        raise_if_bad_rows("target_logits", target, probe_t)
-        raise_if_bad_rows("draft_logits", draft, probe_d)
+        raise_if_bad_rows("target_logits", target, probe_t, temperature)
+        raise_if_bad_rows("draft_logits", draft, probe_d, temperature)
         raise AssertionError("the C++ verifier flagged a bad row that has none") from None
 
 
@@ -306,7 +306,7 @@ def _sampled_chain(rule, target, draft, x, temperature, top_k, top_p, generator,
                                        u_accept[s:s + step], u_final[s:s + step], temperature,
                                        top_k, top_p, buffers) for s in range(0, b, step)])
     try:
-        _check_rows(rows, target, draft, x)
+        _check_rows(rows, target, draft, x, temperature)
     except ValueError:
         generator.set_state(state)
         raise

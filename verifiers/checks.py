@@ -129,9 +129,10 @@ def check_candidate_inputs(rule, target_logits: Tensor, candidates: Tensor, temp
     return n, candidates.shape[1], v
 
 
-def raise_if_bad_rows(name: str, raw: Tensor, row_stat: Tensor) -> None:
+def raise_if_bad_rows(name: str, raw: Tensor, row_stat: Tensor, temperature: float | None = None) -> None:
     """Raise ValueError naming ``name`` and the (row, position) of the first non-finite entry of
-    row_stat (a row max or log-normaliser of raw [..., V]): a NaN, a +inf, or an all -inf row."""
+    row_stat (a row max or log-normaliser of raw [..., V]): a NaN, a +inf, an all -inf row, or
+    finite logits that overflow float32 once divided by the temperature."""
     bad = (~torch.isfinite(row_stat)).nonzero()
     if len(bad) == 0:
         return
@@ -141,6 +142,10 @@ def raise_if_bad_rows(name: str, raw: Tensor, row_stat: Tensor) -> None:
         what = "contains NaN"
     elif torch.isposinf(row).any():
         what = "contains +inf"
+    elif torch.isfinite(row).any():
+        t = "" if temperature is None else f" T = {temperature:g}"
+        what = (f"is finite (largest |logit| {float(row[torch.isfinite(row)].abs().max()):.3g}) but overflows "
+                f"float32 once divided by the temperature{t}")
     else:
         what = "is all -inf (no token has positive probability)"
     where = ", ".join(f"{axis} {i}" for axis, i in zip(("row", "position"), index))

@@ -96,11 +96,12 @@ def _chunks(n: int, row_elems: int):
         yield slice(start, min(n, start + step))
 
 
-def checked_softmax(name: str, raw: Tensor, z: Tensor) -> Tensor:
-    """softmax(z) [..., V]; raises naming ``name`` and the row if a row is NaN (bad logits)."""
+def checked_softmax(name: str, raw: Tensor, z: Tensor, temperature: float | None = None) -> Tensor:
+    """softmax(z) [..., V]; raises naming ``name`` and the row if a row is NaN (bad logits, or
+    finite logits that overflow once divided by ``temperature``)."""
     p = torch.softmax(z, -1)
     if p.numel() and bool(p[..., 0].isnan().any()):
-        raise_if_bad_rows(name, raw, p[..., 0])
+        raise_if_bad_rows(name, raw, p[..., 0], temperature)
     return p
 
 
@@ -115,8 +116,8 @@ def induced_chain(rule: VerificationRule, target_logits: Tensor, draft_logits_: 
             y = torch.where(greedy_accepts(rule, target_logits, x), x, target_logits.argmax(-1))
             return one_hot(y, v)
         z = process_logits(target_logits, temperature, top_k, top_p)
-        p = checked_softmax("target_logits", target_logits, z)
-        q = checked_softmax("draft_logits", draft_logits_, draft_logits(draft_logits_, temperature))
+        p = checked_softmax("target_logits", target_logits, z, temperature)
+        q = checked_softmax("draft_logits", draft_logits_, draft_logits(draft_logits_, temperature), temperature)
         return rule.induced(p, q, rule.context(z, p))
 
 
@@ -130,7 +131,7 @@ def induced_candidates(rule: VerificationRule, target_logits: Tensor, candidates
         if temperature == 0:
             return one_hot(greedy_choice(rule, target_logits, candidates.long())[0], v)
         z = process_logits(target_logits, temperature, top_k, top_p)
-        p = checked_softmax("target_logits", target_logits, z)
+        p = checked_softmax("target_logits", target_logits, z, temperature)
         return induced_from_nodes(node_quantities(rule, z, p, candidates.long()), candidates.long())
 
 

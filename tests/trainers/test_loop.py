@@ -130,9 +130,20 @@ def test_killed_actor_loses_no_rollout(tiny_policy_dir, tiny_head_dir, local_ray
     assert torch.equal(batch.behaviour_logprobs, reference.behaviour_logprobs)
 
 
-def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):
+def _length_reward(text, answer, cfg=None) -> float:
+    """A deterministic reward the random tiny policy earns unevenly (the real one is always 0
+    there, which makes every advantage and gradient 0 and a resume that restores nothing pass)."""
+    return float(len(text) % 3)
+
+
+def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray, monkeypatch):
+    monkeypatch.setattr("trainers.loop.answer_reward", _length_reward)
     full = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "full", run={"steps": 2})
+    initial = {k: v.clone() for k, v in full.policy.state_dict().items()}
     rows_full = full.run()
+    assert all(r["grad_norm"] > 0 and r["reward_std"] > 0 for r in rows_full), rows_full
+    changed = [k for k, v in full.policy.state_dict().items() if not torch.equal(v, initial[k])]
+    assert len(changed) > len(initial) // 2, changed
     part = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "part", run={"steps": 1})
     part.run()
     resumed = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "part", run={"steps": 2})

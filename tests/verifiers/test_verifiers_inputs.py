@@ -77,6 +77,7 @@ def test_shape_mismatches_name_both_shapes():
     ({"temperature": 1.0, "top_k": 0}, "top_k must be None or an integer >= 1"),
     ({"temperature": 1.0, "top_p": 0.0}, r"top_p must be None or in \(0, 1\]"),
     ({"temperature": 1.0, "top_p": 1.5}, r"top_p must be None or in \(0, 1\]"),
+    ({"temperature": 1.0, "top_p": True}, r"top_p must be None or in \(0, 1\]"),  # True == 1 would pass a range test
 ])
 def test_bad_sampling_parameters(kwargs, text):
     target, draft, x = chain_inputs(0, 2, 2, 10, 1.0)
@@ -340,16 +341,22 @@ def test_large_vocabulary_matches_reference(case):
     assert res.num_emitted.float().mean() > 1.5
 
 
-def test_logits_that_overflow_once_divided_by_temperature_are_bad_rows():
-    """A finite logit that becomes +inf at z = logits / T names its row, like a +inf logit."""
-    target, draft, x = chain_inputs(3, 2, 2, 10, 0.5)
-    target[1, 0, 4] = 3e38
-    with pytest.raises(ValueError, match="target_logits: the logit vector at row 1, position 0"):
-        verify_chain(LOSSLESS, target, draft, x, temperature=0.5, generator=torch.Generator())
-    nodes, cands = candidate_inputs(3, 3, 2, 10)
-    nodes[2, 1] = 3e38
-    with pytest.raises(ValueError, match="target_logits: the logit vector at row 2"):
-        verify_candidates(LOSSLESS, nodes, cands, temperature=0.5, generator=torch.Generator())
+@pytest.mark.parametrize("use_native", [True, False])
+def test_logits_that_overflow_once_divided_by_temperature_are_bad_rows(use_native):
+    """A finite logit that becomes +inf at z = logits / T names its row and says it overflowed
+    at that temperature (not "all -inf"), on both backends."""
+    from verifiers import native
+
+    said = "is finite .* but overflows float32 once divided by the temperature T = 0.5"
+    with native.forced(use_native):
+        target, draft, x = chain_inputs(3, 2, 2, 10, 0.5)
+        target[1, 0, 4] = 3e38
+        with pytest.raises(ValueError, match="target_logits: the logit vector at row 1, position 0 " + said):
+            verify_chain(LOSSLESS, target, draft, x, temperature=0.5, generator=torch.Generator())
+        nodes, cands = candidate_inputs(3, 3, 2, 10)
+        nodes[2, 1] = 3e38
+        with pytest.raises(ValueError, match="target_logits: the logit vector at row 2 " + said):
+            verify_candidates(LOSSLESS, nodes, cands, temperature=0.5, generator=torch.Generator())
 
 
 def test_rejected_inputs_leave_the_generator_untouched():

@@ -1,0 +1,212 @@
+"""A run folder survives any single kill and resumes only what belongs to it (no Ray here):
+checkpoints cut short at every point of a save, torn log lines, the config snapshot and
+the --fresh fence, and the non-finite guards on a toy model."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+import shutil
+
+import pytest
+import torch
+
+from rollout.config import ConfigError
+from tests.trainers.conftest import write_config
+from trainers import checkpoint as ck
+from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.guards import NonFiniteError, check_loss_and_grad, check_weights
+from trainers.report import MetricsLogger, read_jsonl, read_metrics
+
+
+def _model_and_opt(seed: int = 0):
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt
+
+
+class Killed(BaseException):
+    """Stands for SIGKILL: nothing after it runs (BaseException, so no `except Exception` catches it)."""
+
+
+def _kill(*_a, **_k):
+    raise Killed
+
+
+# every call a save makes that touches the disk, in order
+KILL_POINTS = {
+    "tmp mkdir": (pathlib.Path, "mkdir"),
+    "weights": (ck, "save_file"),
+    "optimizer": (torch, "save"),
+    "drafter copy": (shutil, "copytree"),
+    "state.json data": (os, "fsync"),
+    "state.json rename": (os, "replace"),
+    "remove old final": (shutil, "rmtree"),
+    "rename into place": (pathlib.Path, "rename"),
+}
+
+
+@pytest.mark.parametrize("point", list(KILL_POINTS))
+def test_a_kill_at_any_point_of_a_save_leaves_a_resumable_folder(point, tmp_path, monkeypatch):
+    head = tmp_path / "head"
+    head.mkdir()
+    (head / "config.json").write_text("{}")
+    model, opt = _model_and_opt()
+    save_checkpoint(tmp_path, 2, model, opt, {"version": 2}, head)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    target, name = KILL_POINTS[point]
+    with monkeypatch.context() as m:
+        m.setattr(target, name, _kill)
+        with pytest.raises(Killed):
+            save_checkpoint(tmp_path, 4, model, opt, {"version": 4}, head)
+    found = latest_checkpoint(tmp_path)
+    assert found is not None and found.name == "step_000002", found  # the .tmp folder is never taken
+    fresh, fresh_opt = _model_and_opt(seed=9)
+    state = load_checkpoint(found, fresh, fresh_opt)
+    assert state["step"] == 2 and state["version"] == 2
+    for k, v in fresh.state_dict().items():
+        assert torch.equal(v, before[k]), k
+    # the next save of the resumed run goes through
+    save_checkpoint(tmp_path, 4, fresh, fresh_opt, {"version": 4}, head)
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+
+
+def test_latest_checkpoint_skips_tmp_folders_and_unreadable_states(tmp_path, caplog):
+    model, opt = _model_and_opt()
+    for step in (2, 4):
+        save_checkpoint(tmp_path, step, model, opt, {"version": step})
+    root = tmp_path / "checkpoints"
+    shutil.copytree(root / "step_000004", root / "step_000006.tmp")  # a save cut short, complete-looking
+    (root / "step_000006.tmp" / "state.json").write_text(json.dumps({"step": 6}))
+    (root / "step_000010").mkdir()  # an empty folder (kill right after mkdir of a final name)
+    assert latest_checkpoint(tmp_path).name == "step_000004"
+    state = root / "step_000004" / "state.json"
+    state.write_text(state.read_text()[:50])  # torn
+    with caplog.at_level(logging.WARNING):
+        assert latest_checkpoint(tmp_path).name == "step_000002"
+    assert "step_000004" in caplog.text
+    assert latest_checkpoint(tmp_path / "nothing") is None
+
+
+# ---------------------------------------------------------------------------- logs
+def test_torn_last_log_line_is_dropped_with_a_warning(tmp_path, caplog):
+    good = "".join(json.dumps({"step": s, "loss": 0.5}) + "\n" for s in (1, 2, 3))
+    for name in ("metrics.jsonl", "rollouts.jsonl"):
+        (tmp_path / name).write_text(good + '{"step": 4, "lo')
+    with caplog.at_level(logging.WARNING):
+        assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert "torn last line 4" in caplog.text
+    logger = MetricsLogger(tmp_path, resume_step=2)  # a resume from step 2 rewrites both logs
+    logger.log(3, {"loss": 1.0})
+    logger.close()
+    assert [r["step"] for r in read_metrics(tmp_path)] == [1, 2, 3]
+    assert [r["step"] for r in read_jsonl(tmp_path / "rollouts.jsonl")] == [1, 2]
+
+
+def test_corrupt_line_before_the_last_is_an_error_naming_it(tmp_path):
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2, "lo\n{"step": 3}\n')
+    with pytest.raises(ValueError, match="metrics.jsonl:2: corrupt log line"):
+        read_metrics(tmp_path)
+
+
+# ---------------------------------------------------------------------------- what belongs to a run
+def _cfg(tmp_path, policy, head, **sections):
+    from trainers.train_config import load_train_config
+
+    path = write_config(tmp_path / "c.yaml", policy, head, tmp_path / "run", **sections)
+    return load_train_config(path)
+
+
+def _fake_run(cfg, steps=(1, 2, 3)):
+    """What a run leaves: a snapshot and checkpoints (a toy model stands in for the policy)."""
+    from trainers.run_dir import prepare_run_dir
+
+    assert prepare_run_dir(cfg) is None
+    model, opt = _model_and_opt()
+    for s in steps:
+        save_checkpoint(cfg.run.out_dir, s, model, opt, {"version": s})
+
+
+@pytest.mark.parametrize("sections, listed", [
+    ({"run": {"seed": 4}}, "run.seed: 3 -> 4"),
+    ({"rollout": {"verifier": {"name": "lossless", "params": {}}}}, "rollout.verifier.name: 'mars' -> 'lossless'"),
+    ({"task": {"difficulty": 2}}, "task.difficulty: 1 -> 2"),
+    ({"model": {"drafter": None}, "rollout": {"spec": {"mode": "off"}}}, "model.drafter:"),
+])
+def test_resume_with_a_different_config_is_refused(sections, listed, tmp_path, tiny_policy_dir, tiny_head_dir):
+    from trainers.run_dir import resume_point
+
+    _fake_run(_cfg(tmp_path, tiny_policy_dir, tiny_head_dir))
+    changed = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, **sections)
+    with pytest.raises(ConfigError, match="run.resume") as err:
+        resume_point(changed)
+    assert listed in str(err.value)
+    allowed = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, **{**sections, "run": {
+        **sections.get("run", {}), "allow_config_change": True}})
+    assert resume_point(allowed).name == "step_000003"
+    # changing what does not alter the checkpoints' meaning is fine
+    longer = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, run={"steps": 9}, optim={"lr": 1e-4})
+    assert resume_point(longer).name == "step_000003"
+
+
+def test_cli_refuses_a_foreign_resume_before_ray(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    import ray
+
+    from scripts.train import main
+
+    _fake_run(_cfg(tmp_path, tiny_policy_dir, tiny_head_dir))
+    path = write_config(tmp_path / "c2.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "run", run={"seed": 5})
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config field 'run.resume'") and "run.seed: 3 -> 5" in err, err
+    assert not ray.is_initialized()
+
+
+def test_fresh_fences_off_the_previous_run(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    from trainers.run_dir import prepare_run_dir, read_snapshot
+
+    _fake_run(_cfg(tmp_path, tiny_policy_dir, tiny_head_dir))  # an old run reached step 3
+    fresh = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, run={"resume": False, "seed": 8})
+    assert prepare_run_dir(fresh) is None
+    assert "moved the previous run's checkpoints, config.json to" in capsys.readouterr().out
+    assert latest_checkpoint(fresh.run.out_dir) is None
+    moved = list((tmp_path / "run" / "superseded").glob("*/checkpoints/step_000003"))
+    assert len(moved) == 1
+    assert read_snapshot(fresh.run.out_dir)["run"]["seed"] == 8
+    # the new run checkpoints step 1 and is killed; a resume takes its step 1, never the old step 3
+    model, opt = _model_and_opt()
+    save_checkpoint(fresh.run.out_dir, 1, model, opt, {"version": 1})
+    again = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, run={"seed": 8})
+    assert prepare_run_dir(again).name == "step_000001"
+
+
+# ---------------------------------------------------------------------------- non-finite guards
+def test_guards_name_the_step_and_the_quantity():
+    model, _ = _model_and_opt()
+    check_loss_and_grad(3, 0.5, torch.tensor(1.0))
+    check_weights(3, model)
+    with pytest.raises(NonFiniteError, match="step 3: loss is not finite"):
+        check_loss_and_grad(3, float("nan"), 1.0)
+    with pytest.raises(NonFiniteError, match="step 3: gradient norm is not finite"):
+        check_loss_and_grad(3, 0.5, torch.tensor(float("inf")))
+    with torch.no_grad():
+        model.bias[1] = float("inf")
+    with pytest.raises(NonFiniteError, match=r"step 7: updated weights is not finite \(bias: 1 of 3"):
+        check_weights(7, model)
+
+
+def test_a_non_finite_checkpoint_is_refused_on_load(tmp_path):
+    model, opt = _model_and_opt()
+    with torch.no_grad():
+        model.weight[0, 0] = float("nan")
+    path = save_checkpoint(tmp_path, 5, model, opt, {"version": 5})
+    fresh, fresh_opt = _model_and_opt(seed=1)
+    with pytest.raises(NonFiniteError, match="step 5: checkpoint step_000005 is not finite .*weight holds NaN"):
+        load_checkpoint(path, fresh, fresh_opt)

@@ -1,0 +1,115 @@
+"""What belongs to a run folder: its config snapshot, and which checkpoints a run may resume.
+
+- **snapshot**: ``<out_dir>/config.json``, the validated config of the run that wrote the
+  folder's checkpoints (written when a run starts from step 0, kept on resume).
+- **resume check**: a resume whose seed, model, sampling, verifier, task, GRPO, correction
+  or reward settings differ from the snapshot is refused with the list of differences
+  (``run.allow_config_change`` / ``--allow-config-change`` accepts them and rewrites the
+  snapshot). Steps, out_dir, the optimizer, speculation shape and the actor layout may
+  change freely: they do not change what the checkpoints mean.
+- **fencing**: a run that does not resume (``run.resume: false``, ``--fresh``) moves the
+  previous ``checkpoints/`` and snapshot to ``superseded/<UTC time>/`` and says so, so a
+  later resume cannot pick up the old run's higher step.
+
+``resume_point`` only reads (the CLI calls it before Ray starts); ``prepare_run_dir`` is
+the trainer's start-up and does the writes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from pathlib import Path
+
+from rollout.config import ConfigError
+from trainers.checkpoint import latest_checkpoint, write_atomic
+
+log = logging.getLogger(__name__)
+
+SNAPSHOT = "config.json"
+COMPARED = ("run.seed", "model", "rollout.sampling", "rollout.verifier", "task", "grpo", "correction", "reward")
+
+
+def config_dict(cfg) -> dict:
+    """The config as plain JSON data (tuples become lists)."""
+    return json.loads(json.dumps(dataclasses.asdict(cfg)))
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, key + "."))
+        else:
+            out[key] = v
+    return out
+
+
+def config_differences(old: dict, new: dict) -> list[str]:
+    """``field: old -> new`` for every compared field that differs."""
+    a, b = _flat(old), _flat(new)
+    keys = sorted(k for k in set(a) | set(b) if any(k == c or k.startswith(c + ".") for c in COMPARED))
+    return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
+
+
+def read_snapshot(out_dir: str | Path) -> dict | None:
+    path = Path(out_dir) / SNAPSHOT
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def resume_point(cfg) -> Path | None:
+    """The checkpoint this run resumes from (None: starts at step 0). Reads only; raises
+    ConfigError when the folder's snapshot differs in a compared field and the change is
+    not allowed."""
+    if not cfg.run.resume:
+        return None
+    ckpt = latest_checkpoint(cfg.run.out_dir)
+    if ckpt is None:
+        return None
+    snap = read_snapshot(cfg.run.out_dir)
+    if snap is None:
+        log.warning("%s has checkpoints but no %s snapshot: resuming unchecked", cfg.run.out_dir, SNAPSHOT)
+        return ckpt
+    diffs = config_differences(snap, config_dict(cfg))
+    if diffs and not cfg.run.allow_config_change:
+        raise ConfigError("run.resume", f"{ckpt} belongs to a run with a different config: " + "; ".join(diffs)
+                          + " (start over with --fresh, use another run.out_dir, or pass --allow-config-change)")
+    return ckpt
+
+
+def fence_previous_run(out_dir: str | Path) -> Path | None:
+    """Move an earlier run's checkpoints and snapshot aside; returns where, or None if none."""
+    out = Path(out_dir)
+    moved = [p for p in (out / "checkpoints", out / SNAPSHOT) if p.exists()]
+    if not moved:
+        return None
+    dest = out / "superseded" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
+    n = 0
+    while dest.exists():
+        n += 1
+        dest = dest.with_name(f"{dest.name.split('.')[0]}.{n}")
+    dest.mkdir(parents=True)
+    for p in moved:
+        p.rename(dest / p.name)
+    print(f"--fresh: moved the previous run's {', '.join(p.name for p in moved)} to {dest}", flush=True)
+    return dest
+
+
+def prepare_run_dir(cfg) -> Path | None:
+    """Start-up of a run folder: fence (fresh run), check (resume), write the snapshot.
+    Returns the checkpoint to resume from, or None."""
+    out = Path(cfg.run.out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    if not cfg.run.resume:
+        fence_previous_run(out)
+    ckpt = resume_point(cfg)
+    if ckpt is None or cfg.run.allow_config_change or read_snapshot(out) is None:
+        write_atomic(out / SNAPSHOT, json.dumps(config_dict(cfg), indent=1, sort_keys=True) + "\n")
+    return ckpt
