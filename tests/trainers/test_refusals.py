@@ -160,3 +160,21 @@ def test_good_task_file_and_config_pass_the_validator(tmp_path, tiny_policy_dir,
                         task={"source": "jsonl", "path": str(tasks)})
     cfg = load_train_config(path)
     assert cfg.task.path == str(tasks)
+
+
+def test_relative_out_dir_is_refused_inside_a_ray_job_copy(tmp_path, tiny_policy_dir, tiny_head_dir, capsys,
+                                                           monkeypatch):
+    """Under `ray job submit --working-dir` the job runs in .../runtime_resources/working_dir_files/...,
+    which Ray deletes with the session: a relative out_dir would lose the run."""
+    import ray
+
+    from scripts.train import main
+
+    copy = tmp_path / "session_x" / "runtime_resources" / "working_dir_files" / "_ray_pkg_1"
+    copy.mkdir(parents=True)
+    path = write_config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out")
+    monkeypatch.chdir(copy)
+    assert main(["--config", str(path), "--out-dir", "runs/x"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: config field 'run.out_dir': 'runs/x' is relative") and "absolute" in err, err
+    assert not ray.is_initialized() and not (copy / "runs").exists()
