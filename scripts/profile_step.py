@@ -122,9 +122,10 @@ def main(argv: list[str] | None = None) -> dict:
     torch.set_num_threads(args.threads or available_cores())
     target, tok = load_embedded_target()
     res = measure(target, held_out_prompts(tok, 1, 0)[0], args.reps)
-    print(f"threads {torch.get_num_threads()}: engine {res['engine_ms']:.1f} ms/token, forward {res['forward_ms']:.1f} ms, "
-          f"lm_head {res['lm_head_ms']:.1f} ms; floor {res['floor_ms']:.1f} ms ({res['weight_mb']:.0f} MB fp32 at "
-          f"{res['bandwidth_gbs']:.1f} GB/s); self CPU time by op category (%): {res['ops']}")
+    print(f"threads {torch.get_num_threads()}: engine {res['engine_ms']:.1f} ms/token, "
+          f"forward {res['forward_ms']:.1f} ms, lm_head {res['lm_head_ms']:.1f} ms; "
+          f"floor {res['floor_ms']:.1f} ms ({res['weight_mb']:.0f} MB fp32 at {res['bandwidth_gbs']:.1f} GB/s); "
+          f"self CPU time by op category (%): {res['ops']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

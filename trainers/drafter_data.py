@@ -46,9 +46,9 @@ class DrafterDataConfig:
     response cap; greedy_fraction: share of samples answered greedily (the rest at T = 1);
     samples_per_prompt: how many times each *train* prompt is answered (independent
     samples; the prompt list is repeated, so the data can grow past the distinct prompts
-    the generators make; held-out prompts are answered once); batch_size: generation batch; seed: prompt and sampling seed; cache_dir: where the
-    generated dataset is stored (None: ``$HONEST_ROLLOUTS_CACHE`` or ``~/.cache/honest-rollouts``
-    + ``/drafter-data``).
+    the generators make; held-out prompts are answered once); batch_size: generation batch;
+    seed: prompt and sampling seed; cache_dir: where the generated dataset is stored
+    (None: ``$HONEST_ROLLOUTS_CACHE`` or ``~/.cache/honest-rollouts`` + ``/drafter-data``).
     """
 
     arithmetic_per_difficulty: int = 100

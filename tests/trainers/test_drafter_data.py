@@ -31,12 +31,14 @@ def test_sample_next_draws_from_softmax_and_is_seeded():
     logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 0.5, 0.1]])
     greedy = torch.tensor([False, True])
     n = 4000
-    draws = torch.stack([_sample_next(logits, greedy, g) for g in [torch.Generator().manual_seed(7)] for _ in range(n)])
+    gen = torch.Generator().manual_seed(7)
+    draws = torch.stack([_sample_next(logits, greedy, gen) for _ in range(n)])
     assert bool((draws[:, 1] == 1).all())
     freq = torch.bincount(draws[:, 0], minlength=4).double() / n
     p = torch.softmax(logits[0].double(), -1)
     assert bool(((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-3).all()), (freq, p)
-    again = torch.stack([_sample_next(logits, greedy, g) for g in [torch.Generator().manual_seed(7)] for _ in range(50)])
+    gen = torch.Generator().manual_seed(7)
+    again = torch.stack([_sample_next(logits, greedy, gen) for _ in range(50)])
     assert torch.equal(again, draws[:50])
 
 
