@@ -270,29 +270,33 @@ def test_mars_empirical_law_matches_the_induced_distribution(backend, hf, prompt
     finally:
         backend.record = False
     seqs = batch.completion_lists()
-    y0 = Counter(s[0] for s in seqs).most_common(1)[0][0]
-    second = Counter(s[1] for s in seqs if s[0] == y0)
-    n = sum(second.values())
-    assert n >= 500
-    # the logits vLLM verified at position 1 after prompt + y0: a recorded row whose first
-    # position's logits are the target's after prompt + y0
     model, _ = hf
-    want = model.model(torch.tensor([prompt + [y0]])).logits[0, -1].float().detach()
-    rule, P, p = verifier.rule(), None, None
-    for rec in records:
-        t = rec["setting"].temperature
-        if rec["draft_probs"] is None:
-            continue
-        diff = (rec["target_logits"][:, 0] - want).abs().amax(-1)
-        rows = (diff < 1e-2).nonzero()[:, 0].tolist()
-        if rows:
-            b = rows[0]
-            P = induced_chain(rule, rec["target_logits"][b, :1], rec["draft_probs"][b, :1].log() * t, temperature=t)[0]
-            p = torch.softmax(rec["target_logits"][b, 0] / t, -1)
+    rule = verifier.rule()
+    # the first frequent first token y0 after which MARS relaxes (P != p), so that the test can
+    # tell P from p; P from a recorded row verifying prompt + y0 (its logits are the target's there)
+    for y0, n in Counter(s[0] for s in seqs).most_common(6):
+        if n < 250:
             break
-    assert P is not None
+        want = model.model(torch.tensor([prompt + [y0]])).logits[0, -1].float().detach()
+        P = p = None
+        for rec in records:
+            if rec["draft_probs"] is None:
+                continue
+            t = rec["setting"].temperature
+            rows = ((rec["target_logits"][:, 0] - want).abs().amax(-1) < 1e-2).nonzero()[:, 0].tolist()
+            if rows:
+                b = rows[0]
+                P = induced_chain(rule, rec["target_logits"][b, :1], rec["draft_probs"][b, :1].log() * t,
+                                  temperature=t)[0]
+                p = torch.softmax(rec["target_logits"][b, 0] / t, -1)
+                break
+        if P is not None and 0.5 * float((P - p).abs().sum()) > 0.05:
+            break
+    else:
+        pytest.fail("no frequent first token after which MARS relaxes")
+    assert P is not None and 0.5 * float((P - p).abs().sum()) > 0.05, "no frequent first token after which MARS relaxes"
     tv_pp = 0.5 * float((P - p).abs().sum())
-    assert tv_pp > 0.05  # MARS moves this position's law away from p: the test can tell them apart
+    second = Counter(s[1] for s in seqs if s[0] == y0)
     probs = {tok: float(P[tok]) for tok in P.topk(50).indices.tolist()}
     pv = _prefix_law_test(second, probs, n)
     assert pv > 1e-3, f"chi-square p = {pv:.2e} (TV(P, p) = {tv_pp:.3f})"
