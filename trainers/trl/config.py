@@ -15,7 +15,7 @@ from typing import Any
 from rollout.config import ConfigError, from_dict, load_yaml
 from trainers.correction import CorrectionConfig
 from trainers.rewards import RewardConfig
-from trainers.train_config import ModelConfig, TaskConfig
+from trainers.train_config import ModelConfig, TaskConfig, _non_negative_int, _positive_int
 from trainers.trl.rollouts import RolloutSettings
 
 GENERATIONS = ("ours", "trl")
@@ -37,10 +37,8 @@ class TRLRunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ConfigError("out_dir", f"must be a folder path, got {self.out_dir!r}")
-        for name in ("steps", "seed"):
-            value, low = getattr(self, name), 1 if name == "steps" else 0
-            if isinstance(value, bool) or not isinstance(value, int) or value < low:
-                raise ConfigError(name, f"must be an integer >= {low}, got {value!r}")
+        _positive_int("steps", self.steps)
+        _non_negative_int("seed", self.seed)
         if self.generation not in GENERATIONS:
             raise ConfigError("generation", f"unknown generation {self.generation!r}", allowed=GENERATIONS)
 

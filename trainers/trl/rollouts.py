@@ -38,6 +38,7 @@ from rollout.config import ConfigError
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from trainers.train_config import _non_negative_int, _positive_int
 
 PLACEMENTS = ("local", "ray")
 
@@ -81,13 +82,9 @@ class RolloutSettings:
         if self.drafter is None and self.spec.mode != "off":
             raise ConfigError("spec.mode", "speculation needs a drafter (drafter is null)", allowed=["off"])
         for name in ("drafter_reload_every", "seed"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ConfigError(name, f"must be an integer >= 0, got {value!r}")
+            _non_negative_int(name, getattr(self, name))
         for name in ("num_actors", "threads_per_actor"):
-            value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
+            _positive_int(name, getattr(self, name))
         if self.placement == "ray" and self.target is None:
             raise ConfigError("target", "placement 'ray' needs the target config the actors load")
 
