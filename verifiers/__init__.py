@@ -10,9 +10,10 @@ Pure, batched tensor math (no models). Vocabulary, defined once here and used th
 - induced distribution P: what the verifier actually sampled the emitted token from at a
   position (P = p for the lossless rule); behaviour log-prob: log P(y).
 
-Entry points: :func:`get_rule` (registry :data:`RULES`), :func:`verify_chain`,
-:func:`verify_candidates`, and the closed forms :func:`induced_chain`,
-:func:`induced_candidates`. The math contract is ../shared/design/VERIFICATION.md.
+Entry points: :func:`get_rule` (registry :data:`RULES`, a new rule added with :func:`register`),
+:func:`verify_chain`, :func:`verify_candidates`, and the closed forms :func:`induced_chain`,
+:func:`induced_candidates`; :class:`TruncationSampling` is the truncation rules' matched
+baseline. The math contract is verifiers/README.md.
 """
 
 from .candidates import verify_candidates
@@ -21,10 +22,10 @@ from .induced import distribution_metrics, induced_candidates, induced_chain
 from .processing import (draft_logits, draft_probs, process_logits, sample_inverse_cdf,
                          target_logprobs, target_probs)
 from .results import DIAGNOSTIC_KEYS, CandidateResult, ChainResult, TokenKind
-from .rules import RULES, VerificationRule, get_rule, rule_params
+from .rules import RULES, TruncationSampling, VerificationRule, get_rule, register, rule_params
 
 __all__ = [
-    "RULES", "VerificationRule", "get_rule", "rule_params",
+    "RULES", "VerificationRule", "get_rule", "rule_params", "register", "TruncationSampling",
     "verify_chain", "verify_candidates", "induced_chain", "induced_candidates",
     "ChainResult", "CandidateResult", "TokenKind", "DIAGNOSTIC_KEYS", "distribution_metrics",
     "process_logits", "target_probs", "target_logprobs", "draft_logits", "draft_probs",

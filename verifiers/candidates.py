@@ -27,7 +27,7 @@ from .induced import (NodeQuantities, candidate_diagnostics, checked_softmax, gr
                       node_quantities)
 from .processing import CHUNK_ELEMENTS, process_logits, sample_inverse_cdf
 from .results import CandidateResult, empty_candidate_result
-from .rules import VerificationRule
+from .rule_base import VerificationRule
 
 
 def _log_prob(nq: NodeQuantities, cands: Tensor, y: Tensor) -> Tensor:

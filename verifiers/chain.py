@@ -31,7 +31,7 @@ from .checks import check_chain_inputs, check_generator, check_token_range, rais
 from .induced import chain_diagnostics, greedy_accepts
 from .processing import CHUNK_ELEMENTS, draft_logits, process_logits, sample_inverse_cdf
 from .results import ChainResult, TokenKind, empty_chain_result
-from .rules import Context, VerificationRule
+from .rule_base import Context, VerificationRule
 
 
 @dataclasses.dataclass

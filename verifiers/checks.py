@@ -8,7 +8,7 @@ import torch
 from torch import Tensor
 
 from .processing import check_sampling
-from .rules import VerificationRule, _RuleBase
+from .rule_base import RuleBase, VerificationRule
 
 
 def _shape(t: Tensor) -> str:
@@ -17,7 +17,7 @@ def _shape(t: Tensor) -> str:
 
 def check_rule(rule: object) -> None:
     # the registered rules first: a runtime Protocol check costs several microseconds
-    if not isinstance(rule, _RuleBase) and not isinstance(rule, VerificationRule):
+    if not isinstance(rule, RuleBase) and not isinstance(rule, VerificationRule):
         raise TypeError(f"rule must be a verification rule from get_rule(...), got {type(rule).__name__}")
 
 
@@ -53,17 +53,23 @@ def check_token_range(name: str, tokens: Tensor, vocab: int, allow_pad: bool) ->
                          f"[0, {vocab})" + (" (or -1 for padding)" if allow_pad else ""))
 
 
+def _check_rule_and_target(rule, target_logits: Tensor, layout: str, temperature: float, top_k, top_p) -> None:
+    """The rule, the sampling parameters and target_logits' dtype and layout ('[B, K+1, V]' or
+    '[N, V]': that many dims, at least one entry along the second)."""
+    check_rule(rule)
+    check_sampling(temperature, top_k, top_p)
+    _check_float("target_logits", target_logits)
+    if target_logits.dim() != layout.count(",") + 1 or target_logits.shape[1] < 1:
+        raise ValueError(f"target_logits must be {layout}, got shape {_shape(target_logits)}")
+
+
 def check_chain_inputs(rule, target_logits: Tensor, draft_logits: Tensor, draft_tokens: Tensor,
                        temperature: float, top_k, top_p, contents: bool = True) -> tuple[int, int, int]:
     """Validate verify_chain's inputs; returns (B, K, V). ``contents=False`` skips the token
     range check (the C++ verifier checks it and the caller then re-runs this to raise)."""
-    check_rule(rule)
-    check_sampling(temperature, top_k, top_p)
-    _check_float("target_logits", target_logits)
+    _check_rule_and_target(rule, target_logits, "[B, K+1, V]", temperature, top_k, top_p)
     _check_float("draft_logits", draft_logits)
     _check_long("draft_tokens", draft_tokens)
-    if target_logits.dim() != 3 or target_logits.shape[1] < 1:
-        raise ValueError(f"target_logits must be [B, K+1, V], got shape {_shape(target_logits)}")
     b, k1, v = target_logits.shape
     if v < 1:
         raise ValueError(f"target_logits has an empty vocabulary: shape {_shape(target_logits)}")
@@ -84,12 +90,8 @@ def check_chain_inputs(rule, target_logits: Tensor, draft_logits: Tensor, draft_
 def check_pair_inputs(rule, target_logits: Tensor, draft_logits: Tensor, temperature: float,
                       top_k, top_p) -> tuple[int, int]:
     """Validate induced_chain's inputs (both [N, V]); returns (N, V)."""
-    check_rule(rule)
-    check_sampling(temperature, top_k, top_p)
-    _check_float("target_logits", target_logits)
+    _check_rule_and_target(rule, target_logits, "[N, V]", temperature, top_k, top_p)
     _check_float("draft_logits", draft_logits)
-    if target_logits.dim() != 2 or target_logits.shape[1] < 1:
-        raise ValueError(f"target_logits must be [N, V], got shape {_shape(target_logits)}")
     if draft_logits.shape != target_logits.shape:
         raise ValueError(f"draft_logits shape {_shape(draft_logits)} does not match target_logits "
                          f"shape {_shape(target_logits)}")
@@ -101,12 +103,8 @@ def check_candidate_inputs(rule, target_logits: Tensor, candidates: Tensor, temp
     """Validate verify_candidates' inputs; returns (N, m, V). Candidates: distinct ids, -1
     padding only after the valid ones (``contents=False`` skips these value checks: the C++
     verifier makes them and the caller then re-runs this to raise)."""
-    check_rule(rule)
-    check_sampling(temperature, top_k, top_p)
-    _check_float("target_logits", target_logits)
+    _check_rule_and_target(rule, target_logits, "[N, V]", temperature, top_k, top_p)
     _check_long("candidates", candidates)
-    if target_logits.dim() != 2 or target_logits.shape[1] < 1:
-        raise ValueError(f"target_logits must be [N, V], got shape {_shape(target_logits)}")
     n, v = target_logits.shape
     if candidates.dim() != 2 or candidates.shape[0] != n:
         raise ValueError(f"candidates shape {_shape(candidates)} does not match target_logits "

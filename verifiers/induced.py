@@ -15,7 +15,7 @@ from torch import Tensor
 
 from .checks import check_candidate_inputs, check_pair_inputs, raise_if_bad_rows
 from .processing import CHUNK_ELEMENTS, draft_logits, process_logits
-from .rules import VerificationRule
+from .rule_base import VerificationRule
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""The fused C++ verifier (``csrc/chain.cpp``): build, load and call it.
+"""The fused C++ verifier (``csrc/``: chain.cpp, candidates.cpp, the rule part rules.h and the
+shared common.h; verifiers/README.md, "Kernel layout"): build, load and call it.
 
 ``verify_chain`` and ``verify_candidates`` use it for sampled chains and tree nodes on the
 CPU; the PyTorch code in :mod:`.chain` and :mod:`.candidates` is the other backend (any
@@ -8,7 +9,8 @@ same uniforms and are tested against the same slow reference and closed forms.
 The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``;
 about 3 s) against torch's own thread pool (``at::parallel_for``: it follows
 ``torch.set_num_threads``), and cached under ``$HONEST_ROLLOUTS_CACHE`` (default
-``~/.cache/honest-rollouts``) keyed by the source, compiler, torch version and CPU flags.
+``~/.cache/honest-rollouts``) keyed by every source file, the compiler, torch version and CPU
+flags.
 ``python -c 'from verifiers import native; native.main()'`` (``make native``) builds it ahead
 of time and says where it is.
 
@@ -18,6 +20,11 @@ over [-87, 0], that flushes e^x to 0 below x = -87: a token whose probability is
 reported as having q = 0). Row sums are float32, sampling sums float64, closed forms
 float64; results agree with the PyTorch path to about 1e-6 in log-prob, token for token on
 the tests' inputs.
+
+A rule runs here when its class declares a ``kernel_id`` (and its ``kernel_args``) in
+:mod:`.rules`; :func:`params` builds the C struct from that declaration and checks it against
+the kernel's own table (name and argument count under that id). A rule without a kernel id runs
+on the PyTorch path.
 
 ``HONEST_ROLLOUTS_NATIVE``: ``auto`` (default: use it when it builds, else warn once and use
 PyTorch), ``0`` (never), ``1`` (required: a failed build raises).
@@ -42,18 +49,16 @@ import torch
 from torch import Tensor
 
 from .results import CandidateResult, ChainResult
-from .rules import Cos, Lossless, Mars, MinP, Overshoot, Typical
 
-SOURCE = Path(__file__).with_name("csrc") / "chain.cpp"
-_RULE_IDS = {Lossless: 0, Mars: 1, Overshoot: 2, Typical: 3, MinP: 4, Cos: 5}
+CSRC = Path(__file__).with_name("csrc")
+SOURCES = sorted(CSRC.glob("*.cpp")) + sorted(CSRC.glob("*.h"))  # every file the library is built from
+MAX_ARGS = 4  # kMaxArgs in csrc/common.h
 
 
 class Params(ctypes.Structure):
-    """Mirror of ``Params`` in csrc/chain.cpp."""
+    """Mirror of ``Params`` in csrc/common.h: a rule's kernel id and arguments."""
 
-    _fields_ = [("rule", ctypes.c_int64), ("theta", ctypes.c_double), ("lenience", ctypes.c_double),
-                ("min_p", ctypes.c_double), ("epsilon", ctypes.c_double), ("delta", ctypes.c_double),
-                ("p_base", ctypes.c_double), ("lam", ctypes.c_double)]
+    _fields_ = [("rule", ctypes.c_int64), ("args", ctypes.c_double * MAX_ARGS)]
 
 
 _lib: ctypes.CDLL | None = None
@@ -100,20 +105,23 @@ def _command(out: Path) -> list[str]:
     return [os.environ.get("CXX", "g++"), "-O3", "-std=gnu++17", "-march=native", "-fopenmp",
             "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared",
             f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{tdir / 'include'}", str(SOURCE), "-o", str(out), f"-L{tdir / 'lib'}",
+            f"-I{tdir / 'include'}", *(str(s) for s in SOURCES if s.suffix == ".cpp"), "-o", str(out),
+            f"-L{tdir / 'lib'}",
             "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{tdir / 'lib'}"]
 
 
 def library_path() -> Path:
-    """Where the compiled library for this source, compiler, torch and CPU lives."""
+    """Where the compiled library for these sources, compiler, torch and CPU lives."""
     key = hashlib.sha256()
-    key.update(SOURCE.read_bytes())
+    for source in SOURCES:
+        key.update(source.name.encode())
+        key.update(source.read_bytes())
     command = _command(Path("x"))
     key.update(" ".join(command).encode())
     key.update(_compiler_version(command[0]).encode())
     key.update(torch.__version__.encode())
     key.update(_cpu_flags().encode())
-    return _cache_dir() / f"chain-{key.hexdigest()[:16]}.so"
+    return _cache_dir() / f"verifier-{key.hexdigest()[:16]}.so"
 
 
 def build() -> Path:
@@ -129,7 +137,7 @@ def build() -> Path:
     proc = subprocess.run(_command(tmp), capture_output=True, text=True, timeout=600)
     if proc.returncode != 0:
         tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"building {SOURCE.name} failed:\n{proc.stderr[-4000:]}")
+        raise RuntimeError(f"building the fused verifier ({CSRC}) failed:\n{proc.stderr[-4000:]}")
     os.replace(tmp, path)  # atomic: concurrent builders (Ray workers) never see a partial file
     return path
 
@@ -162,6 +170,8 @@ def _load_locked() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
                    + [ctypes.c_void_p] * 6)
+    lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
+    lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
     _lib, _tried = lib, True
     return lib
 
@@ -189,15 +199,24 @@ def forced(use: bool):
 
 @functools.lru_cache(maxsize=256)
 def params(rule) -> Params:
-    """The C struct for a registered rule (rules are frozen: cached per rule)."""
-    rid = _RULE_IDS[type(rule)]
-    get = lambda name, default=0.0: float(getattr(rule, name, default) or 0.0)  # noqa: E731
-    return Params(rid, get("theta"), get("lenience", 1.0), get("min_p"), get("epsilon"), get("delta"),
-                  get("p_base"), get("lam"))
+    """The C struct for a rule with a kernel declaration (rules are frozen: cached per rule).
+    Raises if the kernel implements another rule, or another argument count, under its id."""
+    rid, args = rule.kernel_id, tuple(float(a) for a in rule.kernel_args())
+    lib = _load()
+    if lib is not None:
+        name = lib.hr_rule_name(rid)
+        if name is None or name.decode() != rule.name or lib.hr_rule_nargs(rid) != len(args):
+            kernel = "nothing" if name is None else f"{name.decode()!r} with {lib.hr_rule_nargs(rid)} arguments"
+            raise RuntimeError(f"rule {rule.name!r} declares kernel id {rid} with {len(args)} arguments, "
+                               f"but the kernel implements {kernel} under that id")
+    if len(args) > MAX_ARGS:
+        raise ValueError(f"rule {rule.name!r} declares {len(args)} kernel arguments (at most {MAX_ARGS})")
+    return Params(rid, (ctypes.c_double * MAX_ARGS)(*args))
 
 
 def supports(rule) -> bool:
-    return type(rule) in _RULE_IDS
+    """Whether ``rule`` declares a kernel id (rules without one run on the PyTorch path)."""
+    return isinstance(getattr(rule, "kernel_id", None), int)
 
 
 def usable(rule, temperature: float, device: torch.device) -> bool:

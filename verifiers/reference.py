@@ -16,7 +16,7 @@ from torch import Tensor
 
 from .processing import draft_probs, process_logits
 from .results import TokenKind
-from .rules import VerificationRule
+from .rule_base import VerificationRule
 
 
 def reference_sample(weights: Tensor, u: float) -> int:

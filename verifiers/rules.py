@@ -1,155 +1,63 @@
-"""Verification rules: what each rule accepts, what it samples after a rejection, and the
-closed form of the distribution it induces (VERIFICATION.md, the two tables).
-
-Vocabulary: p is the processed target distribution, q the draft distribution (both [..., V],
-see :mod:`verifiers.processing`), z the processed target logits. A rule first computes a
-per-row *context* from z and p (for example MARS's top-2 tokens and its relax flag, or the
-probability threshold of a min-p / typical set A = {v : p(v) >= thr}); the other methods take it.
-
-Chain mode (a sampled draft x ~ q): accept x with probability a(x) = ``accept_prob``, else
-emit from the unnormalised residual ``residual(p, q, x)``; ``induced`` is the closed form
-P = sum_x q(x) [a(x) delta_x + (1 - a(x)) r_x]. ``chain_stats`` reduces full rows to what
-``prob_at`` needs to evaluate P(y) from gathered values (so the batched verifier never builds
-full P rows).
-
-Candidate mode (deterministic candidates c_1..c_m of one node): ``node_alpha`` gets s(c_i), the
-probability of c_i under p with c_1..c_{i-1} zeroed and renormalised (the lossless state),
-and p(c_i); it returns alpha_i. If every candidate is rejected the token comes from
-``node_fallback``.
+"""The registered verification rules: each class holds one rule's procedure, its closed forms
+and its kernel declaration (``kernel_id``, ``kernel_args``: the case of verifiers/csrc/rules.h
+that implements it, with its arguments). The interface and the registry are in
+:mod:`verifiers.rule_base`; verifiers/README.md has the math (the chain and candidate tables).
+Also here: :class:`TruncationSampling`, the truncation rules' matched baseline (not registered).
 
 Greedy (T = 0): every rule accepts x iff x is the target argmax v1, except MARS, which also
 accepts v2 when its ratio test on the raw logits holds (``greedy_second``). The cos rule has no
 deterministic form of its own, so at T = 0 it is greedy like the others (our choice).
-
-All methods are batched over leading dims; the rules are frozen dataclasses, built by name
-with :func:`get_rule`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import math
 from dataclasses import dataclass
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import ClassVar
 
 import torch
 from torch import Tensor
 
 from .processing import top2
+from .rule_base import (RULES, Context, RuleBase, VerificationRule, below01, check_range, expand,
+                        get_rule, lossless_accept, lossless_residual, register, rule_params)
 
-Context = dict[str, Tensor]
-
-
-@runtime_checkable
-class VerificationRule(Protocol):
-    """The interface every registered rule implements (see the module docstring)."""
-
-    name: str
-
-    def context(self, z: Tensor, p: Tensor) -> Context: ...
-    def accept_prob(self, p_x: Tensor, q_x: Tensor, x: Tensor, ctx: Context) -> Tensor: ...
-    def residual(self, p: Tensor, q: Tensor, x: Tensor, ctx: Context) -> Tensor: ...
-    def induced(self, p: Tensor, q: Tensor, ctx: Context) -> Tensor: ...
-    def chain_stats(self, p: Tensor, q: Tensor, ctx: Context) -> dict[str, Tensor]: ...
-    def prob_at(self, p_y: Tensor, q_y: Tensor, y: Tensor, ctx: Context,
-                stats: dict[str, Tensor]) -> Tensor: ...
-    def induces_target(self, ctx: Context) -> Tensor | bool: ...
-    def node_alpha(self, s_c: Tensor, p_c: Tensor, c: Tensor, ctx: Context) -> Tensor: ...
-    def node_fallback(self, p: Tensor, p_rest: Tensor, ctx: Context) -> Tensor: ...
-    def greedy_second(self, logits: Tensor) -> tuple[Tensor, Tensor] | None: ...
+__all__ = ["RULES", "Context", "VerificationRule", "get_rule", "register", "rule_params", "lossless_residual",
+           "Lossless", "Mars", "Overshoot", "Typical", "MinP", "Cos", "TruncationSampling"]
 
 
-def lossless_residual(p: Tensor, q: Tensor) -> Tensor:
-    """Unnormalised R = (p - q)+ [..., V]; p itself on rows where p <= q everywhere (TV = 0 guard)."""
-    w = (p - q).clamp_(min=0)
-    empty = w.sum(-1, keepdim=True) <= 0  # [..., 1]
-    return torch.where(empty, p, w) if bool(empty.any()) else w
+@register
+@dataclass(frozen=True)
+class Lossless(RuleBase):
+    """Standard speculative sampling: a = min(1, p/q), residual norm((p - q)+), P = p."""
 
-
-def _lossless_accept(p_x: Tensor, q_x: Tensor) -> Tensor:
-    return (p_x / q_x).clamp_(max=1)
-
-
-def _expand(t: Tensor, like: Tensor) -> Tensor:
-    """A per-row value [...] broadcast against [..., n] when ``like`` has one more dim."""
-    return t.unsqueeze(-1) if like.dim() > t.dim() else t
-
-
-def _below01(p: Tensor, thr: Tensor) -> Tensor:
-    """(p < thr) as float32 ones and zeros [..., V] (thr [...]): written as float directly, which is
-    several times faster over a vocabulary row on the CPU than a bool mask and where/masked_fill.
-    Multiplying a finite x >= 0 by it equals ``torch.where(p >= thr, 0.0, x)`` exactly."""
-    return torch.lt(p, _expand(thr, p), out=torch.empty_like(p))
-
-
-class _RuleBase:
-    """Defaults: the lossless rule (subclasses override what differs)."""
-
-    name: ClassVar[str]
-    # chain_stats reduces whole vocabulary rows (worth computing only at the positions read)
-    full_row_stats: ClassVar[bool] = False
-
-    def context(self, z: Tensor, p: Tensor) -> Context:
-        return {}
-
-    def accept_prob(self, p_x, q_x, x, ctx):
-        return _lossless_accept(p_x, q_x)
-
-    def residual(self, p, q, x, ctx):
-        return lossless_residual(p, q)
+    name: ClassVar[str] = "lossless"
+    kernel_id: ClassVar[int] = 0
 
     def induced(self, p, q, ctx):
         return p
 
-    def chain_stats(self, p, q, ctx):
-        return {}
-
     def prob_at(self, p_y, q_y, y, ctx, stats):
         return p_y
-
-    def induces_target(self, ctx: Context) -> Tensor | bool:
-        """True (or a per-row mask) where P == p exactly, so log P(y) = log p(y)."""
-        return False
-
-    def node_alpha(self, s_c, p_c, c, ctx):
-        return s_c
-
-    def node_fallback(self, p, p_rest, ctx):
-        return p_rest
-
-    def greedy_second(self, logits: Tensor) -> tuple[Tensor, Tensor] | None:
-        """At T = 0: (mask of rows where v2 is also accepted, v2), or None (never)."""
-        return None
-
-
-def _check_range(rule: str, param: str, value: Any, low: float, high: float,
-                 low_open: bool, text: str) -> None:
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    ok = ok and (value > low if low_open else value >= low) and value <= high
-    if not ok:
-        raise ValueError(f"rule {rule!r}: parameter {param!r} must be in {text}, got {value!r}")
-
-
-@dataclass(frozen=True)
-class Lossless(_RuleBase):
-    """Standard speculative sampling: a = min(1, p/q), residual norm((p - q)+), P = p."""
-
-    name: ClassVar[str] = "lossless"
 
     def induces_target(self, ctx):
         return True
 
 
+@register
 @dataclass(frozen=True)
-class Mars(_RuleBase):
+class Mars(RuleBase):
     """MARS: where z1 > 0 and z2/z1 > theta (top-2 processed logits), accept v1 and v2 outright
     and fall back to p itself; elsewhere exactly lossless. The z1 > 0 guard is ours."""
 
     theta: float = 0.9
     name: ClassVar[str] = "mars"
+    kernel_id: ClassVar[int] = 1
+
+    def kernel_args(self):
+        return (self.theta,)
 
     def __post_init__(self):
-        _check_range(self.name, "theta", self.theta, 0, 1, False, "[0, 1]")
+        check_range(self.name, "theta", self.theta, 0, 1, False, "[0, 1]")
 
     def _relax(self, z1: Tensor, z2: Tensor) -> Tensor:
         return (z1 > 0) & (z2 / z1 > self.theta)
@@ -159,10 +67,10 @@ class Mars(_RuleBase):
         return {"relax": self._relax(z1, z2), "v1": v1, "v2": v2}
 
     def _in12(self, tok: Tensor, ctx: Context) -> Tensor:
-        return (tok == _expand(ctx["v1"], tok)) | (tok == _expand(ctx["v2"], tok))
+        return (tok == expand(ctx["v1"], tok)) | (tok == expand(ctx["v2"], tok))
 
     def accept_prob(self, p_x, q_x, x, ctx):
-        return torch.where(ctx["relax"], self._in12(x, ctx).float(), _lossless_accept(p_x, q_x))
+        return torch.where(ctx["relax"], self._in12(x, ctx).float(), lossless_accept(p_x, q_x))
 
     def residual(self, p, q, x, ctx):
         return torch.where(ctx["relax"].unsqueeze(-1), p, lossless_residual(p, q))
@@ -196,8 +104,9 @@ class Mars(_RuleBase):
         return self._relax(z1, z2), v2
 
 
+@register
 @dataclass(frozen=True)
-class Overshoot(_RuleBase):
+class Overshoot(RuleBase):
     """Overshoot ceiling: a = min(1, p / (l q)), residual R; P = min(q, p/l) + (1 - beta) R.
     With ``min_p`` set, tokens in A = {p >= min_p max p} are accepted outright (the gate)."""
 
@@ -205,17 +114,21 @@ class Overshoot(_RuleBase):
     min_p: float | None = None
     name: ClassVar[str] = "overshoot"
     full_row_stats: ClassVar[bool] = True
+    kernel_id: ClassVar[int] = 2
+
+    def kernel_args(self):
+        return (self.lenience, self.min_p or 0.0)  # 0: no gate
 
     def __post_init__(self):
-        _check_range(self.name, "lenience", self.lenience, 0, 1, True, "(0, 1]")
+        check_range(self.name, "lenience", self.lenience, 0, 1, True, "(0, 1]")
         if self.min_p is not None:
-            _check_range(self.name, "min_p", self.min_p, 0, 1, True, "(0, 1] or None")
+            check_range(self.name, "min_p", self.min_p, 0, 1, True, "(0, 1] or None")
 
     def context(self, z, p):
         return {} if self.min_p is None else {"thr": self.min_p * p.amax(-1)}
 
     def _gate(self, p_v: Tensor, ctx: Context) -> Tensor | None:
-        return None if self.min_p is None else p_v >= _expand(ctx["thr"], p_v)
+        return None if self.min_p is None else p_v >= expand(ctx["thr"], p_v)
 
     def accept_prob(self, p_x, q_x, x, ctx):
         a = (p_x / (self.lenience * q_x)).clamp_(max=1)
@@ -236,7 +149,7 @@ class Overshoot(_RuleBase):
     def chain_stats(self, p, q, ctx):
         over = torch.sub(q, p, alpha=1 / self.lenience).clamp_(min=0)  # (q - p/l)+ = q - g off A
         if self.min_p is not None:
-            over.mul_(_below01(p, ctx["thr"]))  # 0 on the gate (p >= thr); over is finite, >= 0
+            over.mul_(below01(p, ctx["thr"]))  # 0 on the gate (p >= thr); over is finite, >= 0
         rejected = over.sum(-1)
         tv = torch.sub(p, q, out=over).clamp_(min=0).sum(-1)  # sum (p - q)+, reusing over's memory
         return {"rejected": rejected, "tv": tv}
@@ -253,7 +166,7 @@ class Overshoot(_RuleBase):
         return a if gate is None else a.masked_fill(gate, 1.0)
 
 
-class _TruncationRule(_RuleBase):
+class TruncationRule(RuleBase):
     """Accept x iff x in A = {p >= thr}; after rejecting x emit from p without x (chain)."""
 
     full_row_stats: ClassVar[bool] = True
@@ -265,7 +178,7 @@ class _TruncationRule(_RuleBase):
         return {"thr": self._threshold(z, p)}
 
     def _in_a(self, p_v: Tensor, ctx: Context) -> Tensor:
-        return p_v >= _expand(ctx["thr"], p_v)
+        return p_v >= expand(ctx["thr"], p_v)
 
     def accept_prob(self, p_x, q_x, x, ctx):
         return self._in_a(p_x, ctx).float()
@@ -278,7 +191,7 @@ class _TruncationRule(_RuleBase):
         Written with a float mask (several times faster over a vocabulary row than where).
         1 - p is >= 2^-24 outside A (p < thr <= 1), so flooring it at 1e-30 changes nothing
         there and keeps the quotient finite where p = 1 (inside A), which the mask zeroes."""
-        below = _below01(p, ctx["thr"])  # 1 outside A
+        below = below01(p, ctx["thr"])  # 1 outside A
         denom = torch.rsub(p, 1).clamp_(min=1e-30)
         return torch.div(q, denom, out=denom).mul_(below)
 
@@ -298,17 +211,22 @@ class _TruncationRule(_RuleBase):
         return self._in_a(p_c, ctx).float()
 
 
+@register
 @dataclass(frozen=True)
-class Typical(_TruncationRule):
+class Typical(TruncationRule):
     """Typical acceptance: A = {p >= min(epsilon, delta exp(-H(p)))}."""
 
     epsilon: float = 0.09
     delta: float = 0.3
     name: ClassVar[str] = "typical"
+    kernel_id: ClassVar[int] = 3
+
+    def kernel_args(self):
+        return (self.epsilon, self.delta)
 
     def __post_init__(self):
-        _check_range(self.name, "epsilon", self.epsilon, 0, 1, True, "(0, 1]")
-        _check_range(self.name, "delta", self.delta, 0, 1, True, "(0, 1]")
+        check_range(self.name, "epsilon", self.epsilon, 0, 1, True, "(0, 1]")
+        check_range(self.name, "delta", self.delta, 0, 1, True, "(0, 1]")
 
     def _threshold(self, z, p):
         # log p = z - z1 + log p1, so H = -log p1 - sum p (z - z1) (terms with p = 0 dropped:
@@ -318,30 +236,40 @@ class Typical(_TruncationRule):
         return (self.delta * torch.exp(-entropy)).clamp(max=self.epsilon)
 
 
+@register
 @dataclass(frozen=True)
-class MinP(_TruncationRule):
+class MinP(TruncationRule):
     """SpecCascade-style min-p acceptance: A = {p >= p_base max p}."""
 
     p_base: float = 0.1
     name: ClassVar[str] = "min_p"
+    kernel_id: ClassVar[int] = 4
+
+    def kernel_args(self):
+        return (self.p_base,)
 
     def __post_init__(self):
-        _check_range(self.name, "p_base", self.p_base, 0, 1, True, "(0, 1]")
+        check_range(self.name, "p_base", self.p_base, 0, 1, True, "(0, 1]")
 
     def _threshold(self, z, p):
         return self.p_base * p.amax(-1)
 
 
+@register
 @dataclass(frozen=True)
-class Cos(_RuleBase):
+class Cos(RuleBase):
     """Lossless speculative decoding towards m = lam p + (1 - lam) q: a = min(1, m/q), residual R,
     P = m. Candidate mode (ours): q is one-hot at each candidate, so alpha = 1 - lam (1 - s(c))."""
 
     lam: float = 0.5
     name: ClassVar[str] = "cos"
+    kernel_id: ClassVar[int] = 5
+
+    def kernel_args(self):
+        return (self.lam,)
 
     def __post_init__(self):
-        _check_range(self.name, "lam", self.lam, 0, 1, False, "[0, 1]")
+        check_range(self.name, "lam", self.lam, 0, 1, False, "[0, 1]")
 
     def accept_prob(self, p_x, q_x, x, ctx):
         return (self.lam * (p_x / q_x) + (1 - self.lam)).clamp_(max=1)
@@ -360,23 +288,51 @@ class Cos(_RuleBase):
         return s_c if self.lam == 1 else 1 - self.lam * (1 - s_c)
 
 
-RULES: dict[str, type[_RuleBase]] = {
-    cls.name: cls for cls in (Lossless, Mars, Overshoot, Typical, MinP, Cos)
-}
 
 
-def rule_params(name: str) -> list[str]:
-    """The parameter names of registered rule ``name``."""
-    return [f.name for f in dataclasses.fields(RULES[name])]
+@dataclass(frozen=True)
+class TruncationSampling(RuleBase):
+    """Sampling from p restricted to a truncation rule's set A = {p >= thr}: the matched baseline
+    of typical and min_p (compare them with it, not with plain sampling). Written as a rule that
+    never accepts a candidate and whose fallback and residual are p on A, so it runs through the
+    engine like any verifier (with speculation off, P = p_A / p(A) at every position) and its
+    behaviour log-probs come out exact. Not registered: it is built around a truncation rule,
+    ``TruncationSampling(get_rule("min_p", p_base=0.2))``; it has no kernel (PyTorch path)."""
 
+    base: TruncationRule
 
-def get_rule(name: str, **params: Any) -> VerificationRule:
-    """Build the registered rule ``name`` with ``params``; errors list what is allowed."""
-    if name not in RULES:
-        raise ValueError(f"unknown verification rule {name!r} (valid rules: {', '.join(RULES)})")
-    allowed = rule_params(name)
-    unknown = sorted(set(params) - set(allowed))
-    if unknown:
-        raise ValueError(f"rule {name!r} has no parameter {unknown[0]!r} "
-                         f"(its parameters: {', '.join(allowed) or 'none'})")
-    return RULES[name](**params)
+    def __post_init__(self):
+        if not isinstance(self.base, TruncationRule):
+            raise TypeError(f"TruncationSampling needs a truncation rule (typical, min_p), got {self.base!r}")
+
+    @property
+    def name(self) -> str:
+        return f"sampling[{self.base.name}]"
+
+    def context(self, z, p):
+        return self.base.context(z, p)
+
+    def _keep(self, p: Tensor, ctx: Context) -> Tensor:  # p on A, 0 elsewhere [..., V]
+        return torch.where(p >= expand(ctx["thr"], p), p, 0.0)
+
+    def accept_prob(self, p_x, q_x, x, ctx):
+        return torch.zeros_like(p_x)
+
+    def residual(self, p, q, x, ctx):
+        return self._keep(p, ctx)
+
+    def induced(self, p, q, ctx):
+        kept = self._keep(p, ctx)
+        return kept / kept.sum(-1, keepdim=True)
+
+    def chain_stats(self, p, q, ctx):
+        return {"mass": self._keep(p, ctx).sum(-1)}
+
+    def prob_at(self, p_y, q_y, y, ctx, stats):
+        return self._keep(p_y, ctx) / stats["mass"]
+
+    def node_alpha(self, s_c, p_c, c, ctx):
+        return torch.zeros_like(s_c)
+
+    def node_fallback(self, p, p_rest, ctx):
+        return self._keep(p, ctx)
