@@ -30,10 +30,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-import torch
-
 from rollout.config import ConfigError
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from verifiers import TruncationSampling
 
 SOURCES = ("tasks", "jsonl", "general")
 MODES = ("chain", "tree")
@@ -179,57 +178,9 @@ class DriftConfig:
 
 
 # ----------------------------------------------------------------------------- matched baselines
-class TruncationSampling:
-    """Sampling from p restricted to a rule's set A = {p >= thr} (A from ``rule.context``).
-
-    Written as a verification rule that never accepts a candidate and whose fallback and
-    residual are p on A, so it runs through the engine like any verifier (use mode ``off``:
-    then P = p_A / p(A) at every position) and its behaviour log-probs come out exact.
-    """
-
-    def __init__(self, base):
-        self.base = base
-        self.name = f"sampling[{base.name}]"
-
-    def context(self, z, p):
-        return self.base.context(z, p)
-
-    def _keep(self, p, ctx):  # p on A, 0 elsewhere [..., V]
-        thr = ctx["thr"]
-        return torch.where(p >= (thr.unsqueeze(-1) if p.dim() > thr.dim() else thr), p, 0.0)
-
-    def accept_prob(self, p_x, q_x, x, ctx):
-        return torch.zeros_like(p_x)
-
-    def residual(self, p, q, x, ctx):
-        return self._keep(p, ctx)
-
-    def induced(self, p, q, ctx):
-        kept = self._keep(p, ctx)
-        return kept / kept.sum(-1, keepdim=True)
-
-    def chain_stats(self, p, q, ctx):
-        return {"mass": self._keep(p, ctx).sum(-1)}
-
-    def prob_at(self, p_y, q_y, y, ctx, stats):
-        return self._keep(p_y, ctx) / stats["mass"]
-
-    def induces_target(self, ctx):
-        return False
-
-    def node_alpha(self, s_c, p_c, c, ctx):
-        return torch.zeros_like(s_c)
-
-    def node_fallback(self, p, p_rest, ctx):
-        return self._keep(p, ctx)
-
-    def greedy_second(self, logits):
-        return None
-
-
 @dataclass(frozen=True)
 class TruncationSamplingConfig(VerifierConfig):
-    """A VerifierConfig whose rule is :class:`TruncationSampling` over the named truncation rule."""
+    """A VerifierConfig whose rule is :class:`verifiers.TruncationSampling` over the named truncation rule."""
 
     def __post_init__(self) -> None:
         if self.name not in TRUNCATION_RULES:
