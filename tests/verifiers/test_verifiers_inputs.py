@@ -6,7 +6,7 @@ import math
 
 import pytest
 import torch
-from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs, make_rule
+from verifier_cases import RULE_CASES, RULE_IDS, RuleCase, candidate_inputs, chain_inputs
 
 from verifiers import (DIAGNOSTIC_KEYS, TokenKind, get_rule, induced_candidates, induced_chain,
                        process_logits, target_probs, verify_candidates, verify_chain)
@@ -108,7 +108,7 @@ def test_bad_tokens_generator_and_rule():
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_k_zero_emits_one_bonus_token(case, temperature):
-    rule = make_rule(case)
+    rule = case.rule()
     res = _chain(rule, b=3, k=0, temperature=temperature, diagnostics=True)
     assert res.tokens.shape == (3, 1) and (res.num_emitted == 1).all()
     assert (res.kinds == int(TokenKind.BONUS)).all() and (res.tokens >= 0).all()
@@ -134,7 +134,7 @@ def test_empty_batches(temperature):
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 @pytest.mark.parametrize("temperature", [0.0, 1.0])
 def test_nodes_without_candidates_sample_from_p(case, temperature):
-    rule = make_rule(case)
+    rule = case.rule()
     target, _ = candidate_inputs(0, 3, 1, 10)
     for empty in (torch.full((3, 2), -1), torch.zeros(3, 0, dtype=torch.long)):
         P = induced_candidates(rule, target, empty, temperature=temperature)
@@ -147,8 +147,8 @@ def test_nodes_without_candidates_sample_from_p(case, temperature):
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 def test_greedy_is_deterministic_with_zero_logprobs(case):
-    rule = make_rule(case)
-    target, draft, x = chain_inputs(3, 32, 4, 10, 0.0, 6.0 if case[0] == "mars" else 0.0)
+    rule = case.rule()
+    target, draft, x = chain_inputs(3, 32, 4, 10, 0.0, case.shift(6.0))
     x[::2, 1] = target[::2, 1].argmax(-1)  # some rows accept beyond the first position
     runs = [verify_chain(rule, target, draft, x, temperature=0.0, generator=gen)
             for gen in (None, torch.Generator().manual_seed(1), torch.Generator().manual_seed(2))]
@@ -161,7 +161,7 @@ def test_greedy_is_deterministic_with_zero_logprobs(case):
     last = res.num_emitted - 1
     assert torch.equal(res.tokens[rows, last], v1[rows, last])  # the final token is the argmax
     accepted = res.kinds == int(TokenKind.ACCEPTED)
-    if case[0] != "mars":
+    if rule.greedy_second(target) is None:  # only the argmax is ever accepted
         assert torch.equal(res.tokens[accepted], v1[accepted])
         assert not res.relaxed.any()
     else:  # MARS also accepts v2 where its ratio test holds on the raw logits
@@ -169,7 +169,7 @@ def test_greedy_is_deterministic_with_zero_logprobs(case):
         ok = (res.tokens == v1) | (res.tokens == second)
         assert ok[accepted].all() and res.relaxed.any()
         assert (res.target_logprobs[res.relaxed] == -math.inf).all()
-    _, cands = candidate_inputs(3, 32, 3, 10, 6.0 if case[0] == "mars" else 0.0)
+    _, cands = candidate_inputs(3, 32, 3, 10, case.shift(6.0))
     out = verify_candidates(rule, target[:, 0], cands, temperature=0.0, generator=None)
     assert (out.behaviour_logprobs == 0).all()
     fell_back = out.accepted_index < 0
@@ -180,8 +180,8 @@ def test_greedy_is_deterministic_with_zero_logprobs(case):
 @pytest.mark.parametrize("top_k, top_p", [(2, None), (None, 0.5), (3, 0.7)])
 def test_support_handling_under_truncation(case, top_k, top_p):
     """No emitted token outside supp P; finite behaviour log-probs; uncovered mass reported."""
-    rule = make_rule(case)
-    shift = 6.0 if case[0] == "mars" else 0.0
+    rule = case.rule()
+    shift = case.shift(6.0)
     target, draft, x = chain_inputs(4, 256, 3, 12, 1.0, shift)
     res = verify_chain(rule, target, draft, x, temperature=1.0, top_k=top_k, top_p=top_p,
                        generator=torch.Generator().manual_seed(0), diagnostics=True)
@@ -196,7 +196,7 @@ def test_support_handling_under_truncation(case, top_k, top_p):
         else:
             P = target_probs(target[b[sel], pos], 1.0, top_k, top_p)
         assert (P.gather(-1, res.tokens[b[sel], pos, None]) > 0).all()
-    if case[0] == "lossless":  # P = p: the uncovered mass is the truncated mass of softmax(z / T)
+    if case.name == "lossless":  # P = p: the uncovered mass is the truncated mass of softmax(z / T)
         pi = torch.softmax(target, -1)
         cut = process_logits(target, 1.0, top_k, top_p) == -math.inf
         expected = (pi * cut).sum(-1).masked_fill(~emitted, 0)
@@ -210,23 +210,10 @@ def test_support_handling_under_truncation(case, top_k, top_p):
     assert torch.isfinite(out.behaviour_logprobs).all()
 
 
-def test_top_k_and_top_p_processing():
-    z = torch.tensor([[2.0, 1.0, 1.0, 0.0, -1.0]])
-    assert torch.equal(process_logits(z, 1.0, top_k=2) > -math.inf,
-                       torch.tensor([[True, True, True, False, False]]))  # ties at the k-th kept
-    p = torch.softmax(z, -1)[0]
-    kept = process_logits(z, 1.0, top_p=float(p[0]) + 1e-3) > -math.inf
-    assert kept.tolist() == [[True, True, True, False, False]]  # smallest prefix reaching top_p
-    assert (process_logits(z, 1.0, top_p=float(p[0]) - 1e-3) > -math.inf).sum() == 1
-    assert torch.equal(process_logits(z, 0.5), z / 0.5)
-    greedy = process_logits(torch.tensor([[0.0, 3.0, 3.0]]), 0.0)
-    assert greedy.tolist() == [[-math.inf, 0.0, -math.inf]]  # first argmax on ties
-
-
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 def test_seeded_runs_are_deterministic(case):
-    rule = make_rule(case)
-    target, draft, x = chain_inputs(8, 64, 4, 10, 1.0, 6.0 if case[0] == "mars" else 0.0)
+    rule = case.rule()
+    target, draft, x = chain_inputs(8, 64, 4, 10, 1.0, case.shift(6.0))
 
     def run(seed):
         return verify_chain(rule, target, draft, x, temperature=1.0,
@@ -258,7 +245,7 @@ def test_lossless_behaviour_equals_target_and_relaxed_never_fires():
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 def test_diagnostics(case):
-    rule = make_rule(case)
+    rule = case.rule()
     res = _chain(rule, seed=5, b=32, k=3, temperature=1.0, diagnostics=True)
     d = res.diagnostics
     assert set(d) == set(DIAGNOSTIC_KEYS) and all(t.shape == (32, 4) for t in d.values())
@@ -266,10 +253,10 @@ def test_diagnostics(case):
     assert all((t[pad] == 0).all() for t in d.values())
     bonus = res.kinds == int(TokenKind.BONUS)
     assert (d["tv"][bonus].abs() < 1e-6).all()  # the bonus position has P = p
-    if case[0] == "lossless":
+    if case.name == "lossless":
         assert (d["tv"].abs() < 1e-6).all() and (d["kl"].abs() < 1e-5).all()
         torch.testing.assert_close(d["entropy_P"], d["entropy_p"])
-    elif case[0] != "mars":  # (MARS relaxes only on positive logits, absent here)
+    elif case.name != "mars":  # (MARS relaxes only on positive logits, absent here)
         assert (d["tv"] > 1e-3).any()
     assert (d["uncovered"] == 0).all()  # no truncation, every rule here covers supp p
     _, cands = candidate_inputs(5, 16, 3, 10)
@@ -279,54 +266,14 @@ def test_diagnostics(case):
     assert all(t.shape == (16,) for t in out.diagnostics.values())
 
 
-@pytest.mark.parametrize("vocab", [10, 4096, 49152, 5003])
-def test_top2_matches_topk(vocab):
-    """The two-level top-2 search (large vocabularies) returns exactly torch.topk's answer."""
-    from verifiers.processing import top2
-
-    g = torch.Generator().manual_seed(vocab)
-    z = torch.randn(3, 5, vocab, generator=g)
-    z[0, 0, 7] = -math.inf
-    z[1, 2, :] = -math.inf
-    z[1, 2, vocab - 1] = 0.0  # a single finite logit: z2 = -inf
-    z1, z2, v1, v2 = top2(z)
-    ref = z.topk(2, -1)
-    assert torch.equal(z1, ref.values[..., 0]) and torch.equal(z2, ref.values[..., 1])
-    assert torch.equal(v1[z2 > -math.inf], ref.indices[..., 0][z2 > -math.inf])
-    assert torch.equal(v2[z2 > -math.inf], ref.indices[..., 1][z2 > -math.inf])
-    assert int(v1[1, 2]) == vocab - 1
-
-
-@pytest.mark.parametrize("vocab", [10, 4096, 49152, 5003])
-def test_top2_breaks_ties_by_lowest_index(vocab):
-    """Tied maxima and tied runners-up (common with bf16 logits) resolve to the lowest index,
-    inside one block, across blocks and with multiplicity, as the C++ verifier resolves them."""
-    from verifiers.processing import top2
-
-    g = torch.Generator().manual_seed(vocab)
-    z = (torch.randn(6, vocab, generator=g) * 2).to(torch.bfloat16).float()  # many ties
-    hi = vocab - 2
-    z[0, [hi, 3, 5]] = 50.0  # a tied max: v1 = 3, v2 = 5 (same value)
-    z[1, hi] = 60.0
-    z[1, [hi - 1, 2]] = 50.0  # tied runner-up in different places: v2 = 2
-    z[2, [1, 4]] = 50.0
-    z[2, 0] = 60.0  # runner-up tied inside v1's block: v2 = 1
-    z[3, [hi, 0]] = 50.0  # tied max at both ends: v1 = 0, v2 = hi
-    z1, z2, v1, v2 = top2(z)
-    for r in range(len(z)):
-        order = sorted(range(vocab), key=lambda i: (-float(z[r, i]), i))  # value desc, index asc
-        assert (int(v1[r]), int(v2[r])) == (order[0], order[1]), r
-        assert float(z1[r]) == float(z[r, order[0]]) and float(z2[r]) == float(z[r, order[1]])
-    assert [int(v) for v in v1[:4]] == [3, hi, 0, 0] and [int(v) for v in v2[:4]] == [5, 2, 1, hi]
-
-
-@pytest.mark.parametrize("case", [("mars", {"theta": 0.9}), ("typical", {}), ("overshoot", {"lenience": 0.5, "min_p": 0.2})],
+@pytest.mark.parametrize("case", [RuleCase("mars", {"theta": 0.9}), RuleCase("typical"),
+                                  RuleCase("overshoot", {"lenience": 0.5, "min_p": 0.2})],
                          ids=["mars", "typical", "overshoot-gate"])
 def test_large_vocabulary_matches_reference(case):
     """V = 4096 takes the block top-2 path and the chunked pass (several chunks)."""
     from verifiers.reference import reference_chain
 
-    rule = make_rule(case)
+    rule = case.rule()
     g = torch.Generator().manual_seed(2)
     target = 6 * torch.randn(40, 4, 4096, generator=g) + 12  # peaked and positive (MARS relaxes)
     draft = target[:, :3] + 0.3 * torch.randn(40, 3, 4096, generator=g)  # close: long accepted runs
@@ -379,8 +326,8 @@ def test_outputs_are_float32_under_a_float64_default_dtype(case):
     and agree (the uniforms are then drawn in float64: the same in both)."""
     from verifiers import native
 
-    rule = make_rule(case)
-    target, draft, x = chain_inputs(6, 3, 3, 12, 1.0, 6.0 if case[0] == "mars" else 0.0)
+    rule = case.rule()
+    target, draft, x = chain_inputs(6, 3, 3, 12, 1.0, case.shift(6.0))
     nodes, cands = candidate_inputs(6, 4, 3, 12)
     runs = []
     saved = torch.get_default_dtype()

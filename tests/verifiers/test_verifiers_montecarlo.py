@@ -12,7 +12,7 @@ import math
 import pytest
 import torch
 from scipy import stats
-from verifier_cases import RULE_CASES, RULE_IDS, make_rule
+from verifier_cases import RULE_CASES, RULE_IDS
 
 from verifiers import induced_candidates, induced_chain, target_probs, verify_candidates, verify_chain
 
@@ -53,9 +53,9 @@ def _case_logits(seed: int, k: int, shift: float):
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 @pytest.mark.parametrize("temperature, top_p", [(1.0, None), (0.8, 0.85)])
 def test_chain_monte_carlo(case, temperature, top_p):
-    rule = make_rule(case)
+    rule = case.rule()
     k = 2
-    target, draft = _case_logits(21, k, 3.0 if case[0] == "mars" else 0.0)
+    target, draft = _case_logits(21, k, case.shift(3.0))
     gen = torch.Generator().manual_seed(1234)
     q = torch.softmax(draft / temperature, -1)  # [K, V]
     x = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=gen) for j in range(k)], 1)
@@ -76,8 +76,8 @@ def test_chain_monte_carlo(case, temperature, top_p):
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 @pytest.mark.parametrize("cands", [[2, 5, 0], [1, 3, 6, 0, 2, 5]])
 def test_candidates_monte_carlo(case, cands):
-    rule = make_rule(case)
-    target, _ = _case_logits(22, 0, 3.0 if case[0] == "mars" else 0.0)
+    rule = case.rule()
+    target, _ = _case_logits(22, 0, case.shift(3.0))
     c = torch.tensor([cands])
     gen = torch.Generator().manual_seed(99)
     res = verify_candidates(rule, target.expand(N, V), c.expand(N, len(cands)), temperature=0.9,

@@ -12,7 +12,7 @@ import sys
 import pytest
 import torch
 from test_verifiers_montecarlo import assert_matches
-from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs, make_rule
+from verifier_cases import KERNEL_CASES, KERNEL_IDS, candidate_inputs, chain_inputs
 
 from verifiers import (get_rule, induced_candidates, induced_chain, native, target_probs,
                        verify_candidates, verify_chain)
@@ -32,13 +32,13 @@ def _both(verify, *args, seed, **kw):
     return out
 
 
-@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 @pytest.mark.parametrize("sampling", [(1.0, None, None), (0.8, None, 0.9), (0.7, 50, None)],
                          ids=["T1", "T0.8-p0.9", "T0.7-k50"])
 def test_native_equals_torch_on_the_model_vocabulary(case, sampling):
     temperature, top_k, top_p = sampling
-    rule = make_rule(case)
-    target, draft, x = chain_inputs(3, 4, 5, 49152, temperature, 8.0 if case[0] == "mars" else 0.0)
+    rule = case.rule()
+    target, draft, x = chain_inputs(3, 4, 5, 49152, temperature, case.shift(8.0))
     target = target * 1.5  # peakier rows: longer accepted prefixes
     fast, slow = _both(verify_chain, rule, target, draft, x, seed=7, temperature=temperature, top_k=top_k,
                        top_p=top_p)
@@ -51,12 +51,12 @@ def test_native_equals_torch_on_the_model_vocabulary(case, sampling):
     assert (fast.tokens > 512).any()  # tokens come from beyond the first sampling block
 
 
-@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 @pytest.mark.parametrize("sampling", [(1.0, None, None), (0.8, None, 0.9)], ids=["T1", "T0.8-p0.9"])
 def test_native_candidates_equal_torch_on_the_model_vocabulary(case, sampling):
     temperature, top_k, top_p = sampling
-    rule = make_rule(case)
-    target, cands = candidate_inputs(4, 12, 4, 49152, 8.0 if case[0] == "mars" else 0.0)
+    rule = case.rule()
+    target, cands = candidate_inputs(4, 12, 4, 49152, case.shift(8.0))
     target = target * 1.5
     fast, slow = _both(verify_candidates, rule, target, cands, seed=8, temperature=temperature, top_k=top_k,
                        top_p=top_p)
@@ -89,10 +89,10 @@ def test_native_equals_torch_when_mars_ties(vocab):
     assert out[0].accepted_index.tolist() == [0] * 8 + [1] * 56
 
 
-@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 def test_native_results_do_not_depend_on_the_thread_count(case):
-    rule = make_rule(case)
-    target, draft, x = chain_inputs(5, 3, 4, 3000, 1.0, 6.0 if case[0] == "mars" else 0.0)
+    rule = case.rule()
+    target, draft, x = chain_inputs(5, 3, 4, 3000, 1.0, case.shift(6.0))
     saved = torch.get_num_threads()
     runs = []
     try:
@@ -106,7 +106,7 @@ def test_native_results_do_not_depend_on_the_thread_count(case):
     for other in runs[1:]:
         for name in ("tokens", "num_emitted", "behaviour_logprobs", "target_logprobs", "kinds", "relaxed"):
             assert torch.equal(getattr(runs[0], name), getattr(other, name)), name
-    target, cands = candidate_inputs(6, 9, 3, 3000, 6.0 if case[0] == "mars" else 0.0)
+    target, cands = candidate_inputs(6, 9, 3, 3000, case.shift(6.0))
     nodes = []
     try:
         for threads in (1, 2, 3):
@@ -124,19 +124,19 @@ def test_native_results_do_not_depend_on_the_thread_count(case):
 SPREAD = [3, 511, 512, 1030, 1535, 1599]  # the live tokens, in all four sampling blocks of V = 1600
 
 
-@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 def test_native_monte_carlo_across_sampling_blocks(case):
     """Like test_verifiers_montecarlo, with V = 1600 whose mass sits on tokens in every block of
     the kernel's two-level inverse-CDF search (the other tokens have p and q near 1e-13)."""
     n, k, v = 100_000, 2, 1600
     g = torch.Generator().manual_seed(31)
-    shift = 3.0 if case[0] == "mars" else 0.0
+    shift = case.shift(3.0)
     target = torch.full((k + 1, v), -30.0)
     draft = torch.full((k, v), -30.0)
     target[:, SPREAD] = torch.randn(k + 1, len(SPREAD), generator=g) * 1.5 + shift
     draft[:, SPREAD] = target[:k, SPREAD] + torch.randn(k, len(SPREAD), generator=g) * 0.7
     draft[0, SPREAD[0]] = -math.inf  # a live target token outside the draft vocabulary
-    rule = make_rule(case)
+    rule = case.rule()
     q = torch.softmax(draft, -1)
     x = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=g) for j in range(k)], 1)
     with native.forced(True):
@@ -152,16 +152,16 @@ def test_native_monte_carlo_across_sampling_blocks(case):
     assert torch.isin(res.tokens[res.tokens >= 0], torch.tensor(SPREAD)).float().mean() > 0.999
 
 
-@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
+@pytest.mark.parametrize("case", KERNEL_CASES, ids=KERNEL_IDS)
 def test_native_candidate_monte_carlo_across_sampling_blocks(case):
     """Candidates at three of the live tokens of V = 1600; rejections sample the fallback over
     the rest, in all four sampling blocks."""
     n, v = 100_000, 1600
     g = torch.Generator().manual_seed(32)
     target = torch.full((1, v), -30.0)
-    target[0, SPREAD] = torch.randn(len(SPREAD), generator=g) * 1.5 + (3.0 if case[0] == "mars" else 0.0)
+    target[0, SPREAD] = torch.randn(len(SPREAD), generator=g) * 1.5 + (case.shift(3.0))
     cands = torch.tensor([[SPREAD[2], SPREAD[4], SPREAD[0]]])
-    rule = make_rule(case)
+    rule = case.rule()
     with native.forced(True):
         res = verify_candidates(rule, target.expand(n, v), cands.expand(n, 3), temperature=0.9, generator=g)
     P = induced_candidates(rule, target, cands, temperature=0.9)[0]

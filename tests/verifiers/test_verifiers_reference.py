@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs, make_rule
+from verifier_cases import RULE_CASES, RULE_IDS, candidate_inputs, chain_inputs
 
 from verifiers import verify_candidates, verify_chain
 from verifiers.reference import reference_candidates, reference_chain
@@ -22,8 +22,8 @@ def _close(a: float, b: float) -> bool:
 @pytest.mark.parametrize("sampling", SAMPLING, ids=SAMPLING_IDS)
 def test_chain_matches_reference(case, sampling):
     temperature, top_k, top_p = sampling
-    rule = make_rule(case)
-    shift = 6.0 if case[0] == "mars" else 0.0  # positive logits so that MARS relaxes somewhere
+    rule = case.rule()
+    shift = case.shift(6.0)  # positive logits so that MARS relaxes somewhere
     target, draft, x = chain_inputs(11, 24, 4, 12, temperature, shift)
     gen = torch.Generator().manual_seed(5)
     res = verify_chain(rule, target, draft, x, temperature=temperature, top_k=top_k, top_p=top_p,
@@ -45,8 +45,8 @@ def test_chain_matches_reference(case, sampling):
 @pytest.mark.parametrize("sampling", SAMPLING, ids=SAMPLING_IDS)
 def test_candidates_match_reference(case, sampling):
     temperature, top_k, top_p = sampling
-    rule = make_rule(case)
-    shift = 6.0 if case[0] == "mars" else 0.0
+    rule = case.rule()
+    shift = case.shift(6.0)
     target, cands = candidate_inputs(3, 40, 4, 12, shift)
     res = verify_candidates(rule, target, cands, temperature=temperature, top_k=top_k,
                             top_p=top_p, generator=torch.Generator().manual_seed(9))

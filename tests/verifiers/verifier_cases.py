@@ -1,28 +1,60 @@
-"""Shared inputs for the verifier tests: rule cases and seeded random logits."""
+"""Shared inputs for the verifier tests: the rule cases (every registered rule, from RULES) and
+seeded random logits."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+from typing import Callable
+
 import torch
 
-from verifiers import get_rule
+from verifiers import RULES, VerificationRule, get_rule, native
 
-# (name, params): every registered rule, MARS with a theta that relaxes on shifted logits,
-# overshoot with and without its min-p gate.
-RULE_CASES = [
-    ("lossless", {}),
-    ("mars", {"theta": 0.8}),
-    ("overshoot", {"lenience": 0.5}),
-    ("overshoot", {"lenience": 0.7, "min_p": 0.3}),
-    ("typical", {"epsilon": 0.2, "delta": 0.5}),
-    ("min_p", {"p_base": 0.3}),
-    ("cos", {"lam": 0.4}),
-]
-RULE_IDS = [name + "".join(f"-{k}{v}" for k, v in params.items()) for name, params in RULE_CASES]
+# Per-rule parameter cases: the one place a rule's test parameters are declared. Every rule in
+# RULES gets cases (those listed here, else one with its default parameters), so every test
+# parametrised over RULE_CASES runs on a newly registered rule without an edit here.
+PARAMS: dict[str, list[dict]] = {
+    "mars": [{"theta": 0.8}],  # a theta that relaxes on shifted logits
+    "overshoot": [{"lenience": 0.5}, {"lenience": 0.7, "min_p": 0.3}],  # without and with the gate
+    "typical": [{"epsilon": 0.2, "delta": 0.5}],
+    "min_p": [{"p_base": 0.3}],
+    "cos": [{"lam": 0.4}],
+}
+# Rules whose lossy branch fires only on positive logits (MARS's ratio test z2 / z1 > theta
+# with z1 > 0): the tests shift their logits up.
+POSITIVE_LOGITS = {"mars"}
 
 
-def make_rule(case):
-    name, params = case
-    return get_rule(name, **params)
+@dataclass(frozen=True)
+class RuleCase:
+    """One rule with one set of parameters, as the tests build it."""
+
+    name: str
+    params: dict = field(default_factory=dict)
+    positive: bool = False  # shift the test logits up (see POSITIVE_LOGITS)
+    make: Callable[[], VerificationRule] | None = None  # a rule not built by get_rule (comparators)
+
+    @property
+    def id(self) -> str:
+        return self.name + "".join(f"-{k}{v}" for k, v in self.params.items())
+
+    def rule(self) -> VerificationRule:
+        return self.make() if self.make is not None else get_rule(self.name, **self.params)
+
+    def shift(self, amount: float) -> float:
+        """The offset added to the test logits: ``amount`` for a POSITIVE_LOGITS rule, else 0."""
+        return amount if self.positive else 0.0
+
+
+def rule_cases() -> list[RuleCase]:
+    """A case per declared parameter set of every registered rule, in registry order."""
+    return [RuleCase(name, params, name in POSITIVE_LOGITS) for name in RULES for params in PARAMS.get(name, [{}])]
+
+
+RULE_CASES = rule_cases()
+RULE_IDS = [case.id for case in RULE_CASES]
+KERNEL_CASES = [case for case in RULE_CASES if native.supports(case.rule())]  # rules the C++ kernel runs
+KERNEL_IDS = [case.id for case in KERNEL_CASES]
 
 
 def chain_inputs(seed: int, b: int, k: int, v: int, temperature: float, shift: float = 0.0):
