@@ -1,4 +1,4 @@
-"""Verification over deterministic candidates, batched over N nodes (VERIFICATION.md,
+"""Verification over deterministic candidates, batched over N nodes (verifiers/README.md,
 deterministic candidates): one EAGLE tree node, or one position of a greedy-drafted chain.
 
 Node n has candidates c_1..c_m (distinct, in draft-score order, -1 padded). They are examined

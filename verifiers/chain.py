@@ -1,4 +1,4 @@
-"""Chain verification with sampled drafts, batched over B rows (VERIFICATION.md, chain mode).
+"""Chain verification with sampled drafts, batched over B rows (verifiers/README.md, chain mode).
 
 Row b drafted x_0..x_{K-1} with x_j ~ q_j; the target scored K+1 positions. Position j
 accepts x_j with probability a(x_j); the first rejection emits a *recovered* token from the

@@ -1,6 +1,6 @@
 """Logit processing and sampling primitives shared by every verifier, the engine and the trainer.
 
-Vocabulary (see ../shared/design/VERIFICATION.md):
+Vocabulary (see verifiers/README.md):
 - processed logits z: ``logits / T`` in float32, set to -inf outside the sampling support
   (top-k, then top-p, applied to the *target* only). At T = 0 (greedy) z is 0 at the
   argmax (the first index on ties) and -inf elsewhere, so p is one-hot.

@@ -191,3 +191,20 @@ def test_without_a_compiler_auto_falls_back_and_required_raises(tmp_path):
     required = _run_without_compiler("1", tmp_path)
     assert required.returncode != 0
     assert "RuntimeError: no C++ compiler 'no-such-compiler-xyz'" in required.stderr
+
+
+def test_kernel_declarations_match_the_kernels_table():
+    """A rule's kernel id names the same rule, with as many arguments, in csrc/rules.h; a
+    declaration that does not (min-p's class under typical's id) is refused."""
+    from verifiers.rules import MinP
+
+    for case in KERNEL_CASES:
+        rule = case.rule()
+        prm = native.params(rule)
+        assert prm.rule == rule.kernel_id and list(prm.args)[:len(rule.kernel_args())] == list(rule.kernel_args())
+
+    class Misdeclared(MinP):
+        kernel_id = 3
+
+    with pytest.raises(RuntimeError, match="declares kernel id 3 with 1 arguments, but the kernel implements 'typical'"):
+        native.params(Misdeclared())
