@@ -103,7 +103,7 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         weights[name] = weights[target]
     for name, t in weights.items():  # a checkpoint written before the guards existed may hold NaNs
         if t.is_floating_point() and not torch.isfinite(t).all():
-            from trainers.guards import NonFiniteError
+            from trainers.grpo.guards import NonFiniteError
 
             raise NonFiniteError(state["step"], f"checkpoint {path.name}", f"{name} holds NaN or inf; resume "
                                  "from an earlier checkpoint (move this one aside) or start over with --fresh")
