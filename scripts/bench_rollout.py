@@ -90,7 +90,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def held_out_prompts(tok, n: int, seed: int) -> list[list[int]]:
     """n held-out arithmetic problems (difficulties 1-3), chat-formatted token ids."""
-    from trainers.tasks import make_problems
+    from trainers.tasks.arithmetic import make_problems
 
     per = -(-n // 3)
     problems = [p for lv in (1, 2, 3) for p in make_problems(per, lv, "heldout", seed + 1000)]

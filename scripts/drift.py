@@ -6,7 +6,7 @@
         --verifiers "lossless;mars:theta=0.9;overshoot:lenience=0.5,min_p=0.1;min_p:p_base=0.1"
     python -m scripts.drift --from-run runs/default --out runs/default/drift
 
-Settings come from the defaults of ``trainers.drift.DriftConfig``, then ``--config``, then
+Settings come from the defaults of ``trainers.drift.study.DriftConfig``, then ``--config``, then
 ``configs/drift_quick.yaml`` with ``--quick``, then the flags. Writes ``drift.json``,
 ``drift.md`` and PNG plots to the output directory (see ``trainers.drift``). ``--from-run``
 instead reads a training run's ``rollouts.jsonl`` and plots drift and importance-weight
@@ -67,7 +67,7 @@ FLAG_FIELDS = ("prompts", "difficulties", "modes", "verifiers", "source", "jsonl
 
 def build_config(args: argparse.Namespace):
     """DriftConfig from defaults < --config < --quick < flags (raises ConfigError)."""
-    from trainers.drift import DriftConfig
+    from trainers.drift.study import DriftConfig
 
     data: dict = load_yaml(args.config) if args.config else {}
     if args.quick:
@@ -79,7 +79,7 @@ def build_config(args: argparse.Namespace):
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.from_run:
-        from trainers.drift_plots import from_run
+        from trainers.drift.report import from_run
 
         files = from_run(args.from_run, args.out or Path(args.from_run) / "drift")
         print(Path(files[1]).read_text())
@@ -92,8 +92,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     import dataclasses
 
-    from trainers.drift_report import build_report, markdown_table, write_outputs
-    from trainers.drift_run import load_models, run_all
+    from trainers.drift.report import build_report, markdown_table, write_outputs
+    from trainers.drift.run import load_models, run_all
 
     target, head, tokenizer = load_models(cfg)
     runs = run_all(cfg, target, head, tokenizer, progress=not args.no_progress)

@@ -148,7 +148,7 @@ def step_costs(target: TargetModel, head: Eagle3Head, prompt: list[int], reps: i
 def held_out_prompts(tok, n_arith: int, n_general: int, seed: int = 1234) -> dict[str, list[list[int]]]:
     from scripts.train_drafter import chat_ids
     from trainers.drafter_prompts import general_prompts
-    from trainers.tasks import make_problems
+    from trainers.tasks.arithmetic import make_problems
 
     per = -(-n_arith // 4)
     arith = [p.prompt for d in (1, 2, 3, 4) for p in make_problems(per, d, "heldout", seed)][:n_arith]

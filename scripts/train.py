@@ -41,8 +41,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rollout.allocator import tune_malloc
-    from trainers.run_dir import resume_point
-    from trainers.train_config import load_train_config
+    from trainers.grpo.run_dir import resume_point
+    from trainers.grpo.config import load_train_config
 
     tune_malloc()  # the driver computes the GRPO loss over vocabulary-sized logits
 
@@ -61,8 +61,8 @@ def main(argv: list[str] | None = None) -> int:
     print(f"run folder: {os.path.abspath(cfg.run.out_dir)}", flush=True)
     import ray
 
-    from trainers.guards import NonFiniteError
-    from trainers.loop import GRPOTrainer
+    from trainers.grpo.guards import NonFiniteError
+    from trainers.grpo.loop import GRPOTrainer
 
     if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:
         ray.init(address="local", num_cpus=cfg.ray.num_cpus, include_dashboard=False)

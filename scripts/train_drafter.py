@@ -30,7 +30,7 @@ from trainers.drafter import (DrafterConfig, calibrate_logit_scale, init_from_ta
                               train_drafter)
 from trainers.drafter_data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
 from trainers.drafter_prompts import general_prompts
-from trainers.tasks import make_problems
+from trainers.tasks.arithmetic import make_problems
 
 
 def chat_ids(tok, text: str) -> list[int]:

@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config import ConfigError, from_dict, load_yaml
-from trainers.correction import CorrectionConfig
-from trainers.rewards import RewardConfig
-from trainers.train_config import ModelConfig, TaskConfig, _non_negative_int, _positive_int
+from trainers.grpo.config import ModelConfig, TaskConfig, _non_negative_int, _positive_int
+from trainers.grpo.correction import CorrectionConfig
+from trainers.tasks.rewards import RewardConfig
 from trainers.trl.rollouts import RolloutSettings
 
 GENERATIONS = ("ours", "trl")
@@ -100,7 +100,7 @@ def _check_trl_args(trl_args: dict[str, Any], ours: bool) -> None:
 
 
 def load_trl_config(path: str | Path, overrides: dict | None = None) -> TRLConfig:
-    from trainers.train_config import _merged
+    from trainers.grpo.config import _merged
 
     data = _merged(load_yaml(path), overrides or {})
     for key in ("drafter", "target"):

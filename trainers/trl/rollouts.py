@@ -38,7 +38,7 @@ from rollout.config import ConfigError
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from trainers.train_config import _non_negative_int, _positive_int
+from trainers.grpo.config import _non_negative_int, _positive_int
 
 PLACEMENTS = ("local", "ray")
 

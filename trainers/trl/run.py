@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from trainers.report import MetricsLogger, plot_run, read_metrics, summary_table
-from trainers.rewards import answer_reward, exact_match_reward
-from trainers.tasks import load_jsonl, make_problems
+from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
+from trainers.tasks.arithmetic import make_problems
+from trainers.tasks.problems import load_jsonl
+from trainers.tasks.rewards import answer_reward, exact_match_reward
 from trainers.trl.config import TRLConfig
 
 #: our metric name <- TRL's logged key

@@ -17,7 +17,7 @@ Our correction modes map onto TRL's (``CORRECTION_TO_TRL``):
   seq_tis   -> sequence_truncate  w = min(prod r, cap)
   seq_mis   -> sequence_mask      w = prod r in [low, high], else 0
   none      -> correction off (the behaviour log-probs are kept but unused)
-  geo_mis   -> refused: TRL has no geometric-mean mode (use trainers.loop for it).
+  geo_mis   -> refused: TRL has no geometric-mean mode (use trainers.grpo.loop for it).
 
 Our metrics go through TRL's own ``_metrics`` (so they show in its logs and TensorBoard):
 ``speculative/tau``, ``speculative/relaxed_fraction``, ``speculative/rollout_tokens_per_s``,
@@ -33,8 +33,8 @@ import torch
 from trl import GRPOTrainer
 
 from rollout.config import ConfigError
-from trainers.correction import CorrectionConfig
-from trainers.metrics import drift_stats, effective_sample_size
+from trainers.drift.stats import drift_stats, effective_sample_size
+from trainers.grpo.correction import CorrectionConfig
 from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts
 
 CORRECTION_TO_TRL = {"token_tis": "token_truncate", "token_mis": "token_mask",
@@ -116,10 +116,9 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         stats = drift_stats((old - sampled).float(), valid)
         m["speculative/kl_k1"].append(stats["kl_k1"])
         m["speculative/kl_k3"].append(stats["kl_k3"])
-        ratio = output.get("importance_sampling_ratio")
+        ratio = self.importance_ratios(output)
         if ratio is not None:
-            w = ratio.expand_as(old) if ratio.shape[-1] == 1 else ratio
-            m["speculative/is_ess"].append(effective_sample_size(w[valid]))
+            m["speculative/is_ess"].append(effective_sample_size(ratio[valid]))
 
     def importance_ratios(self, output: dict[str, Any]) -> torch.Tensor | None:
         """TRL's importance-sampling ratios [B, T] of one generation's output (None: off)."""

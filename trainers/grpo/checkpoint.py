@@ -22,6 +22,8 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from trainers.grpo.guards import NonFiniteError
+
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)")
 
@@ -101,10 +103,8 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
     weights = load_file(str(path / "policy.safetensors"))
     for name, target in state.get("aliases", {}).items():
         weights[name] = weights[target]
-    for name, t in weights.items():  # a checkpoint written before the guards existed may hold NaNs
+    for name, t in weights.items():  # a damaged or foreign checkpoint may hold NaNs
         if t.is_floating_point() and not torch.isfinite(t).all():
-            from trainers.guards import NonFiniteError
-
             raise NonFiniteError(state["step"], f"checkpoint {path.name}", f"{name} holds NaN or inf; resume "
                                  "from an earlier checkpoint (move this one aside) or start over with --fresh")
     model.load_state_dict(weights)

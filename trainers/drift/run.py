@@ -1,6 +1,6 @@
 """Running a drift study: generate under every configuration and reduce each batch to numbers.
 
-Vocabulary as in ``trainers.drift``. The engine's debug records (the exact logits the
+Vocabulary as in ``trainers.drift.study``. The engine's debug records (the exact logits the
 verifier saw, per emitted token) are turned into per-token drift by :func:`token_drift`
 right after each batch and dropped, so memory stays bounded by one batch of records
 (``batch_size x max_new_tokens`` rows of V floats, twice for sampled chains).
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.params import SamplingParams
-from trainers.drift import DriftConfig, RunSpec, plan_runs
+from trainers.drift.study import DriftConfig, RunSpec, plan_runs
 from verifiers import distribution_metrics, induced_candidates, induced_chain, target_probs
 
 
@@ -80,7 +80,8 @@ def chat_ids(tokenizer, text: str) -> list[int]:
 
 def build_prompts(cfg: DriftConfig, tokenizer) -> list[PromptItem]:
     """The prompt set: ``cfg.prompts`` items (tasks: split evenly over the difficulties)."""
-    from trainers.tasks import load_jsonl, make_problems
+    from trainers.tasks.arithmetic import make_problems
+    from trainers.tasks.problems import load_jsonl
 
     if cfg.source == "general":
         from trainers.drafter_prompts import general_prompts
@@ -128,7 +129,7 @@ TIMING_KEYS = ("total_s", "draft_s", "verify_s", "tokens", "emitted", "row_round
 
 def _add_batch(data: RunData, res, batch: list[PromptItem], rule, sampling: SamplingParams, decode) -> None:
     """Reduce one ``generate`` result to numbers and append them to ``data``."""
-    from trainers.rewards import exact_match_reward
+    from trainers.tasks.rewards import exact_match_reward
 
     comps = res.completions
     records = res.debug or []

@@ -19,8 +19,8 @@ Vocabulary (verifier terms as in ``verifiers``: p, q, induced distribution P, be
   weights exp(.) have an effective sample size ESS = (sum w)^2 / (n sum w^2) in [0, 1].
 
 This module holds the study's config, the verifier specs and the matched baselines;
-``trainers.drift_run`` generates and reduces, ``trainers.drift_report`` computes the
-statistics and tables, ``trainers.drift_plots`` draws them and reads training runs.
+``trainers.drift.run`` generates and reduces, ``trainers.drift.stats`` holds the statistics,
+``trainers.drift.report`` writes the JSON and tables (and reads training runs), ``trainers.drift.plots`` draws them.
 Timings are taken with ``debug=True`` for every configuration alike (the record copies
 cost a few percent).
 """

@@ -15,10 +15,10 @@ import torch
 
 from rollout.config import ConfigError
 from tests.trainers.conftest import write_config
-from trainers import checkpoint as ck
-from trainers.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
-from trainers.guards import NonFiniteError, check_loss_and_grad, check_weights
-from trainers.report import MetricsLogger, read_jsonl, read_metrics
+from trainers.grpo import checkpoint as ck
+from trainers.grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
+from trainers.grpo.guards import NonFiniteError, check_loss_and_grad, check_weights
+from trainers.grpo.report import MetricsLogger, read_jsonl, read_metrics
 
 
 def _model_and_opt(seed: int = 0):
@@ -118,7 +118,7 @@ def test_corrupt_line_before_the_last_is_an_error_naming_it(tmp_path):
 
 # ---------------------------------------------------------------------------- what belongs to a run
 def _cfg(tmp_path, policy, head, **sections):
-    from trainers.train_config import load_train_config
+    from trainers.grpo.config import load_train_config
 
     path = write_config(tmp_path / "c.yaml", policy, head, tmp_path / "run", **sections)
     return load_train_config(path)
@@ -126,7 +126,7 @@ def _cfg(tmp_path, policy, head, **sections):
 
 def _fake_run(cfg, steps=(1, 2, 3)):
     """What a run leaves: a snapshot and checkpoints (a toy model stands in for the policy)."""
-    from trainers.run_dir import prepare_run_dir
+    from trainers.grpo.run_dir import prepare_run_dir
 
     assert prepare_run_dir(cfg) is None
     model, opt = _model_and_opt()
@@ -141,7 +141,7 @@ def _fake_run(cfg, steps=(1, 2, 3)):
     ({"model": {"drafter": None}, "rollout": {"spec": {"mode": "off"}}}, "model.drafter:"),
 ])
 def test_resume_with_a_different_config_is_refused(sections, listed, tmp_path, tiny_policy_dir, tiny_head_dir):
-    from trainers.run_dir import resume_point
+    from trainers.grpo.run_dir import resume_point
 
     _fake_run(_cfg(tmp_path, tiny_policy_dir, tiny_head_dir))
     changed = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, **sections)
@@ -170,7 +170,7 @@ def test_cli_refuses_a_foreign_resume_before_ray(tmp_path, tiny_policy_dir, tiny
 
 
 def test_fresh_fences_off_the_previous_run(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
-    from trainers.run_dir import prepare_run_dir, read_snapshot
+    from trainers.grpo.run_dir import prepare_run_dir, read_snapshot
 
     _fake_run(_cfg(tmp_path, tiny_policy_dir, tiny_head_dir))  # an old run reached step 3
     fresh = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, run={"resume": False, "seed": 8})

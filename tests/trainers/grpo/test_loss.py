@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from rollout.config import ConfigError, from_dict
-from trainers.grpo import GRPOConfig, group_advantages, policy_loss
+from trainers.grpo.loss import GRPOConfig, group_advantages, policy_loss
 
 
 def test_advantages_with_and_without_std_scaling():

@@ -16,7 +16,7 @@ from rollout.config import ConfigError
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SpecConfig, VerifierConfig
-from trainers.correction import CorrectionConfig
+from trainers.grpo.correction import CorrectionConfig
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")

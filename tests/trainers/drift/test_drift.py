@@ -1,4 +1,4 @@
-"""Drift diagnostics (trainers.drift*, scripts.drift) on tiny random models and controlled logits."""
+"""Drift diagnostics (trainers.drift, scripts.drift) on tiny random models and controlled logits."""
 
 from __future__ import annotations
 
@@ -15,11 +15,10 @@ from rollout.engine import Engine
 from rollout.models import TargetModel
 from rollout.outputs import DebugRecord
 from rollout.params import SamplingParams, SpecConfig
-from trainers.drift import (DriftConfig, TruncationSamplingConfig, baseline_key, parse_verifier, plan_runs,
-                            verifier_label)
-from trainers.drift_plots import from_run, step_stats
-from trainers.drift_report import build_report, compare_accuracy, sequence_ess, wilson, write_outputs
-from trainers.drift_run import run_all, token_drift
+from trainers.drift.report import build_report, from_run, step_stats, write_outputs
+from trainers.drift.run import run_all, token_drift
+from trainers.drift.study import (DriftConfig, TruncationSamplingConfig, baseline_key, parse_verifier, plan_runs,
+                                  verifier_label)
 from verifiers import get_rule, target_probs
 
 # ----------------------------------------------------------------------------- tiny models
@@ -267,25 +266,6 @@ def test_study_drift_grows_as_theta_and_lenience_fall(quick_report, mode):
         assert mars == sorted(mars), mars
 
 
-# ----------------------------------------------------------------------------- statistics
-def test_wilson_and_comparisons():
-    lo, hi = wilson(5, 10)
-    assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
-    assert wilson(0, 10)[0] == 0.0 and abs(wilson(0, 10)[1] - 0.2775) < 1e-4
-    for n in range(1, 200):  # the interval always holds k / n, with exact ends at 0 and n
-        assert wilson(0, n)[0] == 0.0 and wilson(n, n)[1] == 1.0
-        assert all(wilson(k, n)[0] <= k / n <= wilson(k, n)[1] for k in range(n + 1))
-    a = {"k": 30, "n": 100, "ci_low": wilson(30, 100)[0], "ci_high": wilson(30, 100)[1]}
-    b = {"k": 50, "n": 100, "ci_low": wilson(50, 100)[0], "ci_high": wilson(50, 100)[1]}
-    g = compare_accuracy(a, b)
-    assert abs(g["diff"] + 0.2) < 1e-12 and g["diff_ci_low"] < -0.2 < g["diff_ci_high"] < 0
-    assert g["p_value"] < 0.01 and not g["intervals_overlap"]
-    assert compare_accuracy(a, a)["p_value"] == 1.0 and compare_accuracy(a, a)["intervals_overlap"]
-    log_w = torch.tensor([0.0, 0.0, math.log(3.0)], dtype=torch.float64)
-    assert abs(sequence_ess(log_w) - 25 / 33) < 1e-12 and sequence_ess(torch.zeros(4)) == 1.0
-    assert abs(sequence_ess(log_w + 1000.0) - 25 / 33) < 1e-12  # scale-free and overflow-safe
-
-
 # ----------------------------------------------------------------------------- CLI and --from-run
 def test_cli_quick_on_a_saved_tiny_model(tiny_policy_dir, tiny_head_dir, tmp_path):
     from scripts.drift import main
@@ -348,7 +328,7 @@ def test_from_run_rejects_bad_records(tmp_path):
 def test_lossless_accuracy_matches_plain_sampling_on_the_embedded_model(tmp_path):
     """Lossless speculation samples from p: its accuracy lies within the plain baseline's interval."""
     from rollout.eagle3 import default_head_path
-    from trainers.drift_run import load_models
+    from trainers.drift.run import load_models
 
     head = "default" if default_head_path().exists() else "random"
     cfg = DriftConfig(difficulties=(1,), prompts=48, verifiers=("lossless",), max_new_tokens=64, batch_size=16,

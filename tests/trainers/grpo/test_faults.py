@@ -15,11 +15,11 @@ import torch
 
 from rollout.actor_pool import RolloutPool
 from tests.trainers.conftest import write_config
-from trainers.train_config import load_train_config
+from trainers.grpo.config import load_train_config
 
 
 def _trainer(tmp_path, policy, head, name, **sections):
-    from trainers.loop import GRPOTrainer
+    from trainers.grpo.loop import GRPOTrainer
 
     sections.setdefault("run", {"steps": 3, "checkpoint_every": 0})
     sections.setdefault("rollout", {"num_actors": 2})
@@ -65,7 +65,7 @@ def test_actor_killed_in_set_weights_and_in_generate(tmp_path, tiny_policy_dir, 
                                                      monkeypatch, caplog):
     reference = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "clean")
     reference.run()
-    monkeypatch.setattr("trainers.loop.RolloutPool", KillingPool)
+    monkeypatch.setattr("trainers.grpo.loop.RolloutPool", KillingPool)
     faulty = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "faulty")
     with caplog.at_level(logging.WARNING, logger="rollout.actor_pool"):
         rows = faulty.run()
@@ -126,7 +126,7 @@ def test_hung_actor_is_replaced_after_the_timeout(tiny_policy_dir, tiny_head_dir
 
 
 def test_non_finite_update_is_never_broadcast_or_saved(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):
-    from trainers.guards import NonFiniteError
+    from trainers.grpo.guards import NonFiniteError
 
     trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "inf", run={"steps": 2, "checkpoint_every": 1},
                        rollout={"num_actors": 1})

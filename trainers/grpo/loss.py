@@ -11,7 +11,7 @@ Vocabulary:
   trainer's recomputation, not the rollout engine's numbers); **ratio** = exp(logp_new -
   logp_old), which the clipped objective keeps within [1 - clip_low, 1 + clip_high].
 - **is_weights**: the off-policy correction pi_old(y) / P(y) for the behaviour distribution
-  P the rollout really sampled from (see ``trainers.correction``); a detached factor on each
+  P the rollout really sampled from (see ``trainers.grpo.correction``); a detached factor on each
   token's clipped term.
 - **aggregation**: "token" = sum over every valid token / number of valid tokens;
   "sequence" = mean over sequences (those with at least one valid token) of each

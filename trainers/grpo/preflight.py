@@ -33,7 +33,7 @@ def check_files(cfg) -> None:
 
 
 def check_jsonl(path: str) -> None:
-    from trainers.tasks import load_jsonl
+    from trainers.tasks.problems import load_jsonl
 
     try:
         problems = load_jsonl(path)

@@ -1,33 +1,20 @@
-"""PNG plots of a drift study, and the drift / importance-weight view of a training run.
+"""PNG plots of a drift study and of a training run's drift over steps.
 
-Study plots (from the report of ``trainers.drift_report``):
+Study plots (from the report of ``trainers.drift.report``):
 - ``speed_vs_accuracy.png``: speedup over plain autoregressive sampling against accuracy
   (Wilson 95% bars); matched baselines are stars, each configuration is joined to its
   baseline by a dotted line.
 - ``drift_by_position.png``: mean TV(P, p) and KL(P || p) at each completion position.
 - ``accuracy_gap_by_difficulty.png``: accuracy minus the matched baseline's, per
   difficulty (Newcombe 95% bars).
-
-Training-run view (``--from-run``): a run's ``rollouts.jsonl`` (one line per completion:
-step, completion_ids, behaviour_logprobs = log P, target_logprobs = rollout-time log p,
-policy_logprobs = the trainer's log pi_old, relaxed, weights = the applied IS weights,
-reward, text) reduced per step to: rollout drift log p - log P (KL(P || p) estimated from
-the samples: k1 = mean(log P - log p), k3 = mean(r - 1 - log r) with r = p / P), the same
-for the policy (r = pi / P: the trainer's importance ratio), staleness mean |log pi - log p|,
-relaxed fraction, the applied weights (min / mean / max, token ESS, masked fraction) and
-the sequence-level ESS of prod_t pi / P.
+Training-run plots (rows of ``trainers.drift.report.step_stats``): ``drift_over_steps.png``
+(KL, relaxed fraction, staleness) and ``is_weights_over_steps.png`` (weights and ESS).
 """
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
-
-import torch
-
-from trainers.drift_report import finite_json, sequence_ess
-from trainers.report import read_jsonl
 
 
 def _plt():
@@ -134,58 +121,6 @@ def plot_report(report: dict, out_dir: Path) -> list[Path]:
             plot_difficulty_gap(configs, out_dir / "accuracy_gap_by_difficulty.png")]
 
 
-# ----------------------------------------------------------------------------- training runs
-ROLLOUT_FIELDS = ("step", "completion_ids", "behaviour_logprobs", "target_logprobs", "policy_logprobs", "relaxed",
-                  "weights", "reward")
-
-
-def read_rollouts(run_dir: str | Path) -> dict[int, list[dict]]:
-    """``run_dir/rollouts.jsonl`` grouped by step; a bad record raises ValueError naming it."""
-    path = Path(run_dir) / "rollouts.jsonl"
-    if not path.is_file():
-        raise FileNotFoundError(f"no rollouts.jsonl in {run_dir}")
-    steps: dict[int, list[dict]] = {}
-    for n, rec in enumerate(read_jsonl(path), start=1):  # n: the record's number (a torn tail is dropped)
-        missing = [f for f in ROLLOUT_FIELDS if f not in rec]
-        if missing:
-            raise ValueError(f"{path}:{n}: missing fields {missing}")
-        if len({len(rec[f]) for f in ROLLOUT_FIELDS[1:-1]}) != 1:
-            raise ValueError(f"{path}:{n}: per-token lists differ in length")
-        steps.setdefault(int(rec["step"]), []).append(rec)
-    return dict(sorted(steps.items()))
-
-
-def _kl(log_r: torch.Tensor) -> tuple[float, float]:
-    """(k1, k3) estimates of KL(P || .) from log r = log(. / P) at samples of P."""
-    if log_r.numel() == 0:
-        return 0.0, 0.0
-    return float(-log_r.mean()), float((torch.expm1(log_r.clamp(max=700)) - log_r).mean())
-
-
-def step_stats(records: list[dict]) -> dict[str, float]:
-    """Drift and IS-weight statistics of one step's completions (see the module docstring)."""
-    cat = {f: torch.tensor([v for r in records for v in r[f]], dtype=torch.float64) for f in ROLLOUT_FIELDS[2:-1]}
-    to_p = cat["target_logprobs"] - cat["behaviour_logprobs"]  # log p - log P
-    to_pi = cat["policy_logprobs"] - cat["behaviour_logprobs"]  # log pi - log P
-    w = cat["weights"]
-    seq = torch.tensor([sum(r["policy_logprobs"]) - sum(r["behaviour_logprobs"]) for r in records], dtype=torch.float64)
-    k1, k3 = _kl(to_p)
-    pk1, pk3 = _kl(to_pi)
-    n = w.numel()
-    return {
-        "completions": len(records), "tokens": n, "reward_mean": sum(r["reward"] for r in records) / len(records),
-        "relaxed_frac": float(cat["relaxed"].mean()) if n else 0.0,
-        "kl_P_p_k1": k1, "kl_P_p_k3": k3, "kl_P_pi_k1": pk1, "kl_P_pi_k3": pk3,
-        "log_ratio_abs_mean": float(to_pi.abs().mean()) if n else 0.0,
-        "stale_abs_mean": float((cat["policy_logprobs"] - cat["target_logprobs"]).abs().mean()) if n else 0.0,
-        "weight_min": float(w.min()) if n else 0.0, "weight_mean": float(w.mean()) if n else 0.0,
-        "weight_max": float(w.max()) if n else 0.0,
-        "weight_ess": min(1.0, float(w.sum() ** 2 / (n * (w * w).sum()))) if n and (w * w).sum() > 0 else 0.0,
-        "masked_frac": float((w == 0).double().mean()) if n else 0.0,
-        "seq_log_ratio_mean": float(seq.mean()), "seq_ess": sequence_ess(seq),
-    }
-
-
 def plot_run_drift(rows: list[dict], out_dir: Path) -> list[Path]:
     plt = _plt()
     steps = [r["step"] for r in rows]
@@ -206,17 +141,3 @@ def plot_run_drift(rows: list[dict], out_dir: Path) -> list[Path]:
         ax.legend(fontsize=7)
         out.append(_save(fig, out_dir / name))
     return out
-
-
-def from_run(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
-    """Per-step drift and IS statistics of a training run: JSON, Markdown table and two plots."""
-    rows = [{"step": s, **step_stats(recs)} for s, recs in read_rollouts(run_dir).items()]
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "run_drift.json").write_text(json.dumps(finite_json({"run": str(run_dir), "steps": rows}), indent=1))
-    keys = ("reward_mean", "relaxed_frac", "kl_P_p_k3", "kl_P_pi_k3", "weight_mean", "weight_ess", "seq_ess",
-            "masked_frac")
-    lines = ["| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
-    lines += [f"| {r['step']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + " |" for r in rows]
-    (out / "run_drift.md").write_text("# Drift over training steps\n\n" + "\n".join(lines) + "\n")
-    return [out / "run_drift.json", out / "run_drift.md", *plot_run_drift(rows, out)]

@@ -1,15 +1,18 @@
-"""Statistics, tables and plots of a drift study (``trainers.drift``), and the view of a
-training run's logged rollouts over steps.
+"""The report of a drift study (``trainers.drift.study``): JSON, Markdown tables and plots,
+and the same view of a training run's logged rollouts over steps.
 
-Vocabulary: see ``trainers.drift``. Added here:
-- **Wilson interval**: the 95% score interval of an accuracy k / n.
-- **gap**: accuracy of a configuration minus that of its matched baseline, with Newcombe's
-  hybrid score interval (from the two Wilson intervals) and a pooled two-proportion z-test.
-  The two runs use the same prompts, but independent samples, so the unpaired test is
-  conservative.
+Vocabulary: see ``trainers.drift.study``; the statistics (KL, ESS, accuracy intervals and
+gaps) are ``trainers.drift.stats``. Added here:
 - **speedup**: tokens/s over lossless verification in the same speculative mode, and over
   plain autoregressive sampling (the ``plain`` baseline, same engine, mode off); the
   ``cpu_`` variants use tokens per CPU-second of the generate calls instead of wall time.
+- **training-run view** (``--from-run``): a run's ``rollouts.jsonl`` (one line per
+  completion: step, completion_ids, behaviour_logprobs = log P, target_logprobs =
+  rollout-time log p, policy_logprobs = the trainer's log pi_old, relaxed, weights = the
+  applied IS weights, reward, text) reduced per step to: rollout drift log p - log P
+  (KL(P || p) as k1 and k3), the same for the policy (log pi - log P: the trainer's
+  importance ratio), staleness mean |log pi - log p|, relaxed fraction, the applied weights
+  (min / mean / max, token ESS, masked fraction) and the sequence ESS of prod_t pi / P.
 Non-finite numbers (e.g. KL = inf where P puts mass outside supp p) are written as null in
 JSON, with the fraction of infinite KL reported separately.
 """
@@ -22,66 +25,12 @@ from pathlib import Path
 
 import torch
 
-from trainers.drift import PLAIN
-from trainers.drift_run import RunData
-
-Z95 = 1.959963984540054
-METRIC_LABELS = {"tv": "TV(P,p)", "kl": "KL(P||p)"}
-
-
-# ----------------------------------------------------------------------------- statistics
-def quantiles(x: torch.Tensor, qs=(0.5, 0.9, 0.99)) -> dict[str, float]:
-    """mean and quantiles (p50/p90/p99 keys) of a 1-D tensor; NaN when empty."""
-    x = x.double()
-    if x.numel() == 0:
-        return {"mean": math.nan, **{f"p{round(q * 100)}": math.nan for q in qs}}
-    return {"mean": float(x.mean()), **{f"p{round(q * 100)}": float(torch.quantile(x, q)) for q in qs}}
-
-
-
-def wilson(k: int, n: int, z: float = Z95) -> tuple[float, float]:
-    """Wilson score interval of a proportion k / n; (0, 1) when n = 0."""
-    if n == 0:
-        return 0.0, 1.0
-    p = k / n
-    denom = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denom
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
-    lo = 0.0 if k == 0 else min(p, max(0.0, centre - half))  # exact ends where rounding would cross p
-    hi = 1.0 if k == n else max(p, min(1.0, centre + half))
-    return lo, hi
-
-
-def accuracy_stats(rewards: list[float]) -> dict:
-    """k, n, accuracy and its Wilson interval (a reward >= 1 counts as correct)."""
-    n = len(rewards)
-    k = sum(1 for r in rewards if r >= 1.0)
-    lo, hi = wilson(k, n)
-    return {"k": k, "n": n, "mean": k / n if n else None, "ci_low": lo, "ci_high": hi}
-
-
-def compare_accuracy(a: dict, b: dict) -> dict:
-    """Gap a - b with Newcombe's interval, a two-proportion z-test and whether the intervals overlap."""
-    if not a["n"] or not b["n"]:
-        return {"diff": None, "diff_ci_low": None, "diff_ci_high": None, "z": None, "p_value": None,
-                "intervals_overlap": None}
-    pa, pb = a["k"] / a["n"], b["k"] / b["n"]
-    d = pa - pb
-    lo = d - math.sqrt((pa - a["ci_low"]) ** 2 + (b["ci_high"] - pb) ** 2)
-    hi = d + math.sqrt((a["ci_high"] - pa) ** 2 + (pb - b["ci_low"]) ** 2)
-    pool = (a["k"] + b["k"]) / (a["n"] + b["n"])
-    se = math.sqrt(pool * (1 - pool) * (1 / a["n"] + 1 / b["n"]))
-    z = d / se if se > 0 else 0.0
-    return {"diff": d, "diff_ci_low": lo, "diff_ci_high": hi, "z": z, "p_value": math.erfc(abs(z) / math.sqrt(2)),
-            "intervals_overlap": a["ci_low"] <= b["ci_high"] and b["ci_low"] <= a["ci_high"]}
-
-
-def sequence_ess(log_w: torch.Tensor) -> float:
-    """(sum w)^2 / (n sum w^2) of weights exp(log_w) [n], computed stably; 1.0 when empty."""
-    if log_w.numel() == 0:
-        return 1.0
-    w = torch.exp(log_w.double() - log_w.max())
-    return min(1.0, float(w.sum() ** 2 / (w.numel() * (w * w).sum())))
+from trainers.drift.plots import plot_report, plot_run_drift
+from trainers.drift.run import RunData
+from trainers.drift.stats import (accuracy_stats, compare_accuracy, effective_sample_size, kl_estimates, quantiles,
+                                   sequence_ess)
+from trainers.drift.study import PLAIN
+from trainers.grpo.report import read_jsonl
 
 
 def position_profile(data: RunData, key: str) -> list[float | None]:
@@ -225,8 +174,6 @@ def difficulty_table(report: dict) -> str:
 
 def write_outputs(report: dict, out_dir: str | Path, plots: bool = True) -> list[Path]:
     """``drift.json``, ``drift.md`` and (when ``plots``) the PNGs; returns the files written."""
-    from trainers.drift_plots import plot_report
-
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "drift.json").write_text(json.dumps(finite_json(report), indent=1))
@@ -237,3 +184,62 @@ def write_outputs(report: dict, out_dir: str | Path, plots: bool = True) -> list
     if plots:
         files += plot_report(report, out)
     return files
+
+
+# ----------------------------------------------------------------------------- training runs
+ROLLOUT_FIELDS = ("step", "completion_ids", "behaviour_logprobs", "target_logprobs", "policy_logprobs", "relaxed",
+                  "weights", "reward")
+
+
+def read_rollouts(run_dir: str | Path) -> dict[int, list[dict]]:
+    """``run_dir/rollouts.jsonl`` grouped by step; a bad record raises ValueError naming it."""
+    path = Path(run_dir) / "rollouts.jsonl"
+    if not path.is_file():
+        raise FileNotFoundError(f"no rollouts.jsonl in {run_dir}")
+    steps: dict[int, list[dict]] = {}
+    for n, rec in enumerate(read_jsonl(path), start=1):  # n: the record's number (a torn tail is dropped)
+        missing = [f for f in ROLLOUT_FIELDS if f not in rec]
+        if missing:
+            raise ValueError(f"{path}:{n}: missing fields {missing}")
+        if len({len(rec[f]) for f in ROLLOUT_FIELDS[1:-1]}) != 1:
+            raise ValueError(f"{path}:{n}: per-token lists differ in length")
+        steps.setdefault(int(rec["step"]), []).append(rec)
+    return dict(sorted(steps.items()))
+
+
+def step_stats(records: list[dict]) -> dict[str, float]:
+    """Drift and IS-weight statistics of one step's completions (the training-run view above)."""
+    cat = {f: torch.tensor([v for r in records for v in r[f]], dtype=torch.float64) for f in ROLLOUT_FIELDS[2:-1]}
+    to_p = cat["target_logprobs"] - cat["behaviour_logprobs"]  # log p - log P
+    to_pi = cat["policy_logprobs"] - cat["behaviour_logprobs"]  # log pi - log P
+    w = cat["weights"]
+    seq = torch.tensor([sum(r["policy_logprobs"]) - sum(r["behaviour_logprobs"]) for r in records], dtype=torch.float64)
+    k1, k3 = kl_estimates(to_p)
+    pk1, pk3 = kl_estimates(to_pi)
+    n = w.numel()
+    return {
+        "completions": len(records), "tokens": n, "reward_mean": sum(r["reward"] for r in records) / len(records),
+        "relaxed_frac": float(cat["relaxed"].mean()) if n else 0.0,
+        "kl_P_p_k1": k1, "kl_P_p_k3": k3, "kl_P_pi_k1": pk1, "kl_P_pi_k3": pk3,
+        "log_ratio_abs_mean": float(to_pi.abs().mean()) if n else 0.0,
+        "stale_abs_mean": float((cat["policy_logprobs"] - cat["target_logprobs"]).abs().mean()) if n else 0.0,
+        "weight_min": float(w.min()) if n else 0.0, "weight_mean": float(w.mean()) if n else 0.0,
+        "weight_max": float(w.max()) if n else 0.0,
+        "weight_ess": min(1.0, effective_sample_size(w)) if n else 0.0,
+        "masked_frac": float((w == 0).double().mean()) if n else 0.0,
+        "seq_log_ratio_mean": float(seq.mean()), "seq_ess": sequence_ess(seq),
+    }
+
+
+def from_run(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
+    """Per-step drift and IS statistics of a training run: JSON, Markdown table and two plots."""
+    rows = [{"step": s, **step_stats(recs)} for s, recs in read_rollouts(run_dir).items()]
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "run_drift.json").write_text(json.dumps(finite_json({"run": str(run_dir), "steps": rows}), indent=1))
+    keys = ("reward_mean", "relaxed_frac", "kl_P_p_k3", "kl_P_pi_k3", "weight_mean", "weight_ess", "seq_ess",
+            "masked_frac")
+    lines = ["| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
+    lines += [f"| {r['step']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + " |" for r in rows]
+    (out / "run_drift.md").write_text("# Drift over training steps\n\n" + "\n".join(lines) + "\n")
+    return [out / "run_drift.json", out / "run_drift.md", *plot_run_drift(rows, out)]

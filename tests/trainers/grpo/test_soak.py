@@ -50,8 +50,8 @@ def test_fifty_engine_calls_keep_rss_flat(tiny_policy_dir, tiny_head_dir):
 
 
 def test_twenty_training_steps_keep_rss_flat(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):
-    from trainers.loop import GRPOTrainer
-    from trainers.train_config import load_train_config
+    from trainers.grpo.loop import GRPOTrainer
+    from trainers.grpo.config import load_train_config
 
     path = write_config(tmp_path / "soak.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "soak",
                         run={"steps": 20, "checkpoint_every": 5})

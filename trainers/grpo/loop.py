@@ -1,6 +1,6 @@
 """The GRPO training driver: Ray rollout actors, reward, corrected loss, weight broadcast.
 
-One step (ARCHITECTURE.md, "Data flow of one training step"):
+One step:
 1. take ``prompts_per_step`` problems (derived from (seed, step)), repeat each
    ``group_size`` times, shard them over the rollout actors;
 2. the actors generate with speculation under the configured verifier and return each
@@ -30,17 +30,18 @@ from rollout.actor_pool import RolloutPool
 from rollout.backend import WorkerSpec
 from rollout.outputs import RolloutBatch
 from rollout.models import load_target
-from trainers.checkpoint import load_checkpoint, save_checkpoint
-from trainers.correction import importance_weights
-from trainers.grpo import group_advantages, policy_loss
-from trainers.guards import check_loss_and_grad, check_weights
-from trainers.metrics import relaxed_fraction, reward_stats
-from trainers.policy import completion_logprobs
-from trainers.report import MetricsLogger, plot_run, read_metrics, summary_table
-from trainers.rewards import answer_reward, exact_match_reward
-from trainers.run_dir import prepare_run_dir
-from trainers.tasks import Problem, load_jsonl, make_problems
-from trainers.train_config import TrainConfig
+from trainers.grpo.checkpoint import load_checkpoint, save_checkpoint
+from trainers.grpo.config import TrainConfig
+from trainers.grpo.correction import importance_weights
+from trainers.grpo.guards import check_loss_and_grad, check_weights
+from trainers.grpo.loss import group_advantages, policy_loss
+from trainers.grpo.metrics import relaxed_fraction, reward_stats
+from trainers.grpo.policy import completion_logprobs
+from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
+from trainers.grpo.run_dir import prepare_run_dir
+from trainers.tasks.arithmetic import make_problems
+from trainers.tasks.problems import Problem, load_jsonl
+from trainers.tasks.rewards import answer_reward, exact_match_reward
 
 log = logging.getLogger(__name__)
 

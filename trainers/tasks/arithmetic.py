@@ -1,8 +1,6 @@
-"""Training tasks: procedural arithmetic word problems with exact answers, and a JSONL loader.
+"""Procedural arithmetic word problems with exact answers.
 
-Vocabulary:
-- **problem**: one prompt (the user message) with its exact answer, a difficulty level and
-  the split it belongs to. ``answer`` is an integer or finite decimal string ("42", "12.5").
+Vocabulary (a **problem** is ``trainers.tasks.problems.Problem``):
 - **template**: a story with named number slots and the arithmetic ``expression`` over
   those slots that answers it. Every generated problem keeps its filled-in expression, so
   tests (and users) can recompute the answer independently of the generator.
@@ -21,34 +19,22 @@ from __future__ import annotations
 
 import ast
 import hashlib
-import json
 import random
 import re
 from dataclasses import dataclass, field
-from decimal import Decimal
 from fractions import Fraction
-from pathlib import Path
+
+from trainers.tasks.problems import ANSWER_INSTRUCTION, Problem, format_number
 
 DIFFICULTIES = (1, 2, 3, 4)
 SPLITS = ("train", "heldout")
 HELDOUT_PER_MILLE = 200  # 20% of canonical keys belong to the held-out split
 _MAX_STALE_DRAWS = 20_000
-ANSWER_INSTRUCTION = "End your reply with 'Answer: <number>'."
 
 NAMES = ("Mia", "Leo", "Ava", "Noah", "Zoe", "Omar", "Lily", "Sam", "Nina", "Raj",
          "Emma", "Ben", "Sofia", "Ivan", "Kate", "Yuki", "Ana", "Tom", "Lena", "Max")
 ITEMS = ("apples", "marbles", "stickers", "pencils", "books", "cards", "shells", "stamps",
          "coins", "toy cars", "oranges", "crayons", "beads", "rocks", "balloons", "buttons")
-
-
-@dataclass(frozen=True)
-class Problem:
-    id: str
-    prompt: str  # the user message, including the answer-format instruction
-    answer: str  # exact integer or decimal string
-    difficulty: int  # 1..4 for generated problems; 0 for loaded ones
-    split: str
-    expression: str = ""  # the filled-in arithmetic that answers it (generated problems)
 
 
 @dataclass(frozen=True)
@@ -150,20 +136,6 @@ def evaluate(expression: str, values: dict[str, Fraction] | None = None) -> Frac
     return ev(ast.parse(expression, mode="eval"))
 
 
-def format_number(x: Fraction) -> str | None:
-    """'42' or '12.5' for a finite decimal; None if x has no finite decimal expansion."""
-    if x.denominator == 1:
-        return str(x.numerator)
-    den = x.denominator
-    for p in (2, 5):
-        while den % p == 0:
-            den //= p
-    if den != 1:
-        return None
-    text = format(Decimal(x.numerator) / Decimal(x.denominator), "f")
-    return text.rstrip("0").rstrip(".") if "." in text else text
-
-
 def _sample(rng: random.Random, tpl: _Template) -> dict[str, Fraction] | None:
     """Draw the number slots; None if a constraint (integer, non-negative) fails."""
     vals = {}
@@ -245,62 +217,3 @@ def make_problems(n: int, difficulty: int, split: str = "train", seed: int = 0) 
             expression=_fill(tpl.expression, vals),
         ))
     return out
-
-
-_NUMBER = re.compile(r"[-+]?(?:\d{1,3}(?:,\d{3})+|\d+)(?:\.\d+)?")
-
-
-def normalize_answer(text: str) -> str | None:
-    """Canonical form of a numeric answer string ('1,000' -> '1000', '12.50' -> '12.5')."""
-    text = text.strip().lstrip("$").strip()
-    if not _NUMBER.fullmatch(text):
-        return None
-    value = Fraction(Decimal(text.replace(",", "")))
-    return format_number(value) if value >= 0 else "-" + format_number(-value)
-
-
-def _record_to_problem(record: object, where: str, index: int, split: str) -> Problem:
-    if not isinstance(record, dict):
-        raise ValueError(f"{where}: expected a JSON object, got {type(record).__name__}")
-    if "question" in record:
-        prompt = f"{record['question']} {ANSWER_INSTRUCTION}"
-    elif "prompt" in record:
-        prompt = record["prompt"]
-    else:
-        raise ValueError(f"{where}: a record needs 'question' or 'prompt' (keys: {sorted(record)})")
-    if not isinstance(prompt, str) or not prompt.strip():
-        raise ValueError(f"{where}: the prompt/question must be a non-empty string")
-    if "answer" not in record:
-        raise ValueError(f"{where}: missing 'answer'")
-    raw = record["answer"]
-    if isinstance(raw, bool) or not isinstance(raw, (str, int, float)):
-        raise ValueError(f"{where}: 'answer' must be a string or a number, got {raw!r}")
-    raw = str(raw)
-    if "####" in raw:  # GSM8K: reasoning, then '#### <final answer>'
-        raw = raw.rsplit("####", 1)[1]
-    answer = normalize_answer(raw)
-    if answer is None:
-        raise ValueError(f"{where}: the answer {raw.strip()!r} is not a number")
-    return Problem(id=str(record.get("id", f"{split}-{index}")), prompt=prompt, answer=answer,
-                   difficulty=int(record.get("difficulty", 0)), split=split)
-
-
-def load_jsonl(path: str | Path, split: str = "user") -> list[Problem]:
-    """Problems from a JSONL file: GSM8K records {"question", "answer": "... #### 42"} or
-    {"prompt", "answer"}. A question gets the answer-format instruction appended; a prompt
-    is used verbatim. Blank lines are skipped; a bad record raises ValueError naming its line.
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise FileNotFoundError(f"problem file not found: {path}")
-    problems = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
-        if not line.strip():
-            continue
-        where = f"{path}:{lineno}"
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError as err:
-            raise ValueError(f"{where}: invalid JSON ({err.msg})") from None
-        problems.append(_record_to_problem(record, where, lineno, split))
-    return problems

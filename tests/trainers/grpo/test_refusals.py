@@ -152,7 +152,7 @@ def test_bad_task_file_is_refused(text, words, tmp_path, tiny_policy_dir, tiny_h
 
 
 def test_good_task_file_and_config_pass_the_validator(tmp_path, tiny_policy_dir, tiny_head_dir):
-    from trainers.train_config import load_train_config
+    from trainers.grpo.config import load_train_config
 
     tasks = tmp_path / "tasks.jsonl"
     tasks.write_text('{"question": "1+1?", "answer": "so #### 2"}\n\n{"prompt": "3*3=", "answer": 9}\n')

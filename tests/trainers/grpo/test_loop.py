@@ -11,7 +11,7 @@ import torch
 
 from rollout.config import ConfigError
 from tests.trainers.conftest import write_config
-from trainers.train_config import load_train_config
+from trainers.grpo.config import load_train_config
 
 
 # ---------------------------------------------------------------------------- bad configs
@@ -56,7 +56,7 @@ def test_bad_yaml_and_cli_exit_before_ray(tmp_path, capsys):
 
 # ---------------------------------------------------------------------------- with Ray
 def _trainer(tmp_path, policy, head, name, **sections):
-    from trainers.loop import GRPOTrainer
+    from trainers.grpo.loop import GRPOTrainer
 
     path = write_config(tmp_path / f"{name}.yaml", policy, head, tmp_path / name, **sections)
     return GRPOTrainer(load_train_config(path))
@@ -137,7 +137,7 @@ def _length_reward(text, answer, cfg=None) -> float:
 
 
 def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray, monkeypatch):
-    monkeypatch.setattr("trainers.loop.answer_reward", _length_reward)
+    monkeypatch.setattr("trainers.grpo.loop.answer_reward", _length_reward)
     full = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "full", run={"steps": 2})
     initial = {k: v.clone() for k, v in full.policy.state_dict().items()}
     rows_full = full.run()
@@ -159,14 +159,14 @@ def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_di
 def test_shipped_configs_validate(name):
     from pathlib import Path
 
-    cfg = load_train_config(Path(__file__).parents[2] / "configs" / f"{name}.yaml")
+    cfg = load_train_config(Path(__file__).parents[3] / "configs" / f"{name}.yaml")
     assert cfg.rollouts_per_step >= cfg.grpo.group_size
 
 
 def test_overrides_merge_at_every_depth():
     from pathlib import Path
 
-    path = Path(__file__).parents[2] / "configs" / "default.yaml"
+    path = Path(__file__).parents[3] / "configs" / "default.yaml"
     base = load_train_config(path)
     cfg = load_train_config(path, {"rollout": {"spec": {"max_batch": 4}}, "run": {"steps": 2}})
     assert cfg.rollout.spec.max_batch == 4 and cfg.run.steps == 2

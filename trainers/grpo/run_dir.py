@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from rollout.config import ConfigError
-from trainers.checkpoint import latest_checkpoint, write_atomic
+from trainers.grpo.checkpoint import latest_checkpoint, write_atomic
 
 log = logging.getLogger(__name__)
 

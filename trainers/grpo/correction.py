@@ -3,7 +3,7 @@
 Vocabulary:
 - **behaviour log-prob** log P(y): the log-probability with which the verifier really
   emitted token y (recorded by the rollout; P is the induced distribution, see
-  VERIFICATION.md). **logp_old** log pi_old(y): the policy's log-prob of the same token,
+  verifiers/README.md). **logp_old** log pi_old(y): the policy's log-prob of the same token,
   recomputed by the trainer at the start of the step.
 - **log ratio** per token: log r = logp_old - behaviour_logp. r = 1 for every token of a
   lossless rollout with the current weights.
@@ -19,7 +19,7 @@ Vocabulary:
             are masked; inside, each token gets the token-level truncated weight
             min(r, cap). (Our choice: the geometric mean is a length-normalised
             rejection test; per-token weights are the ones that are unbiased per position,
-            VERIFICATION.md, "What the behaviour log-prob is conditioned on".)
+            verifiers/README.md, "What the behaviour log-prob is conditioned on".)
 - **keep mask**: the valid tokens that survived masking. Weights are 0 outside it.
   Passing ``mask`` to the loss keeps masked tokens in its denominator (they contribute 0);
   passing ``mask & keep`` renormalises over the kept tokens.
@@ -27,7 +27,7 @@ Vocabulary:
 Everything is computed in log space (float64): sequence products of thousands of tokens
 neither overflow nor underflow before truncation or the bound test. Weights are detached.
 Support that P does not cover (pi(y) > 0 where P(y) = 0) cannot be corrected by any
-weight; it shows up only as missing mass (see ``trainers.metrics``).
+weight; it shows up only as missing mass (the drift study's uncovered mass, ``trainers.drift``).
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from rollout.config import ConfigError
-from trainers.metrics import drift_stats, weight_stats
+from trainers.drift.stats import drift_stats, weight_stats
 
 MODES = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
 
@@ -90,7 +90,7 @@ def importance_weights(logp_old: torch.Tensor, behaviour_logp: torch.Tensor, mas
     """Per-token weights [N, T] (detached, dtype of logp_old), keep mask [N, T] and stats.
 
     logp_old, behaviour_logp, mask: [N, T]; positions outside ``mask`` are ignored and get
-    weight 0. Stats: weight min/mean/max, ESS, masked fraction and drift (trainers.metrics).
+    weight 0. Stats: weight min/mean/max, ESS, masked fraction and drift (``trainers.drift.stats``).
     """
     _check(logp_old, behaviour_logp, mask)
     valid = mask.bool()  # [N, T]

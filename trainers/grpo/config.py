@@ -15,10 +15,10 @@ from pathlib import Path
 from rollout.config import ConfigError, from_dict, load_yaml
 from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from trainers.correction import CorrectionConfig
-from trainers.grpo import GRPOConfig
-from trainers.rewards import RewardConfig
-from trainers.tasks import DIFFICULTIES
+from trainers.grpo.correction import CorrectionConfig
+from trainers.grpo.loss import GRPOConfig
+from trainers.tasks.arithmetic import DIFFICULTIES
+from trainers.tasks.rewards import RewardConfig
 
 BACKENDS = ("hf", "vllm")
 TASK_SOURCES = ("arithmetic", "jsonl")
@@ -233,7 +233,7 @@ def load_train_config(path: str | Path, overrides: dict | None = None) -> TrainC
     """Read and validate a training YAML; ``overrides`` ({"run": {"steps": 2}}) are merged in
     key by key at every depth ({"rollout": {"spec": {"max_batch": 4}}} keeps the other spec
     keys), except that a rule's ``params`` mapping is replaced whole (they belong to its name)."""
-    from trainers.preflight import check_files
+    from trainers.grpo.preflight import check_files
 
     cfg = from_dict(TrainConfig, _merged(load_yaml(path), overrides or {}))
     check_files(cfg)

@@ -10,10 +10,9 @@ from fractions import Fraction
 import pytest
 
 from rollout.config import ConfigError
-from trainers.rewards import (RewardConfig, answer_reward, exact_match_reward,
-                              parse_final_answer)
-from trainers.tasks import (ANSWER_INSTRUCTION, DIFFICULTIES, TEMPLATES, Problem,
-                            load_jsonl, make_problems)
+from trainers.tasks.arithmetic import DIFFICULTIES, TEMPLATES, make_problems
+from trainers.tasks.problems import ANSWER_INSTRUCTION, Problem, load_jsonl
+from trainers.tasks.rewards import RewardConfig, answer_reward, exact_match_reward, parse_final_answer
 
 _BINOPS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
            ast.Div: operator.truediv}

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
 from rollout.config import ConfigError
-from trainers.tasks import normalize_answer
+from trainers.tasks.problems import normalize_answer
 
 # A number: optional sign (not when glued to a preceding word, digit or ')', so "5-3"
 # reads as 5 and 3), thousands groups "1,234" or plain digits, optional decimals.

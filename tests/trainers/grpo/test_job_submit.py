@@ -23,7 +23,7 @@ import pytest
 
 from tests.trainers.conftest import write_config
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[3]
 pytestmark = pytest.mark.slow
 
 

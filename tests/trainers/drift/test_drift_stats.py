@@ -1,0 +1,93 @@
+"""Drift statistics (trainers.drift.stats) on hand-built inputs: effective sample sizes, IS
+weight stats, KL estimates against the exact KL, accuracy intervals and gaps."""
+
+import math
+
+import pytest
+import torch
+
+from trainers.drift.stats import (compare_accuracy, drift_stats, effective_sample_size, sequence_ess, weight_stats,
+                                  wilson)
+
+
+def test_effective_sample_size_values():
+    assert effective_sample_size(torch.ones(7)) == 1.0
+    assert effective_sample_size(torch.tensor([3.0, 0.0, 0.0, 0.0])) == 0.25
+    assert effective_sample_size(torch.tensor([2.0, 1.0])) == pytest.approx(0.9)
+    assert effective_sample_size(torch.zeros(3)) == 0.0
+    with pytest.raises(ValueError, match=">= 0"):
+        effective_sample_size(torch.tensor([1.0, -1.0]))
+
+
+def test_weight_stats_on_hand_built_weights():
+    w = torch.tensor([[2.0, 0.0, 9.0], [0.5, 1.0, 0.0]])
+    keep = torch.tensor([[1, 0, 1], [1, 1, 0]], dtype=torch.bool)
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]], dtype=torch.bool)  # the 9.0 is padding
+    s = weight_stats(w, keep, mask)
+    assert (s["is_weight_min"], s["is_weight_max"]) == (0.5, 2.0)
+    assert s["is_weight_mean"] == pytest.approx(3.5 / 3)
+    assert s["is_masked_frac"] == pytest.approx(2 / 5)
+    assert s["is_ess"] == pytest.approx(3.5 ** 2 / (5 * 5.25))
+
+
+def test_drift_stats_on_hand_built_log_ratios():
+    lr = torch.log(torch.tensor([[2.0, 0.5, 1.0], [8.0, 1.0, 1.0]]))
+    mask = torch.tensor([[1, 1, 1], [0, 0, 0]], dtype=torch.bool)
+    s = drift_stats(lr, mask)
+    assert s["log_ratio_mean"] == pytest.approx(0.0, abs=1e-7)
+    assert s["log_ratio_abs_mean"] == pytest.approx(2 * math.log(2) / 3)
+    assert s["log_ratio_abs_max"] == pytest.approx(math.log(2))
+    assert s["kl_k1"] == pytest.approx(0.0, abs=1e-7)
+    assert s["kl_k3"] == pytest.approx(((2 - 1 - math.log(2)) + (0.5 - 1 + math.log(2))) / 3)
+
+
+def test_kl_estimates_match_the_exact_kl_on_samples_from_the_behaviour():
+    gen = torch.Generator().manual_seed(4)
+    log_pi = torch.log_softmax(torch.randn(5, generator=gen, dtype=torch.float64), 0)
+    log_P = torch.log_softmax(torch.randn(5, generator=gen, dtype=torch.float64), 0)
+    exact = float((log_P.exp() * (log_P - log_pi)).sum())  # KL(P || pi)
+    n = 40_000
+    y = torch.multinomial(log_P.exp(), n, replacement=True, generator=gen)
+    lr = (log_pi[y] - log_P[y]).view(1, n)
+    s = drift_stats(lr, torch.ones(1, n, dtype=torch.bool))
+    k1_sd = float((log_P - log_pi).pow(2).mul(log_P.exp()).sum().sqrt()) / math.sqrt(n)
+    assert abs(s["kl_k1"] - exact) < 5 * k1_sd
+    assert abs(s["kl_k3"] - exact) < 5 * k1_sd + 0.01 * exact
+    assert s["kl_k3"] >= 0
+
+
+def test_wilson_and_comparisons():
+    lo, hi = wilson(5, 10)
+    assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4
+    assert wilson(0, 10)[0] == 0.0 and abs(wilson(0, 10)[1] - 0.2775) < 1e-4
+    for n in range(1, 200):  # the interval always holds k / n, with exact ends at 0 and n
+        assert wilson(0, n)[0] == 0.0 and wilson(n, n)[1] == 1.0
+        assert all(wilson(k, n)[0] <= k / n <= wilson(k, n)[1] for k in range(n + 1))
+    a = {"k": 30, "n": 100, "ci_low": wilson(30, 100)[0], "ci_high": wilson(30, 100)[1]}
+    b = {"k": 50, "n": 100, "ci_low": wilson(50, 100)[0], "ci_high": wilson(50, 100)[1]}
+    g = compare_accuracy(a, b)
+    assert abs(g["diff"] + 0.2) < 1e-12 and g["diff_ci_low"] < -0.2 < g["diff_ci_high"] < 0
+    assert g["p_value"] < 0.01 and not g["intervals_overlap"]
+    assert compare_accuracy(a, a)["p_value"] == 1.0 and compare_accuracy(a, a)["intervals_overlap"]
+    log_w = torch.tensor([0.0, 0.0, math.log(3.0)], dtype=torch.float64)
+    assert abs(sequence_ess(log_w) - 25 / 33) < 1e-12 and sequence_ess(torch.zeros(4)) == 1.0
+    assert abs(sequence_ess(log_w + 1000.0) - 25 / 33) < 1e-12  # scale-free and overflow-safe
+
+
+def test_a_runs_step_view_and_the_training_log_agree_on_the_same_tokens():
+    """step_stats (a run's rollouts.jsonl) reports the KL and ESS the correction logged for the step."""
+    from trainers.drift.report import step_stats
+
+    g = torch.Generator().manual_seed(1)
+    beh = -torch.rand(2, 6, dtype=torch.float64, generator=g) * 2
+    pol = beh + 0.3 * torch.randn(2, 6, dtype=torch.float64, generator=g)
+    w = torch.exp(pol - beh).clamp(max=2.0)
+    records = [{"behaviour_logprobs": beh[i].tolist(), "target_logprobs": beh[i].tolist(),
+                "policy_logprobs": pol[i].tolist(), "relaxed": [0] * 6, "weights": w[i].tolist(), "reward": 0.0}
+               for i in range(2)]
+    row = step_stats(records)
+    mask = torch.ones(2, 6, dtype=torch.bool)
+    logged = drift_stats(pol - beh, mask)
+    assert (row["kl_P_pi_k1"], row["kl_P_pi_k3"]) == (logged["kl_k1"], logged["kl_k3"]) and logged["kl_k3"] > 0
+    assert (row["kl_P_p_k1"], row["kl_P_p_k3"]) == (0.0, 0.0)
+    assert row["weight_ess"] == weight_stats(w, mask, mask)["is_ess"] < 1

@@ -1,0 +1,1 @@
+"""GRPO training with off-policy correction: config, loss, correction, the loop and its run folder."""
