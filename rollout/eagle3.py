@@ -67,9 +67,7 @@ class Eagle3Config:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
                      "head_dim", "vocab_size", "draft_vocab_size", "target_hidden_size",
                      "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(name, f"must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name))
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError("num_key_value_heads", "must divide num_attention_heads")
         if self.draft_vocab_size > self.vocab_size:

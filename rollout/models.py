@@ -82,6 +82,15 @@ class TargetOutput:
     cache: Any
 
 
+def resolve_device(name: str, field: str = "device") -> torch.device:
+    """The torch device a config's ``field`` names: ``auto`` is CUDA when visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(field, "is 'cuda' but no CUDA device is visible", allowed=("auto", "cpu"))
+    return torch.device(name)
+
+
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     """EAGLE-3's default feature layers: inputs of layers 2, N // 2 and N - 3."""
     if num_layers < 3:

@@ -49,6 +49,7 @@ from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
+from trainers.drafter_prompts import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
 VERIFIER_PARAMS = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
@@ -86,20 +87,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
     return args
-
-
-def held_out_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    """n held-out arithmetic problems (difficulties 1-3), chat-formatted token ids."""
-    from trainers.tasks import make_problems
-
-    per = -(-n // 3)
-    problems = [p for lv in (1, 2, 3) for p in make_problems(per, lv, "heldout", seed + 1000)]
-    out = []
-    for p in problems[:n]:
-        text = tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
-                                       add_generation_prompt=True)
-        out.append(tok(text, add_special_tokens=False)["input_ids"])
-    return out
 
 
 def rss_mb() -> float:
@@ -300,7 +287,7 @@ def main(argv: list[str] | None = None) -> None:
     target, tok = load_embedded_target()
     head = load_eagle3(args.head or default_head_path(), target)
     engine = Engine(target, head, num_threads=threads)  # sets torch's threads for HF generate too
-    prompts = held_out_prompts(tok, args.prompts, args.seed)
+    prompts = benchmark_prompts(tok, args.prompts, args.seed)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))
     print(f"{len(prompts)} prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "

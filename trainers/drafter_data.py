@@ -31,7 +31,7 @@ import torch
 from tqdm import tqdm
 from transformers import DynamicCache
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_int, check_number
 from rollout.models import TargetModel
 
 
@@ -66,18 +66,13 @@ class DrafterDataConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "difficulties", tuple(self.difficulties))
         for name in ("arithmetic_per_difficulty", "general_prompts", "heldout_arithmetic", "heldout_general"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(name, "must be a non-negative integer")
+            check_int(name, getattr(self, name), 0)
         if not self.difficulties or not set(self.difficulties) <= {1, 2, 3, 4}:
             raise ConfigError("difficulties", f"bad levels {self.difficulties}", allowed=(1, 2, 3, 4))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 2:
-            raise ConfigError("max_new_tokens", "must be an integer >= 2")
-        if not 0.0 <= self.greedy_fraction <= 1.0:
-            raise ConfigError("greedy_fraction", "must be in [0, 1]")
+        check_int("max_new_tokens", self.max_new_tokens, 2)
+        check_number("greedy_fraction", self.greedy_fraction, 0, 1)
         for name in ("batch_size", "samples_per_prompt"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+            check_int(name, getattr(self, name))
 
 
 @dataclass
