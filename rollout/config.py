@@ -48,16 +48,17 @@ def check_int(name: str, value: Any, low: int = 1) -> None:
         raise ConfigError(name, f"must be {what}, got {value!r}")
 
 
-def check_number(name: str, value: Any, low: float = -math.inf, high: float = math.inf, *,
+def check_number(name: str, value: Any, low: float, high: float | None = None, *,
                  low_open: bool = False, high_open: bool = False, finite: bool = False) -> None:
-    """Refuse ``value`` unless it is a number (not NaN; finite with ``finite``) in the range
-    ``low``..``high``, each end closed unless ``*_open`` (the numeric range check of every config)."""
+    """Refuse ``value`` unless it is a number (not NaN; finite with ``finite``) from ``low`` to
+    ``high`` (None: no upper bound), each end closed unless ``*_open`` (the numeric range check
+    of every config)."""
     ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
     ok = ok and (math.isfinite(value) or not finite) and (value > low if low_open else value >= low) and (
-        value < high if high_open else value <= high)
+        high is None or (value < high if high_open else value <= high))
     if ok:
         return
-    if finite and math.isinf(high):
+    if high is None:
         where = f"{'>' if low_open else '>='} {low}"
     else:
         where = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"

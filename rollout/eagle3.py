@@ -28,7 +28,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_int
 
 if TYPE_CHECKING:
     from rollout.models import TargetModel
