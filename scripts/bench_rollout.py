@@ -181,7 +181,7 @@ def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: 
     with torch.inference_mode():
         logits = runner.start(group, max(len(p) for p in group) + max(blocks) + 8)
         runner.set_first_tokens(logits.argmax(-1))
-        _, hidden = runner.draft_root() if engine.head is not None else (None, None)
+        hidden = runner.draft_root().hidden if engine.head is not None else None
         for rep in range(reps + 1):  # rep 0 warms up
             for n in blocks:
                 block = runner.pending[:, None].expand(-1, n).contiguous()
