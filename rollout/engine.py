@@ -98,10 +98,10 @@ class Engine:
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig(mode="off")
         verifier = verifier or VerifierConfig()
-        if spec.speculative and self.head is None:
-            raise ValueError(f"spec.mode={spec.mode!r} needs a draft head; this engine has none (use mode 'off')")
         if capture and spec.speculative:
             raise ValueError(f"capture needs plain decoding (spec.mode 'off'), got spec.mode={spec.mode!r}")
+        if spec.speculative and self.head is None:
+            raise ValueError(f"spec.mode={spec.mode!r} needs a draft head; this engine has none (use mode 'off')")
         if not prompts:
             return GenerationResult([], Timings(), [] if debug else None, [] if capture else None)
         budgets = self._budgets(prompts, sampling.max_new_tokens)
