@@ -276,7 +276,7 @@ class ModelRunner:
             hidden_out.append(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0])
         kv.commit(counts, self._wait_host)
         self._wait_consumed = True
-        self._spec_past = None
+        self.drop_speculation()
         return DraftOutput(torch.cat(logits_out), torch.cat(hidden_out))
 
     def _draft_root_chunk(self, rows: slice, t: int, lc: int):
@@ -296,6 +296,10 @@ class ModelRunner:
         kv.keys[0][rows].scatter_(2, idx, d.kv[0][:, :, lc:])
         kv.values[0][rows].scatter_(2, idx, d.kv[1][:, :, lc:])
         return d.logits, d.hidden
+
+    def drop_speculation(self) -> None:
+        """Forget this round's speculative draft entries (the next step is the round's first)."""
+        self._spec_past = None
 
     def draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, level: int,
                    spec_visible: torch.Tensor | None) -> DraftOutput:

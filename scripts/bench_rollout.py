@@ -48,7 +48,7 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
-from rollout.runner import ModelRunner  # noqa: E402
+from rollout.timing import step_costs  # noqa: E402
 from trainers.drafter_prompts import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
@@ -164,38 +164,6 @@ def describe(spec: SpecConfig) -> str:
     if spec.mode == "tree":
         return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{cap}"
     return "off"
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
-def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int) -> dict:
-    """Median seconds of a target forward over ``n`` block tokens per row (``T(n)``) for each n
-    in ``blocks``, and of one draft step (``draft``), on ``group`` after its prefill; the
-    measurements are interleaved rep by rep."""
-    runner = ModelRunner(engine.target, engine.head, engine.prefill_tokens)
-    times: dict = {n: [] for n in blocks}
-    times["draft"] = []
-    with torch.inference_mode():
-        logits = runner.start(group, max(len(p) for p in group) + max(blocks) + 8)
-        runner.set_first_tokens(logits.argmax(-1))
-        hidden = runner.draft_root().hidden if engine.head is not None else None
-        for rep in range(reps + 1):  # rep 0 warms up
-            for n in blocks:
-                block = runner.pending[:, None].expand(-1, n).contiguous()
-                t0 = time.perf_counter()
-                runner.verify_forward(block, torch.arange(n, device=block.device)[None], None)
-                if rep:
-                    times[n].append(time.perf_counter() - t0)
-            if engine.head is not None:
-                runner._spec_past = None  # every timed draft step is the round's first one
-                t0 = time.perf_counter()
-                runner.draft_step(runner.draft_ids[:1].expand(len(group))[:, None], hidden[:, None], 1, None)
-                if rep:
-                    times["draft"].append(time.perf_counter() - t0)
-    return {k: _median(v) for k, v in times.items() if v}
 
 
 def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
