@@ -1,6 +1,6 @@
 """The speculative rollout engine (the ``hf`` backend): a step loop over rounds.
 
-Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and VERIFICATION.md):
+Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and the ``verifiers`` package):
 - **round**: draft (chain or tree) for every live row, verify the block in one target
   forward, emit tokens with the verifier, commit the accepted part of the caches, drop
   finished rows. ``spec.mode == "off"`` runs the same loop with an empty draft (one token

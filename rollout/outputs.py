@@ -1,6 +1,6 @@
 """What ``Engine.generate`` returns.
 
-Vocabulary (see ../shared/design/VERIFICATION.md):
+Vocabulary (the verification terms are those of the ``verifiers`` package):
 - **behaviour log-prob**: log P(y) of each emitted token under the distribution the
   verifier really sampled it from (the induced distribution); equals the target log-prob
   log p(y) for the lossless rule.
