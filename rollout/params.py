@@ -19,7 +19,6 @@ mappings with ``rollout.config.from_dict``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 

@@ -8,7 +8,6 @@ the field (dotted path, e.g. ``rollout.verifier.name``) and the allowed values.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
