@@ -11,6 +11,8 @@ Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and the ``verifiers`` 
   the call.
 - **first token**: each row's first completion token is sampled from the prefill's p
   (a bonus token); from then on every round starts from the row's pending token.
+- **capture**: ``generate(capture=True)`` (plain decoding) also returns the target's
+  EAGLE-3 features at every position it ran, per row (the drafter's training data).
 
 The engine only glues: :class:`rollout.sequences.SequenceTable` does the bookkeeping,
 :class:`rollout.runner.ModelRunner` owns tensors and runs the models, ``rollout.tree``

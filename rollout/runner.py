@@ -21,6 +21,9 @@ Vocabulary:
   in the same forward, exactly as if it had run every round.
 - **speculation**: draft forwards beyond step 0 within one round; their KV entries live
   only in ``self._spec_past`` and are dropped when the next round starts.
+- **capture** (plain decoding only): every target forward also keeps, per row, the
+  features and final-norm outputs of the positions it ran (``captures``); the drafter's
+  training data is made of them.
 
 All row-indexed tensors follow the live order of ``rollout.sequences.SequenceTable``.
 """
