@@ -194,7 +194,8 @@ class Engine:
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
         host = res.num_emitted.tolist()
-        runner.commit(res.num_emitted, host, res.tokens.clamp(min=0), feats, res.path if tree.mask is not None else None)
+        path = res.path if tree.mask is not None else None
+        runner.commit(res.num_emitted, host, res.tokens.clamp(min=0), feats, path)
         self._finish_round(call, res)
         return t1 - t0, host
 
