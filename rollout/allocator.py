@@ -8,7 +8,7 @@ is 1.5 MiB) is then page-faulted in again on each call; on this project's VM tha
 cost exceeds the arithmetic. Fixing the mmap threshold at its 32 MiB maximum and the trim
 threshold at 1 GiB makes freed blocks stay in the heap and be reused.
 
-Measured on the 2-core CPU (docs in the closing notes of issue 2): an elementwise pass over
+Measured on a 2-core CPU: an elementwise pass over
 [40, 49152] float32 rows 2-6x faster, chain verification at B = 8 1.2-1.5x faster, engine
 tokens/s about 7% higher. The cost: up to 1 GiB of freed memory stays mapped to the process
 (resident memory stays at its high-water mark instead of shrinking).

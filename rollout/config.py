@@ -31,6 +31,40 @@ class ConfigError(ValueError):
         super().__init__(text)
 
 
+def is_int(value: Any) -> bool:
+    """An integer that is not a bool."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def is_number(value: Any) -> bool:
+    """A finite int or float that is not a bool."""
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def check_int(name: str, value: Any, low: int = 1) -> None:
+    """Refuse ``value`` unless it is an integer >= ``low`` (the numeric range check of every config)."""
+    if not is_int(value) or value < low:
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}")
+        raise ConfigError(name, f"must be {what}, got {value!r}")
+
+
+def check_number(name: str, value: Any, low: float, high: float | None = None, *,
+                 low_open: bool = False, high_open: bool = False, finite: bool = False) -> None:
+    """Refuse ``value`` unless it is a number (not NaN; finite with ``finite``) from ``low`` to
+    ``high`` (None: no upper bound), each end closed unless ``*_open`` (the numeric range check
+    of every config)."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
+    ok = ok and (math.isfinite(value) or not finite) and (value > low if low_open else value >= low) and (
+        high is None or (value < high if high_open else value <= high))
+    if ok:
+        return
+    if high is None:
+        where = f"{'>' if low_open else '>='} {low}"
+    else:
+        where = f"in {'(' if low_open else '['}{low}, {high}{')' if high_open else ']'}"
+    raise ConfigError(name, f"must be a {'finite ' if finite else ''}number {where}, got {value!r}")
+
+
 def _nested_dataclass(tp: Any) -> type | None:
     """The dataclass inside ``tp`` (``X`` or ``X | None``), or None."""
     if dataclasses.is_dataclass(tp):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from rollout.eagle3 import Eagle3Config, Eagle3Head
+from rollout.eagle3_head import Eagle3Config, Eagle3Head
 from rollout.models import TargetModel, default_aux_layer_ids
 
 EAGLE_ARCH = "LlamaForCausalLMEagle3"

@@ -1,6 +1,6 @@
 """The speculative rollout engine (the ``hf`` backend): a step loop over rounds.
 
-Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and VERIFICATION.md):
+Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and the ``verifiers`` package):
 - **round**: draft (chain or tree) for every live row, verify the block in one target
   forward, emit tokens with the verifier, commit the accepted part of the caches, drop
   finished rows. ``spec.mode == "off"`` runs the same loop with an empty draft (one token
@@ -11,6 +11,8 @@ Vocabulary (see also ``rollout.runner``, ``rollout.tree`` and VERIFICATION.md):
   the call.
 - **first token**: each row's first completion token is sampled from the prefill's p
   (a bonus token); from then on every round starts from the row's pending token.
+- **capture**: ``generate(capture=True)`` (plain decoding) also returns the target's
+  EAGLE-3 features at every position it ran, per row (the drafter's training data).
 
 The engine only glues: :class:`rollout.sequences.SequenceTable` does the bookkeeping,
 :class:`rollout.runner.ModelRunner` owns tensors and runs the models, ``rollout.tree``
@@ -31,7 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from rollout.allocator import tune_malloc
-from rollout.outputs import DebugRecord, GenerationResult, Timings
+from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner, sample_draft
@@ -88,23 +90,27 @@ class Engine:
 
     def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
                  spec: SpecConfig | None = None, verifier: VerifierConfig | None = None, seed: int = 0,
-                 *, debug: bool = False) -> GenerationResult:
+                 *, debug: bool = False, capture: bool = False) -> GenerationResult:
         """Complete every prompt (token id lists of any lengths); see the module docstring.
 
         debug: keep, per emitted token, the logits the verifier saw (``result.debug``).
+        capture: keep, per row, the target's features at every position it ran
+            (``result.captures``, :class:`rollout.outputs.Capture`); plain decoding only.
         """
         sampling = sampling or SamplingParams()
         spec = spec or SpecConfig(mode="off")
         verifier = verifier or VerifierConfig()
+        if capture and spec.speculative:
+            raise ValueError(f"capture needs plain decoding (spec.mode 'off'), got spec.mode={spec.mode!r}")
         if spec.speculative and self.head is None:
             raise ValueError(f"spec.mode={spec.mode!r} needs a draft head; this engine has none (use mode 'off')")
         if not prompts:
-            return GenerationResult([], Timings(), [] if debug else None)
+            return GenerationResult([], Timings(), [] if debug else None, [] if capture else None)
         budgets = self._budgets(prompts, sampling.max_new_tokens)
         start = time.perf_counter()
         dev = self.target.device
         head = self.head if spec.speculative else None  # plain decoding pays nothing for the draft
-        call = _Call(runner=ModelRunner(self.target, head, self.prefill_tokens),
+        call = _Call(runner=ModelRunner(self.target, head, self.prefill_tokens, capture),
                      table=SequenceTable(prompts, budgets, sampling.stop_token_ids), rule=verifier.rule(),
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None,
@@ -118,7 +124,8 @@ class Engine:
         t.other_s = max(0.0, t.total_s - t.draft_s - t.verify_s)
         completions = call.table.completions()
         t.tokens = sum(c.num_tokens for c in completions)
-        return GenerationResult(completions, t, _trim_debug(call.debug, completions))
+        captures = [Capture(f, x) for f, x in call.runner.captures()] if capture else None
+        return GenerationResult(completions, t, _trim_debug(call.debug, completions), captures)
 
     def _budgets(self, prompts: list[list[int]], max_new: int) -> list[int]:
         """Validate the prompts; each row's token budget (capped by the target's context)."""
@@ -186,8 +193,9 @@ class Engine:
         res = walk(call.rule, tree, logits, record=self._record(call), **call.verify_kw)
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
-        host = res.counts.tolist()
-        runner.commit(res.counts, host, res.tokens.clamp(min=0), feats, res.path if tree.mask is not None else None)
+        host = res.num_emitted.tolist()
+        path = res.path if tree.mask is not None else None
+        runner.commit(res.num_emitted, host, res.tokens.clamp(min=0), feats, path)
         self._finish_round(call, res)
         return t1 - t0, host
 
@@ -216,15 +224,16 @@ class Engine:
         """Draft k tokens per row: draft ids ``[B, k]`` and their draft logits ``[B, k, Vd]``."""
         runner = call.runner
         greedy = call.spec.draft_sampling == "greedy"
-        logits, hidden = runner.draft_root()  # [B, Vd], [B, H]
+        step = runner.draft_root()
+        logits, hidden = step.logits, step.hidden  # [B, Vd], [B, H]
         ids, all_logits = [], [logits]
         for s in range(k):
             ids.append(sample_draft(logits, call.sampling.temperature, greedy, call.generator))
             if s == k - 1:
                 break
             seen = torch.ones(len(ids[-1]), 1, s, dtype=torch.bool, device=logits.device) if s else None
-            lg, hd = runner.draft_step(runner.draft_ids[ids[-1]][:, None], hidden[:, None], s + 1, seen)
-            logits, hidden = lg[:, 0], hd[:, 0]
+            step = runner.draft_step(runner.draft_ids[ids[-1]][:, None], hidden[:, None], s + 1, seen)
+            logits, hidden = step.logits[:, 0], step.hidden[:, 0]
             all_logits.append(logits)
         call.timings.draft_forwards += k
         return torch.stack(ids, 1), torch.stack(all_logits, 1)
@@ -239,8 +248,7 @@ class Engine:
 
     def _finish_round(self, call: _Call, res, first: bool = False) -> None:
         """Hand the emitted tokens to the bookkeeping; drop finished rows everywhere."""
-        counts = getattr(res, "num_emitted", None)
-        counts = res.counts if counts is None else counts
+        counts = res.num_emitted
         if not first:
             call.timings.emitted += int(counts.sum())
         table = call.table

@@ -141,10 +141,3 @@ class RowKVCache(Cache):
         """Views of the first ``length`` slots (default: the longest row) of one layer."""
         length = max(self.host_lengths, default=0) if length is None else length
         return self.keys[layer_idx][:, :, :length], self.values[layer_idx][:, :, :length]
-
-    def write(self, layer_idx: int, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor) -> None:
-        """Write ``keys/values [B, n_kv, T, d]`` at ``slots [B, T]`` (no length change)."""
-        b, h, t, d = keys.shape
-        idx = slots[:, None, :, None].expand(b, h, t, d)
-        self.keys[layer_idx].scatter_(2, idx, keys.to(self.keys[layer_idx].dtype))
-        self.values[layer_idx].scatter_(2, idx, values.to(self.values[layer_idx].dtype))

@@ -19,6 +19,7 @@ import importlib.util
 import os
 import shutil
 import tempfile
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -75,11 +76,38 @@ class TargetConfig:
 
 @dataclass
 class TargetOutput:
-    """One target forward: logits ``[B, T, V]`` (float32), features ``[B, T, 3H]``, cache."""
+    """One target forward: logits ``[B, T, V]`` (float32), features ``[B, T, 3H]``, cache, and
+    (when asked) ``final [B, T, H]``, the final norm's output (logits = lm_head(final))."""
 
     logits: torch.Tensor
     features: torch.Tensor
     cache: Any
+    final: torch.Tensor | None = None
+
+
+class FeatureCapture:
+    """What :meth:`TargetModel.capture` records during the forwards run inside it: the inputs
+    of the aux layers (``features()``, the EAGLE-3 features ``[B, T, 3H]``) and, with
+    ``final``, the final norm's output (``final()``, ``[B, T, H]``) of the last forward."""
+
+    def __init__(self, aux_layer_ids: tuple[int, int, int]):
+        self.aux_layer_ids = aux_layer_ids
+        self.store: dict[int | str, torch.Tensor] = {}
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self.store[i] for i in self.aux_layer_ids], dim=-1)
+
+    def final(self) -> torch.Tensor | None:
+        return self.store.get("final")
+
+
+def resolve_device(name: str, field: str = "device") -> torch.device:
+    """The torch device a config's ``field`` names: ``auto`` is CUDA when visible, else the CPU."""
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(field, "is 'cuda' but no CUDA device is visible", allowed=("auto", "cpu"))
+    return torch.device(name)
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -142,6 +170,7 @@ class TargetModel(nn.Module):
         attention_mask: torch.Tensor | None = None,
         cache: Any = None,
         use_cache: bool = True,
+        final: bool = False,
     ) -> TargetOutput:
         """Run the target on ``input_ids [B, T]`` and capture the aux-layer inputs.
 
@@ -149,39 +178,40 @@ class TargetModel(nn.Module):
             0/1 (padding), or 4D ``[B, 1, T, L_total]`` passed to the model as-is
             (bool, True = may attend: tree or custom masks).
         cache: a transformers ``Cache`` (e.g. ``DynamicCache``) extended in place.
+        final: also return the final norm's output (``TargetOutput.final``).
         """
         assert input_ids.dim() == 2, f"input_ids must be [B, T], got {tuple(input_ids.shape)}"
         if position_ids is not None:
             assert position_ids.shape == input_ids.shape, (
                 f"position_ids {tuple(position_ids.shape)} != input_ids {tuple(input_ids.shape)}"
             )
-        captured: dict[int, torch.Tensor] = {}
-        handles = []
-        for idx in sorted(set(self.aux_layer_ids)):
-            handles.append(
-                self.decoder_layers[idx].register_forward_pre_hook(self._capture_hook(idx, captured), with_kwargs=True)
-            )
+        with self.capture(final=final) as cap:
+            out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
+                             cache=cache, use_cache=use_cache)
+        return TargetOutput(logits=out.logits.float(), features=cap.features(), cache=out.cache,
+                            final=cap.final())
+
+    @contextmanager
+    def capture(self, final: bool = False):
+        """Hooks that capture the EAGLE-3 features (the aux layers' inputs) and, with ``final``,
+        the final norm's output of the forwards run inside; yields the :class:`FeatureCapture`."""
+        cap = FeatureCapture(self.aux_layer_ids)
+
+        def pre_hook(idx):
+            def hook(module, args, kwargs):
+                cap.store[idx] = args[0] if args else kwargs["hidden_states"]
+            return hook
+
+        handles = [self.decoder_layers[idx].register_forward_pre_hook(pre_hook(idx), with_kwargs=True)
+                   for idx in sorted(set(self.aux_layer_ids))]
+        if final:
+            handles.append(self.model.model.norm.register_forward_hook(
+                lambda module, args, out: cap.store.__setitem__("final", out)))
         try:
-            out = self.model(
-                input_ids=input_ids,
-                position_ids=position_ids,
-                attention_mask=attention_mask,
-                cache=cache,
-                use_cache=use_cache,
-            )
+            yield cap
         finally:
             for h in handles:
                 h.remove()
-        features = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)  # [B, T, 3H]
-        return TargetOutput(logits=out.logits.float(), features=features, cache=out.cache)
-
-    @staticmethod
-    def _capture_hook(idx: int, store: dict[int, torch.Tensor]):
-        def hook(module, args, kwargs):
-            store[idx] = args[0] if args else kwargs["hidden_states"]
-            return None
-
-        return hook
 
 
 # ----------------------------------------------------------------------------- loading

@@ -1,6 +1,6 @@
 """What ``Engine.generate`` returns.
 
-Vocabulary (see ../shared/design/VERIFICATION.md):
+Vocabulary (the verification terms are those of the ``verifiers`` package):
 - **behaviour log-prob**: log P(y) of each emitted token under the distribution the
   verifier really sampled it from (the induced distribution); equals the target log-prob
   log p(y) for the lossless rule.
@@ -101,12 +101,28 @@ class DebugRecord:
 
 
 @dataclass
+class Capture:
+    """What the target computed for one row of a plain-decoding call (``generate(capture=True)``),
+    at every position it ran: the prompt tokens and every completion token but the last
+    (``n = len(prompt) + len(completion) - 1`` positions).
+
+    features ``[n, 3H]``: the EAGLE-3 features (inputs of the aux layers, ``rollout.models``);
+    final ``[n, H]``: the final norm's output, so the target logits are ``lm_head(final)``.
+    """
+
+    features: torch.Tensor
+    final: torch.Tensor
+
+
+@dataclass
 class GenerationResult:
-    """Completions in prompt order, the call's timings, and (when asked) debug records."""
+    """Completions in prompt order, the call's timings, and (when asked) debug records and
+    per-row captures."""
 
     completions: list[Completion]
     timings: Timings
     debug: list[DebugRecord] | None = None
+    captures: list[Capture] | None = None
 
     @property
     def tau(self) -> float:

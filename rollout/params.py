@@ -19,23 +19,13 @@ mappings with ``rollout.config.from_dict``.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_int, check_number, is_int
 
 SPEC_MODES = ("off", "chain", "tree")
 DRAFT_SAMPLING = ("sampled", "greedy")
-
-
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _positive_int(name: str, value: Any) -> None:
-    if not _is_int(value) or value < 1:
-        raise ConfigError(name, f"must be an integer >= 1, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -57,18 +47,17 @@ class SamplingParams:
 
     def __post_init__(self) -> None:
         t = self.temperature
-        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
-            raise ConfigError("temperature", f"must be a finite number >= 0, got {t!r}")
+        check_number("temperature", t, 0, finite=True)
         if self.top_k is not None:
-            _positive_int("top_k", self.top_k)
+            check_int("top_k", self.top_k)
         p = self.top_p
         if p is not None and (isinstance(p, bool) or not isinstance(p, (int, float)) or not 0 < p <= 1):
             raise ConfigError("top_p", f"must be null or in (0, 1], got {p!r}")
-        _positive_int("max_new_tokens", self.max_new_tokens)
+        check_int("max_new_tokens", self.max_new_tokens)
         stops = self.stop_token_ids
         if isinstance(stops, int) or not isinstance(stops, (list, tuple)):
             raise ConfigError("stop_token_ids", f"must be a list of token ids, got {stops!r}")
-        if not all(_is_int(s) and s >= 0 for s in stops):
+        if not all(is_int(s) and s >= 0 for s in stops):
             raise ConfigError("stop_token_ids", f"must be non-negative integers, got {stops!r}")
         object.__setattr__(self, "stop_token_ids", tuple(stops))
         object.__setattr__(self, "temperature", float(t))
@@ -113,11 +102,11 @@ class SpecConfig:
             raise ConfigError("draft_sampling", f"unknown draft sampling {self.draft_sampling!r}",
                               allowed=DRAFT_SAMPLING)
         for name in ("num_draft_tokens", "depth", "top_k", "total_tokens"):
-            _positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.max_batch is not None and self.max_batch != "auto":
             if isinstance(self.max_batch, str):
                 raise ConfigError("max_batch", f"must be an integer >= 1, auto or null, got {self.max_batch!r}")
-            _positive_int("max_batch", self.max_batch)
+            check_int("max_batch", self.max_batch)
         if not isinstance(self.adaptive_k, bool):
             raise ConfigError("adaptive_k", f"must be true or false, got {self.adaptive_k!r}")
         if self.adaptive_k and not (self.mode == "chain" and self.auto):

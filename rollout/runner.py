@@ -21,17 +21,21 @@ Vocabulary:
   in the same forward, exactly as if it had run every round.
 - **speculation**: draft forwards beyond step 0 within one round; their KV entries live
   only in ``self._spec_past`` and are dropped when the next round starts.
+- **capture** (plain decoding only): every target forward also keeps, per row, the
+  features and final-norm outputs of the positions it ran (``captures``); the drafter's
+  training data is made of them.
 
 All row-indexed tensors follow the live order of ``rollout.sequences.SequenceTable``.
 """
 
 from __future__ import annotations
 
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 
 import torch
 import torch.nn.functional as F
 
+from rollout.eagle3_head import DraftOutput
 from rollout.kv_cache import RowKVCache
 from verifiers.processing import draft_logits as scale_draft_logits
 
@@ -68,8 +72,9 @@ def _gqa_attention(target):
 class ModelRunner:
     """Target + optional EAGLE-3 head, their KV caches, pending tokens and draft inputs."""
 
-    def __init__(self, target, head=None, prefill_tokens: int = 1024):
+    def __init__(self, target, head=None, prefill_tokens: int = 1024, capture: bool = False):
         self.target, self.head = target, head
+        self.capture = capture  # keep every forwarded position's features (see ``captures``)
         cfg = target.config
         self.device = target.device
         self.dtype = target.dtype
@@ -91,6 +96,8 @@ class ModelRunner:
     def start(self, prompts: list[list[int]], capacity: int) -> torch.Tensor:
         """Allocate the caches and prefill every prompt; return the last logits ``[B, V]``."""
         b, p_max = len(prompts), max(len(p) for p in prompts)
+        self._rows = list(range(b))  # the call's row index of each live row
+        self._captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]
         self.cache = RowKVCache(self.target.num_layers, b, self.num_kv_heads, self.head_dim, capacity,
                                 self.dtype, self.device)
         ids = torch.zeros(b, p_max, dtype=torch.long)
@@ -104,8 +111,11 @@ class ModelRunner:
         for r0 in range(0, b, rows_per_chunk):
             rows = slice(r0, min(b, r0 + rows_per_chunk))
             p_chunk = int(plen[rows].max())
-            logits, f = self._prefill_chunk(ids[rows, :p_chunk], plen[rows], rows)
+            logits, f, final = self._prefill_chunk(ids[rows, :p_chunk], plen[rows], rows)
             last_logits.append(logits)
+            if self.capture:
+                chunk = range(rows.start, rows.stop)
+                self._record(f, final, chunk, [len(prompts[r]) for r in chunk])
             if self.head is not None:
                 if feats is None:
                     feats = f.new_zeros(b, p_max, f.shape[-1])
@@ -116,8 +126,9 @@ class ModelRunner:
         return torch.cat(last_logits)
 
     def _prefill_chunk(self, ids: torch.Tensor, plen: torch.Tensor, rows: slice):
-        """Prefill rows ``rows``: logits ``[b, V]`` at each row's last prompt token and the
-        features ``[b, t, 3H]`` (None without a head) of every prompt token."""
+        """Prefill rows ``rows``: logits ``[b, V]`` at each row's last prompt token, the
+        features ``[b, t, 3H]`` (None without a head or capture) and the final norm's output
+        ``[b, t, H]`` (None unless capturing) of every prompt token."""
         b, t = ids.shape
         self.cache.prepare(t, rows)
         pos = torch.arange(t, device=self.device)
@@ -128,32 +139,32 @@ class ModelRunner:
         if not self._plain_lm_head:  # e.g. soft-capped logits: take them from the full forward
             with _gqa_attention(self.target):
                 out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None],
-                                  cache=self.cache)
-            return out.logits.gather(1, last.expand(b, 1, out.logits.shape[-1]))[:, 0], out.features
+                                  cache=self.cache, final=self.capture)
+            return out.logits.gather(1, last.expand(b, 1, out.logits.shape[-1]))[:, 0], out.features, out.final
         hidden, feats = self._body_forward(ids, pos[None].expand(b, t), mask[:, None])
         last_hidden = hidden.gather(1, last.expand(b, 1, hidden.shape[-1]))[:, 0]  # [b, H]
-        return self.target.model.get_output_embeddings()(last_hidden).float(), feats
+        return self.target.model.get_output_embeddings()(last_hidden).float(), feats, hidden
 
     def _body_forward(self, ids, positions, mask):
         """The target's decoder stack only (final norm included, no lm_head): the prefill
         needs logits at one position per row, not over the whole prompt. Captures the
-        EAGLE-3 features like ``TargetModel.forward`` when there is a head."""
-        store: dict[int, torch.Tensor] = {}
-        handles = []
-        if self.head is not None:
-            for idx in sorted(set(self.target.aux_layer_ids)):
-                def hook(module, args, kwargs, idx=idx):
-                    store[idx] = args[0] if args else kwargs["hidden_states"]
-                handles.append(self.target.decoder_layers[idx].register_forward_pre_hook(hook, with_kwargs=True))
-        try:
-            with _gqa_attention(self.target):
-                out = self.target.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                                   cache=self.cache, use_cache=True)
-        finally:
-            for h in handles:
-                h.remove()
-        feats = torch.cat([store[i] for i in self.target.aux_layer_ids], -1) if handles else None
-        return out.last_hidden_state, feats
+        EAGLE-3 features (``TargetModel.capture``) when there is a head or a capture."""
+        features = self.head is not None or self.capture
+        with (self.target.capture() if features else nullcontext()) as cap, _gqa_attention(self.target):
+            out = self.target.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                               cache=self.cache, use_cache=True)
+        return out.last_hidden_state, cap.features() if features else None
+
+    def _record(self, feats: torch.Tensor, final: torch.Tensor, rows, lengths: list[int]) -> None:
+        """Capture: keep the first ``lengths[i]`` positions of ``feats/final [b, t, .]`` for
+        the call's row ``rows[i]``."""
+        for i, (r, n) in enumerate(zip(rows, lengths)):
+            self._captured[r].append((feats[i, :n], final[i, :n]))
+
+    def captures(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per row of the call: the features ``[n, 3H]`` and final norm outputs ``[n, H]`` of
+        the ``n`` positions the target ran for it, in order (capture only)."""
+        return [(torch.cat([f for f, _ in parts]), torch.cat([x for _, x in parts])) for parts in self._captured]
 
     def set_first_tokens(self, tokens: torch.Tensor) -> None:
         """Record the first sampled token ``[B]``: it is pending, and closes the prompt's draft pairs."""
@@ -212,7 +223,10 @@ class ModelRunner:
             seen = block_mask.expand(b, t, t).gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, kv_len))
             mask = (rel < 0)[:, None, :] | (seen & in_block[:, None, :])  # [B, T, L]
         with _gqa_attention(self.target):
-            out = self.target(tokens, position_ids=positions, attention_mask=mask[:, None], cache=self.cache)
+            out = self.target(tokens, position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
+                              final=self.capture)
+        if self.capture:  # plain rounds only: the block is the pending token, committed whatever comes
+            self._record(out.features, out.final, self._rows, [t] * b)
         return out.logits, out.features
 
     def commit(self, counts: torch.Tensor, host_counts: list[int], emitted: torch.Tensor,
@@ -238,6 +252,7 @@ class ModelRunner:
     def keep(self, rows: list[int]) -> None:
         """Drop finished rows: keep ``rows`` (increasing) of every row-indexed tensor."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
+        self._rows = [self._rows[r] for r in rows]
         self.cache.keep(rows)
         self.pending = self.pending.index_select(0, idx)
         if self.draft_kv is not None:
@@ -247,7 +262,7 @@ class ModelRunner:
             self._wait_more = [tuple(t.index_select(0, idx) for t in part) for part in self._wait_more]
 
     # ------------------------------------------------------------------ draft
-    def draft_root(self) -> tuple[torch.Tensor, torch.Tensor]:
+    def draft_root(self) -> DraftOutput:
         """Draft step 0: consume the waiting pairs; return logits ``[B, Vd]`` and hidden
         ``[B, H]`` at each row's last pair (they predict the first drafted token)."""
         self._merge_waiting()
@@ -264,8 +279,8 @@ class ModelRunner:
             hidden_out.append(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0])
         kv.commit(counts, self._wait_host)
         self._wait_consumed = True
-        self._spec_past = None
-        return torch.cat(logits_out), torch.cat(hidden_out)
+        self.drop_speculation()
+        return DraftOutput(torch.cat(logits_out), torch.cat(hidden_out))
 
     def _draft_root_chunk(self, rows: slice, t: int, lc: int):
         kv, counts = self.draft_kv, self._wait_counts[rows]
@@ -285,14 +300,18 @@ class ModelRunner:
         kv.values[0][rows].scatter_(2, idx, d.kv[1][:, :, lc:])
         return d.logits, d.hidden
 
+    def drop_speculation(self) -> None:
+        """Forget this round's speculative draft entries (the next step is the round's first)."""
+        self._spec_past = None
+
     def draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, level: int,
-                   spec_visible: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+                   spec_visible: torch.Tensor | None) -> DraftOutput:
         """One speculative draft forward of ``tokens [B, T]`` (draft ids mapped to target ids
         by the caller) with input hidden ``[B, T, H]`` at tree level ``level`` (>= 1).
 
         spec_visible [B, T, S]: which of the S earlier speculative slots of this round each
         query sees (None when S = 0). Every query also sees the committed draft cache and
-        itself. Returns logits ``[B, T, Vd]`` and output hidden ``[B, T, H]``.
+        itself. Returns logits ``[B, T, Vd]``, output hidden ``[B, T, H]`` and the kv.
         """
         kv = self.draft_kv
         b, t = tokens.shape
@@ -307,7 +326,7 @@ class ModelRunner:
         pos = (kv.lengths - 1 + level + DRAFT_POSITION_OFFSET)[:, None].expand(b, t)
         d = self.head(tokens, hidden, pos, mask, past)
         self._spec_past = d.kv
-        return d.logits, d.hidden
+        return d
 
 
 def sample_draft(logits: torch.Tensor, temperature: float, greedy: bool,

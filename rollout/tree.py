@@ -71,7 +71,8 @@ def draft_tree(runner, root: torch.Tensor, depth: int, top_k: int, total_tokens:
     """Draft an EAGLE-2 dynamic tree for every row with the runner's head (draft step 0
     included); ``root [B]`` are the pending tokens."""
     k = top_k
-    logits, hidden = runner.draft_root()  # [B, Vd], [B, H]
+    step0 = runner.draft_root()
+    logits, hidden = step0.logits, step0.hidden  # [B, Vd], [B, H]
     b = logits.shape[0]
     score, ids = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [B, k], descending
     gen_score, gen_ids = [score], [ids]
@@ -83,7 +84,8 @@ def draft_tree(runner, root: torch.Tensor, depth: int, top_k: int, total_tokens:
     offset = k
     for level in range(1, depth):
         f_gen, f_ids, f_score = frontier
-        lg, hd = runner.draft_step(runner.draft_ids[f_ids], f_hidden, level, visible)  # [B, k, Vd], [B, k, H]
+        step = runner.draft_step(runner.draft_ids[f_ids], f_hidden, level, visible)
+        lg, hd = step.logits, step.hidden  # [B, k, Vd], [B, k, H]
         s2, i2 = torch.log_softmax(lg, -1).topk(k, dim=-1)  # [B, k, k]
         cand_score = (f_score[:, :, None] + s2).reshape(b, k * k)
         gen_score.append(cand_score)
@@ -146,11 +148,12 @@ def _children(parents: torch.Tensor, k: int) -> torch.Tensor:
 @dataclass
 class WalkResult:
     """Per row: ``tokens/behaviour_logprobs/target_logprobs/kinds/relaxed [B, W]`` (W =
-    max depth + 1; entries past ``counts`` are padding), ``counts [B]`` emitted tokens,
-    ``path [B, W]`` the nodes whose output was used (root + accepted nodes)."""
+    max depth + 1; entries past ``num_emitted`` are padding), ``num_emitted [B]`` emitted
+    tokens, ``path [B, W]`` the nodes whose output was used (root + accepted nodes). The
+    fields are those of ``verifiers.ChainResult`` plus ``path``."""
 
     tokens: torch.Tensor
-    counts: torch.Tensor
+    num_emitted: torch.Tensor
     behaviour_logprobs: torch.Tensor
     target_logprobs: torch.Tensor
     kinds: torch.Tensor
@@ -169,7 +172,7 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
     w = tree.max_depth + 1
     dev = target_logits.device
     out = WalkResult(tokens=torch.full((b, w), -1, dtype=torch.long, device=dev),
-                     counts=torch.zeros(b, dtype=torch.long, device=dev),
+                     num_emitted=torch.zeros(b, dtype=torch.long, device=dev),
                      behaviour_logprobs=torch.zeros(b, w, device=dev), target_logprobs=torch.zeros(b, w, device=dev),
                      kinds=torch.full((b, w), int(TokenKind.PAD), dtype=torch.long, device=dev),
                      relaxed=torch.zeros(b, w, dtype=torch.bool, device=dev),
@@ -192,7 +195,7 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
         out.kinds[rows, level] = kind
         out.relaxed[rows, level] = res.relaxed
         out.path[rows, level] = node
-        out.counts[rows] += 1
+        out.num_emitted[rows] += 1
         if record is not None:
             record.append((level, rows, logits, cand))
         keep = acc.nonzero()[:, 0]

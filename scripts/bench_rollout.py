@@ -48,7 +48,8 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
-from rollout.runner import ModelRunner  # noqa: E402
+from rollout.timing import step_costs  # noqa: E402
+from trainers.drafter_prompts import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
 VERIFIER_PARAMS = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
@@ -86,20 +87,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.quick:
         args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
     return args
-
-
-def held_out_prompts(tok, n: int, seed: int) -> list[list[int]]:
-    """n held-out arithmetic problems (difficulties 1-3), chat-formatted token ids."""
-    from trainers.tasks.arithmetic import make_problems
-
-    per = -(-n // 3)
-    problems = [p for lv in (1, 2, 3) for p in make_problems(per, lv, "heldout", seed + 1000)]
-    out = []
-    for p in problems[:n]:
-        text = tok.apply_chat_template([{"role": "user", "content": p.prompt}], tokenize=False,
-                                       add_generation_prompt=True)
-        out.append(tok(text, add_special_tokens=False)["input_ids"])
-    return out
 
 
 def rss_mb() -> float:
@@ -177,38 +164,6 @@ def describe(spec: SpecConfig) -> str:
     if spec.mode == "tree":
         return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{cap}"
     return "off"
-
-
-def _median(xs: list[float]) -> float:
-    xs = sorted(xs)
-    return xs[len(xs) // 2]
-
-
-def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int) -> dict:
-    """Median seconds of a target forward over ``n`` block tokens per row (``T(n)``) for each n
-    in ``blocks``, and of one draft step (``draft``), on ``group`` after its prefill; the
-    measurements are interleaved rep by rep."""
-    runner = ModelRunner(engine.target, engine.head, engine.prefill_tokens)
-    times: dict = {n: [] for n in blocks}
-    times["draft"] = []
-    with torch.inference_mode():
-        logits = runner.start(group, max(len(p) for p in group) + max(blocks) + 8)
-        runner.set_first_tokens(logits.argmax(-1))
-        _, hidden = runner.draft_root() if engine.head is not None else (None, None)
-        for rep in range(reps + 1):  # rep 0 warms up
-            for n in blocks:
-                block = runner.pending[:, None].expand(-1, n).contiguous()
-                t0 = time.perf_counter()
-                runner.verify_forward(block, torch.arange(n, device=block.device)[None], None)
-                if rep:
-                    times[n].append(time.perf_counter() - t0)
-            if engine.head is not None:
-                runner._spec_past = None  # every timed draft step is the round's first one
-                t0 = time.perf_counter()
-                runner.draft_step(runner.draft_ids[:1].expand(len(group))[:, None], hidden[:, None], 1, None)
-                if rep:
-                    times["draft"].append(time.perf_counter() - t0)
-    return {k: _median(v) for k, v in times.items() if v}
 
 
 def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
@@ -300,7 +255,7 @@ def main(argv: list[str] | None = None) -> None:
     target, tok = load_embedded_target()
     head = load_eagle3(args.head or default_head_path(), target)
     engine = Engine(target, head, num_threads=threads)  # sets torch's threads for HF generate too
-    prompts = held_out_prompts(tok, args.prompts, args.seed)
+    prompts = benchmark_prompts(tok, args.prompts, args.seed)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))
     print(f"{len(prompts)} prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "

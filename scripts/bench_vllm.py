@@ -127,11 +127,11 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from rollout.vllm.backend import target_folder
-    from scripts.bench_rollout import held_out_prompts
+    from trainers.drafter_prompts import benchmark_prompts
 
     tok = AutoTokenizer.from_pretrained(target_folder(TargetConfig()))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    prompts = held_out_prompts(tok, max(sizes), args.seed)
+    prompts = benchmark_prompts(tok, max(sizes), args.seed)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))
     runs = build(args)

@@ -70,12 +70,12 @@ def main() -> None:
     args = ap.parse_args()
     from rollout.eagle3 import default_head_path
     from rollout.vllm.backend import VLLMBackend
-    from scripts.bench_rollout import held_out_prompts
+    from rollout.chat import chat_ids
+    from trainers.drafter_prompts import benchmark_prompts
 
     model, tok = load_embedded_target()
-    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}], tokenize=False, add_generation_prompt=True)
-    prompt = tok(text, add_special_tokens=False)["input_ids"]
-    held = held_out_prompts(tok, args.length_prompts, 0)
+    prompt = chat_ids(tok, PROMPT)
+    held = benchmark_prompts(tok, args.length_prompts, 0)
     head = args.head or str(default_head_path())
     opts = {"kv_cache_memory_bytes": 1 << 29, "max_model_len": 1024, "max_num_seqs": 128}
     chain = SpecConfig(mode="chain", num_draft_tokens=args.k)

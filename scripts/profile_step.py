@@ -117,11 +117,11 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from rollout.engine import available_cores
     from rollout.models import load_embedded_target
-    from scripts.bench_rollout import held_out_prompts
+    from trainers.drafter_prompts import benchmark_prompts
 
     torch.set_num_threads(args.threads or available_cores())
     target, tok = load_embedded_target()
-    res = measure(target, held_out_prompts(tok, 1, 0)[0], args.reps)
+    res = measure(target, benchmark_prompts(tok, 1, 0)[0], args.reps)
     print(f"threads {torch.get_num_threads()}: engine {res['engine_ms']:.1f} ms/token, "
           f"forward {res['forward_ms']:.1f} ms, lm_head {res['lm_head_ms']:.1f} ms; "
           f"floor {res['floor_ms']:.1f} ms ({res['weight_mb']:.0f} MB fp32 at {res['bandwidth_gbs']:.1f} GB/s); "

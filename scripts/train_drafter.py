@@ -23,33 +23,23 @@ from pathlib import Path
 import torch
 
 from rollout.allocator import tune_malloc
+from rollout.chat import chat_ids
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
-from rollout.models import DTYPES, load_target
-from trainers.drafter import (DrafterConfig, calibrate_logit_scale, init_from_target, resolve_device,
-                              train_drafter)
+from rollout.models import DTYPES, load_target, resolve_device
+from trainers.drafter import DrafterConfig, calibrate_logit_scale, init_from_target, train_drafter
 from trainers.drafter_data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
-from trainers.drafter_prompts import general_prompts
+from trainers.drafter_prompts import general_prompts, heldout_prompts
 from trainers.tasks.arithmetic import make_problems
-
-
-def chat_ids(tok, text: str) -> list[int]:
-    """The chat-formatted prompt (default system prompt, generation prompt) as token ids."""
-    rendered = tok.apply_chat_template([{"role": "user", "content": text}], tokenize=False, add_generation_prompt=True)
-    return tok(rendered, add_special_tokens=False)["input_ids"]
 
 
 def prompt_sets(d: DrafterDataConfig) -> dict[str, tuple[list[str], list[str]]]:
     """{"train": (texts, kinds), "heldout": (texts, kinds)}."""
     train = [p.prompt for lv in d.difficulties for p in make_problems(d.arithmetic_per_difficulty, lv, "train", d.seed)]
-    per = -(-d.heldout_arithmetic // len(d.difficulties))
-    held = [p.prompt for lv in d.difficulties for p in make_problems(per, lv, "heldout", d.seed + 1)]
-    held = held[: d.heldout_arithmetic]
     gen_train = general_prompts(d.general_prompts, "train", d.seed)
-    gen_held = general_prompts(d.heldout_general, "heldout", d.seed + 1)
     return {
         "train": (train + gen_train, ["arithmetic"] * len(train) + ["general"] * len(gen_train)),
-        "heldout": (held + gen_held, ["arithmetic"] * len(held) + ["general"] * len(gen_held)),
+        "heldout": heldout_prompts(d.heldout_arithmetic, d.difficulties, d.seed + 1, d.heldout_general),
     }
 
 

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_int, check_number
 from rollout.eagle3 import Eagle3Head
 from rollout.models import TargetConfig, TargetModel
 from trainers.drafter_data import DrafterDataConfig
@@ -57,13 +57,10 @@ class DrafterConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "betas", tuple(self.betas))
         for name in ("draft_vocab_size", "ttt_steps", "epochs", "batch_size", "save_every", "eval_every"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
-        if self.max_steps is not None and (not isinstance(self.max_steps, int) or self.max_steps < 1):
-            raise ConfigError("max_steps", "must be a positive integer or null")
-        if not 0 < self.step_weight <= 1:
-            raise ConfigError("step_weight", "must be in (0, 1]")
+            check_int(name, getattr(self, name))
+        if self.max_steps is not None:
+            check_int("max_steps", self.max_steps)
+        check_number("step_weight", self.step_weight, 0, 1, low_open=True)
         if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
             raise ConfigError("lr", "need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0")
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
@@ -150,14 +147,6 @@ def epoch_batches(lengths: list[int], batch_size: int, gen: torch.Generator) -> 
         batches += [group[j: j + batch_size] for j in range(0, len(group), batch_size)]
     order = torch.randperm(len(batches), generator=gen).tolist()
     return [batches[i] for i in order]
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("device", "cuda requested but not available", allowed=("auto", "cpu"))
-    return torch.device(name)
 
 
 @torch.no_grad()

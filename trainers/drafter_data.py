@@ -10,16 +10,14 @@ Vocabulary:
   ``final[k] @ embed.T`` (tied embeddings); ``argmax[k]`` and ``lse[k]`` (log-sum-exp)
   of those logits. The last position has no successor: its features are zero.
 - **dataset**: records concatenated flat (``offsets`` delimit samples), fp16 for the
-  wide tensors. Generating with our own batched KV-cache loop captures features during
-  generation, so no second target pass is needed (HF ``generate`` measured 14x slower
-  here: 9.5 vs 133 tok/s at batch 32 on 2 cores).
+  wide tensors. ``rollout.engine`` generates them with feature capture on (plain
+  decoding), so no second target pass is needed.
 - **lossable** position k: ``argmax/final[k]`` predicts a response token, i.e.
   ``prompt_len - 1 <= k <= L - 2``.
 
-Randomness: one seeded CPU ``torch.Generator`` drives the greedy/sampled draw per sample;
-token sampling runs on the target's device with a generator there, seeded from the CPU
-one once per batch (:func:`sampling_generator`), so generation is seeded on any device
-(on the CPU the CPU generator itself samples).
+Randomness: one seeded CPU ``torch.Generator`` drives the greedy/sampled draw per sample
+and draws one engine seed per batch (the engine samples on the target's device with a
+generator seeded from it), so generation is seeded on any device.
 """
 
 from __future__ import annotations
@@ -29,10 +27,12 @@ from pathlib import Path
 
 import torch
 from tqdm import tqdm
-from transformers import DynamicCache
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_int, check_number
+from rollout.engine import Engine
 from rollout.models import TargetModel
+from rollout.outputs import Capture
+from rollout.params import SamplingParams
 
 
 @dataclass(frozen=True)
@@ -66,18 +66,13 @@ class DrafterDataConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "difficulties", tuple(self.difficulties))
         for name in ("arithmetic_per_difficulty", "general_prompts", "heldout_arithmetic", "heldout_general"):
-            if not isinstance(getattr(self, name), int) or getattr(self, name) < 0:
-                raise ConfigError(name, "must be a non-negative integer")
+            check_int(name, getattr(self, name), 0)
         if not self.difficulties or not set(self.difficulties) <= {1, 2, 3, 4}:
             raise ConfigError("difficulties", f"bad levels {self.difficulties}", allowed=(1, 2, 3, 4))
-        if not isinstance(self.max_new_tokens, int) or self.max_new_tokens < 2:
-            raise ConfigError("max_new_tokens", "must be an integer >= 2")
-        if not 0.0 <= self.greedy_fraction <= 1.0:
-            raise ConfigError("greedy_fraction", "must be in [0, 1]")
+        check_int("max_new_tokens", self.max_new_tokens, 2)
+        check_number("greedy_fraction", self.greedy_fraction, 0, 1)
         for name in ("batch_size", "samples_per_prompt"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(name, f"must be a positive integer, got {v!r}")
+            check_int(name, getattr(self, name))
 
 
 @dataclass
@@ -125,90 +120,39 @@ class DrafterData:
         )
 
 
-def sampling_generator(gen: torch.Generator, device: torch.device | str) -> torch.Generator:
-    """A generator that can sample tensors on ``device``: ``gen`` itself when it lives on that
-    device type, else a new generator there seeded by one draw from ``gen`` (so the stream
-    stays a function of ``gen``'s seed). ``torch.multinomial`` refuses a CPU generator for
-    CUDA probabilities."""
-    device = torch.device(device)
-    if gen.device.type == device.type:
-        return gen
-    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
-    return torch.Generator(device=device).manual_seed(seed)
-
-
-def _sample_next(logits: torch.Tensor, greedy: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """logits [B, V], greedy [B] bool -> next tokens [B] (T = 1 sampling or argmax); ``gen``
-    must live on the logits' device (see :func:`sampling_generator`)."""
-    assert logits.dim() == 2 and greedy.shape == logits.shape[:1], (logits.shape, greedy.shape)
-    probs = torch.softmax(logits.float(), dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=gen).squeeze(1)
-    return torch.where(greedy, logits.argmax(-1), sampled)
-
-
 @torch.no_grad()
 def generate_batch(
     target: TargetModel, prompts: list[list[int]], greedy: list[bool], *, max_new_tokens: int, eos_id: int,
     gen: torch.Generator,
 ) -> list[dict[str, torch.Tensor]]:
-    """Answer a batch of tokenised prompts; return one record dict per prompt (see module doc).
-    ``gen`` may live on any device (a CPU generator seeds one on the target's device)."""
-    b, width = len(prompts), max(len(p) for p in prompts)
-    dev = target.device
-    sample_gen = sampling_generator(gen, dev)
-    ids = torch.zeros(b, width, dtype=torch.long)
-    mask = torch.zeros(b, width, dtype=torch.long)
-    for r, p in enumerate(prompts):  # left padding: every prompt ends at the last column
-        ids[r, width - len(p):] = torch.tensor(p)
-        mask[r, width - len(p):] = 1
-    ids, mask = ids.to(dev), mask.to(dev)
-    pos = (mask.cumsum(-1) - 1).clamp(min=0)
-    finals: list[torch.Tensor] = []
-    hook = target.model.model.norm.register_forward_hook(lambda m, a, out: finals.append(out))
-    try:
-        out = target(ids, attention_mask=mask, position_ids=pos, cache=DynamicCache(config=target.config))
-        am, lse = out.logits.argmax(-1), torch.logsumexp(out.logits, -1)  # [B, W]
-        recs = [{"tokens": [ids[r, width - len(p):].cpu()], "features": [out.features[r, width - len(p):]],
-                 "final": [finals[-1][r, width - len(p):]], "argmax": [am[r, width - len(p):]],
-                 "lse": [lse[r, width - len(p):]]}
-                for r, p in enumerate(prompts)]
-        live = torch.arange(b)
-        greedy_t = torch.tensor(greedy, device=dev)
-        last_logits, cache, last_pos = out.logits[:, -1], out.cache, pos[:, -1:]
-        for step in range(max_new_tokens):
-            nxt = _sample_next(last_logits, greedy_t[live], sample_gen)  # [B_live]
-            done = (nxt == eos_id) | (step == max_new_tokens - 1)
-            for j, r in enumerate(live.tolist()):
-                recs[r]["tokens"].append(nxt[j: j + 1].cpu())
-            keep = (~done).nonzero().squeeze(1)
-            if len(keep) == 0:
-                break
-            if len(keep) < len(live):
-                cache.batch_select_indices(keep)
-                mask, last_pos, nxt = mask[keep], last_pos[keep], nxt[keep]
-                live = live[keep.cpu()]
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            last_pos = last_pos + 1
-            out = target(nxt[:, None], attention_mask=mask, position_ids=last_pos, cache=cache)
-            cache, last_logits = out.cache, out.logits[:, -1]
-            am, lse = last_logits.argmax(-1, keepdim=True), torch.logsumexp(last_logits, -1, keepdim=True)
-            for j, r in enumerate(live.tolist()):
-                for key, val in (("features", out.features), ("final", finals[-1]), ("argmax", am), ("lse", lse)):
-                    recs[r][key].append(val[j])
-    finally:
-        hook.remove()
-    return [_finish(rec) for rec in recs]
+    """Answer a batch of tokenised prompts with ``rollout.engine`` (plain decoding, feature
+    capture on); return one record dict per prompt (see module doc). Greedy rows run at
+    T = 0, the others at T = 1 with one seed drawn from ``gen`` (a generator on any device)."""
+    engine = Engine(target, num_threads=torch.get_num_threads())
+    seed = int(torch.randint(0, 2**62, (1,), generator=gen))
+    recs: list[dict[str, torch.Tensor]] = [{} for _ in prompts]
+    for temperature in (1.0, 0.0):
+        rows = [r for r, g in enumerate(greedy) if g == (temperature == 0.0)]
+        if not rows:
+            continue
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(eos_id,))
+        res = engine.generate([prompts[r] for r in rows], sampling, seed=seed, capture=True)
+        for r, done, cap in zip(rows, res.completions, res.captures):
+            recs[r] = _record(target, done.prompt_ids + done.completion_ids, cap)
+    return recs
 
 
-def _finish(rec: dict[str, list[torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Stack a record; pad the last position (no successor) with zeros / -1."""
-    tokens = torch.cat(rec["tokens"])  # [L]
-    feats, final, argmax, lse = (torch.cat(rec[k]) for k in ("features", "final", "argmax", "lse"))  # [L-1, .]
-    assert len(feats) == len(tokens) - 1, (len(feats), len(tokens))
+def _record(target: TargetModel, tokens: list[int], cap: Capture) -> dict[str, torch.Tensor]:
+    """A sample's record from its tokens and the engine's capture; the logits at each position
+    are ``lm_head(final)``. The last position (no successor) is padded with zeros / -1."""
+    assert len(cap.features) == len(tokens) - 1, (len(cap.features), len(tokens))
+    logits = target.model.get_output_embeddings()(cap.final).float()  # [L-1, V]
+    argmax, lse = logits.argmax(-1), torch.logsumexp(logits, -1)
     z = lambda x: torch.cat([x, torch.zeros_like(x[:1])])  # noqa: E731
     return {
-        "tokens": tokens, "features": z(feats).half().cpu(), "final": z(final).half().cpu(),
-        "argmax": torch.cat([argmax, torch.full_like(argmax[:1], -1)]).cpu(), "lse": z(lse).float().cpu(),
+        "tokens": torch.tensor(tokens, dtype=torch.long), "features": z(cap.features).half().cpu(),
+        "final": z(cap.final).half().cpu(), "argmax": torch.cat([argmax, torch.full_like(argmax[:1], -1)]).cpu(),
+        "lse": z(lse).float().cpu(),
     }
 
 

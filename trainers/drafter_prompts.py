@@ -11,6 +11,9 @@ from __future__ import annotations
 import hashlib
 import random
 
+from rollout.chat import chat_ids
+from trainers.tasks.arithmetic import make_problems
+
 TOPICS = (
     "photosynthesis", "the water cycle", "black holes", "the French Revolution", "machine learning",
     "climate change", "the human heart", "volcanoes", "the stock market", "recycling", "the moon landing",
@@ -113,3 +116,21 @@ def general_prompts(n: int, split: str = "train", seed: int = 0) -> list[str]:
             seen.add(text)
             out.append(text)
     raise ValueError(f"could not draw {n} distinct {split} prompts (asked for too many)")
+
+
+def heldout_prompts(n_arithmetic: int, difficulties: tuple[int, ...], seed: int,
+                    n_general: int = 0) -> tuple[list[str], list[str]]:
+    """The held-out prompt set: ``n_arithmetic`` held-out problems from ``trainers.tasks``
+    spread evenly over ``difficulties``, then ``n_general`` held-out general instructions
+    (both seeded by ``seed``). Returns (texts, kinds), kinds "arithmetic" | "general"."""
+    per = -(-n_arithmetic // len(difficulties))
+    arith = [p.prompt for lv in difficulties for p in make_problems(per, lv, "heldout", seed)][:n_arithmetic]
+    general = general_prompts(n_general, "heldout", seed)
+    return arith + general, ["arithmetic"] * len(arith) + ["general"] * len(general)
+
+
+def benchmark_prompts(tok, n: int, seed: int) -> list[list[int]]:
+    """The benchmarks' prompts: n held-out arithmetic problems (difficulties 1-3, seeded by
+    ``seed + 1000``) through the chat template, as token ids."""
+    texts, _ = heldout_prompts(n, (1, 2, 3), seed + 1000)
+    return [chat_ids(tok, t) for t in texts]

@@ -186,22 +186,34 @@ def test_full_vocab_head_without_mapping(tmp_path):
 
 
 @pytest.mark.parametrize("use_head", [True, False])
-def test_chain_loop_is_lossless_at_t0(use_head):
-    """The measurement loop (draft, verify, crop both caches) reproduces plain greedy decoding."""
-    from scripts.measure_acceptance import ChainStats, chain_generate
+def test_measured_drafters_are_lossless_at_t0(use_head):
+    """measure_acceptance's drafters (the head, or the repeat-last-token drafter) on the engine
+    reproduce plain greedy decoding; the trivial drafter proposes the pending token K times;
+    ``measure`` reports the engine's counters at both temperatures."""
+    from rollout.engine import Engine
+    from rollout.params import SamplingParams, SpecConfig
+    from scripts.measure_acceptance import RepeatLastDraft, measure
 
     target = tiny_target()
     head, _ = make_head(target, vd=V)  # full vocabulary: some drafts get accepted
+    draft = head if use_head else RepeatLastDraft(V)
     prompt = torch.randint(3, V, (7,), generator=torch.Generator().manual_seed(5)).tolist()
     ids = torch.tensor([prompt])
     with torch.no_grad():
         for _ in range(20):
             ids = torch.cat([ids, target(ids, use_cache=False).logits[:, -1:].argmax(-1)], 1)
-    stats = ChainStats()
-    out = chain_generate(target, head if use_head else None, prompt, k=4, temperature=0.0, max_new_tokens=20,
-                         eos_id=-5, gen=torch.Generator().manual_seed(0), stats=stats)
-    assert out == ids[0, 7:].tolist()
-    assert stats.forwards >= 1 and 1.0 <= stats.tau <= 5.0
+    spec = SpecConfig(mode="chain", num_draft_tokens=4, draft_sampling="greedy")
+    res = Engine(target, draft, num_threads=1).generate([prompt], SamplingParams(temperature=0, max_new_tokens=20),
+                                                          spec, debug=True)
+    assert res.completions[0].completion_ids == ids[0, 7:].tolist()
+    assert 1.0 <= res.tau <= 5.0
+    if not use_head:  # a candidate is the previous token: the pending one or an accepted repeat of it
+        out = [prompt[-1]] + res.completions[0].completion_ids
+        assert all(d.candidates is None or int(d.candidates[0]) in (-1, out[d.index]) for d in res.debug)
+    for temperature in (0.0, 1.0):
+        t = measure(target, None if not use_head else head, [prompt, prompt[:4]], k=3, temperature=temperature,
+                    max_new_tokens=12, seed=0)
+        assert t.row_rounds >= 2 and 1.0 <= t.tau <= 4.0
 
 
 @pytest.mark.slow

@@ -42,7 +42,8 @@ def test_draft_catches_up_on_skipped_rounds_exactly(models):
             _plain_round(runner)
             if r == 2:
                 runner.keep([0, 2, 3])
-        logits, hidden = runner.draft_root()
+        root = runner.draft_root()
+        logits, hidden = root.logits, root.hidden
         lengths = runner.draft_kv.lengths.clone()
         keys = [runner.draft_kv.keys[0][i, :, :n] for i, n in enumerate(lengths.tolist())]
         outs.append((logits, hidden, lengths, keys))

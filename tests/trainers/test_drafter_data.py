@@ -1,4 +1,5 @@
-"""Drafter data generation: seeded sampling on any device, and several samples per prompt."""
+"""Drafter data generation on the engine: the sampling law, seeding on any device, and several
+samples per prompt."""
 
 import pytest
 import torch
@@ -7,8 +8,7 @@ from test_drafter import V, tiny_target
 from rollout.config import ConfigError, from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head
 from trainers.drafter import DrafterConfig, train_drafter
-from trainers.drafter_data import (DrafterDataConfig, _sample_next, draft_vocab, generate_dataset,
-                                   sampling_generator)
+from trainers.drafter_data import DrafterDataConfig, draft_vocab, generate_batch, generate_dataset
 
 PROMPTS = [[5, 17, 40, 8], [9, 33, 101, 7, 12], [44, 3, 250]]
 
@@ -19,27 +19,27 @@ def _dataset(target, seed: int, samples_per_prompt: int = 1, greedy_fraction: fl
                             desc="test", samples_per_prompt=samples_per_prompt)
 
 
-def test_sampling_generator_is_the_generator_on_its_own_device():
-    gen = torch.Generator().manual_seed(3)
-    assert sampling_generator(gen, "cpu") is gen
-    assert sampling_generator(gen, torch.device("cpu")) is gen
-
-
-def test_sample_next_draws_from_softmax_and_is_seeded():
-    """T = 1 samples follow softmax(logits) (Monte Carlo, 4 sigma); greedy rows take the argmax;
-    the same seed gives the same tokens."""
-    logits = torch.tensor([[2.0, 1.0, 0.0, -1.0], [0.0, 3.0, 0.5, 0.1]])
-    greedy = torch.tensor([False, True])
-    n = 4000
-    gen = torch.Generator().manual_seed(7)
-    draws = torch.stack([_sample_next(logits, greedy, gen) for _ in range(n)])
-    assert bool((draws[:, 1] == 1).all())
-    freq = torch.bincount(draws[:, 0], minlength=4).double() / n
-    p = torch.softmax(logits[0].double(), -1)
-    assert bool(((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-3).all()), (freq, p)
-    gen = torch.Generator().manual_seed(7)
-    again = torch.stack([_sample_next(logits, greedy, gen) for _ in range(50)])
-    assert torch.equal(again, draws[:50])
+def test_sampled_rows_follow_softmax_and_greedy_rows_the_recorded_argmax():
+    """The engine draws a sampled row's first response token from softmax(logits) at the prompt
+    (Monte Carlo over many rows, 4 sigma); a greedy row's response tokens are the argmax the
+    record holds at the position before each; the last position is padding."""
+    target = tiny_target(init_range=0.3)
+    prompt, n, gen = PROMPTS[0], 1500, torch.Generator().manual_seed(0)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # many tiny forwards
+    try:
+        recs = generate_batch(target, [prompt] * n, [False] * n, max_new_tokens=1, eos_id=2, gen=gen)
+        recs += generate_batch(target, [prompt] * 2, [False, True], max_new_tokens=6, eos_id=2, gen=gen)
+    finally:
+        torch.set_num_threads(threads)
+    with torch.no_grad():
+        p = torch.softmax(target(torch.tensor([prompt])).logits[0, -1].double(), -1)
+    first = torch.tensor([int(r["tokens"][len(prompt)]) for r in recs[:n]])
+    freq = torch.bincount(first, minlength=V).double() / n
+    assert bool(((freq - p).abs() <= 4 * (p * (1 - p) / n).sqrt() + 1e-3).all())
+    g, plen = recs[-1], len(prompt)
+    assert g["tokens"][plen:].tolist() == g["argmax"][plen - 1:-1].tolist()
+    assert int(g["argmax"][-1]) == -1 and not g["features"][-1].any() and len(g["features"]) == len(g["tokens"])
 
 
 def test_generation_is_seeded():

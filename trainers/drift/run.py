@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout.chat import chat_ids
 from rollout.params import SamplingParams
 from trainers.drift.study import DriftConfig, RunSpec, plan_runs
 from verifiers import distribution_metrics, induced_candidates, induced_chain, target_probs
@@ -69,13 +70,6 @@ class PromptItem:
     ids: list[int]
     answer: str | None  # None for general instructions (no accuracy)
     difficulty: int  # 0 when unknown
-
-
-def chat_ids(tokenizer, text: str) -> list[int]:
-    """The user message ``text`` through the chat template, as token ids."""
-    rendered = tokenizer.apply_chat_template([{"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-    return list(tokenizer(rendered, add_special_tokens=False)["input_ids"])
 
 
 def build_prompts(cfg: DriftConfig, tokenizer) -> list[PromptItem]:

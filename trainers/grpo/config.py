@@ -8,11 +8,10 @@ the field (dotted path, e.g. ``rollout.verifier.name``) and the allowed values.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout.config import ConfigError, from_dict, load_yaml
+from rollout.config import ConfigError, check_int, check_number, from_dict, is_number, load_yaml
 from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from trainers.grpo.correction import CorrectionConfig
@@ -23,30 +22,6 @@ from trainers.tasks.rewards import RewardConfig
 BACKENDS = ("hf", "vllm")
 TASK_SOURCES = ("arithmetic", "jsonl")
 DEVICES = ("cpu", "cuda", "auto")
-
-
-def _positive_int(path: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ConfigError(path, f"must be an integer >= 1, got {value!r}")
-
-
-def _non_negative_int(path: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ConfigError(path, f"must be an integer >= 0, got {value!r}")
-
-
-def _number(value) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-
-
-def _positive_float(path: str, value) -> None:
-    if not _number(value) or not value > 0:
-        raise ConfigError(path, f"must be a finite number > 0, got {value!r}")
-
-
-def _non_negative_float(path: str, value) -> None:
-    if not _number(value) or value < 0:
-        raise ConfigError(path, f"must be a finite number >= 0, got {value!r}")
 
 
 @dataclass(frozen=True)
@@ -73,9 +48,9 @@ class RunConfig:
             raise ConfigError("out_dir", f"must be a non-empty path string, got {self.out_dir!r}")
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError("out_dir", f"{self.out_dir!r} exists and is not a folder")
-        _positive_int("steps", self.steps)
-        _non_negative_int("seed", self.seed)
-        _non_negative_int("checkpoint_every", self.checkpoint_every)
+        check_int("steps", self.steps)
+        check_int("seed", self.seed, 0)
+        check_int("checkpoint_every", self.checkpoint_every, 0)
         if self.device not in DEVICES:
             raise ConfigError("device", f"unknown device {self.device!r}", allowed=DEVICES)
         if not isinstance(self.resume, bool):
@@ -138,11 +113,11 @@ class RolloutConfig:
             raise ConfigError("backend_options", f"must be a mapping, got {self.backend_options!r}")
         if self.backend == "vllm" and self.spec.mode == "tree":
             raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
-        _positive_int("num_actors", self.num_actors)
-        _positive_int("threads_per_actor", self.threads_per_actor)
-        _non_negative_int("max_restarts", self.max_restarts)
-        _positive_float("actor_timeout_s", self.actor_timeout_s)
-        _non_negative_float("num_gpus_per_actor", self.num_gpus_per_actor)
+        check_int("num_actors", self.num_actors)
+        check_int("threads_per_actor", self.threads_per_actor)
+        check_int("max_restarts", self.max_restarts, 0)
+        check_number("actor_timeout_s", self.actor_timeout_s, 0, low_open=True, finite=True)
+        check_number("num_gpus_per_actor", self.num_gpus_per_actor, 0, finite=True)
 
 
 @dataclass(frozen=True)
@@ -164,7 +139,7 @@ class TaskConfig:
             raise ConfigError("difficulty", f"got {self.difficulty!r}", allowed=DIFFICULTIES)
         if self.source == "jsonl" and (self.path is None or not Path(self.path).is_file()):
             raise ConfigError("path", f"JSONL task file not found: {self.path!r}")
-        _positive_int("prompts_per_step", self.prompts_per_step)
+        check_int("prompts_per_step", self.prompts_per_step)
 
 
 @dataclass(frozen=True)
@@ -179,14 +154,14 @@ class OptimConfig:
     micro_batch: int = 8
 
     def __post_init__(self) -> None:
-        _positive_float("lr", self.lr)
-        _non_negative_float("weight_decay", self.weight_decay)
+        check_number("lr", self.lr, 0, low_open=True, finite=True)
+        check_number("weight_decay", self.weight_decay, 0, finite=True)
         betas = tuple(self.betas) if isinstance(self.betas, (list, tuple)) else None
-        if betas is None or len(betas) != 2 or not all(_number(b) and 0 <= b < 1 for b in betas):
+        if betas is None or len(betas) != 2 or not all(is_number(b) and 0 <= b < 1 for b in betas):
             raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
         object.__setattr__(self, "betas", betas)
-        _non_negative_float("grad_clip", self.grad_clip)  # NaN would silently mean "no clipping"
-        _positive_int("micro_batch", self.micro_batch)
+        check_number("grad_clip", self.grad_clip, 0, finite=True)  # NaN would silently mean "no clipping"
+        check_int("micro_batch", self.micro_batch)
 
 
 @dataclass(frozen=True)
@@ -201,7 +176,7 @@ class RayConfig:
         if self.address is not None and (not isinstance(self.address, str) or not self.address.strip()):
             raise ConfigError("address", f"must be null, \"auto\" or a cluster address string, got {self.address!r}")
         if self.num_cpus is not None:
-            _positive_int("num_cpus", self.num_cpus)
+            check_int("num_cpus", self.num_cpus)
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_number
 from trainers.drift.stats import drift_stats, weight_stats
 
 MODES = ("none", "token_tis", "token_mis", "seq_tis", "seq_mis", "geo_mis")
@@ -53,18 +53,11 @@ class CorrectionConfig:
     def __post_init__(self):
         if self.mode not in MODES:
             raise ConfigError("mode", f"unknown correction mode {self.mode!r}", allowed=MODES)
-        if not _is_number(self.cap) or not self.cap >= 1.0:
-            raise ConfigError("cap", f"must be a number >= 1, got {self.cap!r}")
-        if not _is_number(self.low) or not 0.0 <= self.low <= 1.0:
-            raise ConfigError("low", f"must be a number in [0, 1], got {self.low!r}")
-        if not _is_number(self.high) or not self.high >= 1.0:
-            raise ConfigError("high", f"must be a number >= 1, got {self.high!r}")
+        check_number("cap", self.cap, 1)
+        check_number("low", self.low, 0, 1)
+        check_number("high", self.high, 1)
         if self.low >= self.high:
             raise ConfigError("low", f"must be below high ({self.high}), got {self.low}")
-
-
-def _is_number(x) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
 def _check(logp_old, behaviour_logp, mask):

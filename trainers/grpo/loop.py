@@ -27,9 +27,10 @@ from pathlib import Path
 import torch
 
 from rollout.actor_pool import RolloutPool
+from rollout.chat import chat_ids
 from rollout.backend import WorkerSpec
 from rollout.outputs import RolloutBatch
-from rollout.models import load_target
+from rollout.models import load_target, resolve_device
 from trainers.grpo.checkpoint import load_checkpoint, save_checkpoint
 from trainers.grpo.config import TrainConfig
 from trainers.grpo.correction import importance_weights
@@ -65,7 +66,7 @@ class GRPOTrainer:
         self.cfg = cfg
         self.out_dir = Path(cfg.run.out_dir)
         self.policy_target, self.tokenizer = load_target(cfg.model.target)
-        self.device = _resolve_device(cfg.run.device)
+        self.device = resolve_device(cfg.run.device, "run.device")
         self.policy = self.policy_target.model.to(self.device)
         self.policy.eval()  # no dropout; gradients still flow
         o = cfg.optim
@@ -99,11 +100,7 @@ class GRPOTrainer:
         self.pool.set_weights(self.policy.state_dict(), self.version)
 
     def prompt_ids(self, problem: Problem) -> list[int]:
-        messages = [{"role": "user", "content": problem.prompt}]
-        if self.cfg.task.system_prompt:
-            messages.insert(0, {"role": "system", "content": self.cfg.task.system_prompt})
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+        return chat_ids(self.tokenizer, problem.prompt, system=self.cfg.task.system_prompt)
 
     # ------------------------------------------------------------------ one step
     def rollout(self, step: int):
@@ -227,14 +224,6 @@ class GRPOTrainer:
         print(f"\noutputs in {self.out_dir.resolve()}: metrics.jsonl, rollouts.jsonl, tb/, checkpoints/, "
               f"summary.md, plots/ ({', '.join(p.name for p in plots)})", flush=True)
         return rows
-
-
-def _resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("run.device is 'cuda' but no CUDA device is visible to the trainer")
-    return torch.device(name)
 
 
 def _records(outs, behaviour, target_lp, logp_old, relaxed, weights) -> list[dict]:

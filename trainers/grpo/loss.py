@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_int, check_number
 
 AGGREGATIONS = ("token", "sequence")
 
@@ -42,30 +42,20 @@ class GRPOConfig:
     kl_coef: float = 0.0  # weight of the k3 KL to the reference policy; 0 disables it
 
     def __post_init__(self):
-        if isinstance(self.group_size, bool) or not isinstance(self.group_size, int) or self.group_size <= 0:
-            raise ConfigError("group_size", f"must be a positive integer, got {self.group_size!r}")
-        _check_number("clip_low", self.clip_low, 0.0, 1.0, high_open=True)
-        _check_number("clip_high", self.clip_high, 0.0, float("inf"))
+        check_int("group_size", self.group_size)
+        check_number("clip_low", self.clip_low, 0.0, 1.0, high_open=True)
+        check_number("clip_high", self.clip_high, 0.0, float("inf"))
         if self.aggregation not in AGGREGATIONS:
             raise ConfigError("aggregation", f"unknown value {self.aggregation!r}", allowed=AGGREGATIONS)
         if not isinstance(self.scale_std, bool):
             raise ConfigError("scale_std", f"must be true or false, got {self.scale_std!r}")
-        _check_number("std_eps", self.std_eps, 0.0, float("inf"), low_open=True)
-        _check_number("kl_coef", self.kl_coef, 0.0, float("inf"))
+        check_number("std_eps", self.std_eps, 0.0, float("inf"), low_open=True)
+        check_number("kl_coef", self.kl_coef, 0.0, float("inf"))
 
     def loss_kwargs(self) -> dict:
         """The keyword arguments of ``policy_loss`` that this config fixes."""
         return dict(clip_low=self.clip_low, clip_high=self.clip_high,
                     aggregation=self.aggregation, kl_coef=self.kl_coef)
-
-
-def _check_number(name, value, low, high, low_open=False, high_open=False):
-    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value == value
-    if ok:
-        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
-    if not ok:
-        lo, hi = ("(" if low_open else "["), (")" if high_open else "]")
-        raise ConfigError(name, f"must be a number in {lo}{low}, {high}{hi}, got {value!r}")
 
 
 def group_advantages(rewards: torch.Tensor, group_size: int | None = None, *,

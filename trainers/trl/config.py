@@ -12,8 +12,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.config import ConfigError, from_dict, load_yaml
-from trainers.grpo.config import ModelConfig, TaskConfig, _non_negative_int, _positive_int
+from rollout.config import ConfigError, check_int, from_dict, load_yaml
+from trainers.grpo.config import ModelConfig, TaskConfig
 from trainers.grpo.correction import CorrectionConfig
 from trainers.tasks.rewards import RewardConfig
 from trainers.trl.rollouts import RolloutSettings
@@ -37,8 +37,8 @@ class TRLRunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ConfigError("out_dir", f"must be a folder path, got {self.out_dir!r}")
-        _positive_int("steps", self.steps)
-        _non_negative_int("seed", self.seed)
+        check_int("steps", self.steps)
+        check_int("seed", self.seed, 0)
         if self.generation not in GENERATIONS:
             raise ConfigError("generation", f"unknown generation {self.generation!r}", allowed=GENERATIONS)
 

@@ -35,10 +35,11 @@ from typing import Any
 
 from rollout.backend import BACKENDS, HFBackend, RolloutBackend, WorkerSpec, build_backend
 from rollout.config import ConfigError
+from rollout.chat import chat_ids
+from rollout.config import check_int
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from trainers.grpo.config import _non_negative_int, _positive_int
 
 PLACEMENTS = ("local", "ray")
 
@@ -82,9 +83,9 @@ class RolloutSettings:
         if self.drafter is None and self.spec.mode != "off":
             raise ConfigError("spec.mode", "speculation needs a drafter (drafter is null)", allowed=["off"])
         for name in ("drafter_reload_every", "seed"):
-            _non_negative_int(name, getattr(self, name))
+            check_int(name, getattr(self, name), 0)
         for name in ("num_actors", "threads_per_actor"):
-            _positive_int(name, getattr(self, name))
+            check_int(name, getattr(self, name))
         if self.placement == "ray" and self.target is None:
             raise ConfigError("target", "placement 'ray' needs the target config the actors load")
 
@@ -121,9 +122,7 @@ def tokenize_prompts(tokenizer: Any, prompts: list, chat_template_kwargs: dict |
         if isinstance(prompt, str):
             out.append(list(tokenizer(text=prompt)["input_ids"]))
         else:
-            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True,
-                                                 **(chat_template_kwargs or {}))
-            out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+            out.append(chat_ids(tokenizer, prompt, **(chat_template_kwargs or {})))
     return out
 
 
