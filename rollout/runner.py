@@ -11,7 +11,7 @@ Vocabulary:
   the target feature ``f_j`` of the position before it (the feature that predicted it);
   its output predicts ``x_{j+2}``; its RoPE position is j (0 at the first prompt token).
   Speculative draft step s pairs the s-th drafted token with the draft's own output hidden
-  state of step s-1, at position j + s. This is the convention ``trainers/ttt.py``
+  state of step s-1, at position j + s. This is the convention ``trainers/drafter/ttt.py``
   trains with (training-time test), so inference sees what training saw.
 - **waiting pairs**: pairs whose target features are known but which the draft has not
   consumed yet: the whole prompt after the prefill, the accepted path plus the pending

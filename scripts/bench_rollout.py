@@ -49,7 +49,7 @@ from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
-from trainers.drafter_prompts import benchmark_prompts  # noqa: E402
+from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
 VERIFIER_PARAMS = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}

@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     from transformers import AutoTokenizer
 
     from rollout.vllm.backend import target_folder
-    from trainers.drafter_prompts import benchmark_prompts
+    from trainers.tasks.general import benchmark_prompts
 
     tok = AutoTokenizer.from_pretrained(target_folder(TargetConfig()))
     sizes = [int(b) for b in args.batch_sizes.split(",")]

@@ -71,7 +71,7 @@ def main() -> None:
     from rollout.eagle3 import default_head_path
     from rollout.vllm.backend import VLLMBackend
     from rollout.chat import chat_ids
-    from trainers.drafter_prompts import benchmark_prompts
+    from trainers.tasks.general import benchmark_prompts
 
     model, tok = load_embedded_target()
     prompt = chat_ids(tok, PROMPT)

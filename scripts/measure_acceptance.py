@@ -27,7 +27,7 @@ from rollout.models import load_embedded_target
 from rollout.outputs import Timings
 from rollout.params import SamplingParams, SpecConfig
 from rollout.timing import step_costs
-from trainers.drafter_prompts import heldout_prompts
+from trainers.tasks.general import heldout_prompts
 
 
 class RepeatLastDraft(nn.Module):

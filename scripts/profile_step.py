@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     from rollout.engine import available_cores
     from rollout.models import load_embedded_target
-    from trainers.drafter_prompts import benchmark_prompts
+    from trainers.tasks.general import benchmark_prompts
 
     torch.set_num_threads(args.threads or available_cores())
     target, tok = load_embedded_target()

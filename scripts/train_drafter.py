@@ -27,9 +27,9 @@ from rollout.chat import chat_ids
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
 from rollout.models import DTYPES, load_target, resolve_device
-from trainers.drafter import DrafterConfig, calibrate_logit_scale, init_from_target, train_drafter
-from trainers.drafter_data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
-from trainers.drafter_prompts import general_prompts, heldout_prompts
+from trainers.drafter.train import DrafterConfig, calibrate_logit_scale, init_from_target, train_drafter
+from trainers.drafter.data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
+from trainers.tasks.general import general_prompts, heldout_prompts
 from trainers.tasks.arithmetic import make_problems
 
 

@@ -78,7 +78,7 @@ def build_prompts(cfg: DriftConfig, tokenizer) -> list[PromptItem]:
     from trainers.tasks.problems import load_jsonl
 
     if cfg.source == "general":
-        from trainers.drafter_prompts import general_prompts
+        from trainers.tasks.general import general_prompts
 
         return [PromptItem(chat_ids(tokenizer, t), None, 0)
                 for t in general_prompts(cfg.prompts, cfg.split, cfg.prompt_seed)]

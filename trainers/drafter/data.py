@@ -41,7 +41,7 @@ class DrafterDataConfig:
 
     arithmetic_per_difficulty: train problems per difficulty from ``trainers.tasks``;
     difficulties: which difficulty levels; general_prompts: general instructions
-    (``trainers.drafter_prompts``); heldout_arithmetic / heldout_general: held-out prompts
+    (``trainers.tasks.general``); heldout_arithmetic / heldout_general: held-out prompts
     per kind (held-out arithmetic is spread over ``difficulties``); max_new_tokens:
     response cap; greedy_fraction: share of samples answered greedily (the rest at T = 1);
     samples_per_prompt: how many times each *train* prompt is answered (independent

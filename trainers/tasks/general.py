@@ -1,4 +1,5 @@
-"""General-instruction prompts for drafter training, generated procedurally.
+"""General-instruction prompts (drafter training, acceptance measurement) and the held-out prompt
+sets, generated procedurally.
 
 A **template** is an instruction pattern with slots (topic, count, form, audience...);
 filling the slots from the word lists below gives thousands of distinct prompts from a

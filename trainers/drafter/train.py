@@ -1,6 +1,6 @@
 """EAGLE-3 drafter training: the config, initialisation from the target, the training loop
 with checkpoints, held-out evaluation and the draft-temperature calibration. The
-training-time-test math (masks, unrolled forward, loss, acceptance) is ``trainers/ttt.py``.
+training-time-test math (masks, unrolled forward, loss, acceptance) is ``trainers/drafter/ttt.py``.
 """
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ import torch
 from rollout.config import ConfigError, check_int, check_number
 from rollout.eagle3 import Eagle3Head
 from rollout.models import TargetConfig, TargetModel
-from trainers.drafter_data import DrafterDataConfig
-from trainers.ttt import estimated_tau, ttt_acceptance, ttt_loss
+from trainers.drafter.data import DrafterDataConfig
+from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
 
 
 @dataclass(frozen=True)
@@ -153,7 +153,7 @@ def epoch_batches(lengths: list[int], batch_size: int, gen: torch.Generator) -> 
 def _acceptance_sums(head: Eagle3Head, data, cfg: DrafterConfig, device: torch.device,
                      scales: tuple[float, ...]) -> dict[str, dict[str, torch.Tensor]]:
     """``ttt_acceptance`` summed over the held-out batches of each prompt kind."""
-    from trainers.drafter_data import collate
+    from trainers.drafter.data import collate
 
     head.eval()
     out = {}
@@ -216,7 +216,7 @@ def train_drafter(
 
     from tqdm import tqdm
 
-    from trainers.drafter_data import collate
+    from trainers.drafter.data import collate
 
     device = next(head.parameters()).device
     out_dir = Path(cfg.out_dir)

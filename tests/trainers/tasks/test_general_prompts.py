@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from trainers.drafter_prompts import benchmark_prompts, heldout_prompts
+from trainers.tasks.general import benchmark_prompts, heldout_prompts
 
 
 def test_heldout_prompts_spread_over_difficulties_then_general():

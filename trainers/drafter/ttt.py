@@ -1,7 +1,7 @@
 """Training-time test (TTT) for EAGLE-3 drafters: the unrolled forward, its masks, the loss
-and the teacher-forced acceptance (``trainers/drafter.py`` runs the training).
+and the teacher-forced acceptance (``trainers/drafter/train.py`` runs the training).
 
-Vocabulary (see ``rollout/eagle3.py`` and ``trainers/drafter_data.py`` for the rest):
+Vocabulary (see ``rollout/eagle3.py`` and ``trainers/drafter/data.py`` for the rest):
 - **draft position i** at step 0 takes the target features of token i and the embedding
   of token i + 1, and predicts token i + 2, i.e. it is scored against the target logits
   at position i + 1 ("shift by one").
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout.eagle3 import Eagle3Head
-from trainers.drafter_data import Batch
+from trainers.drafter.data import Batch
 
 
 def ttt_mask(valid: torch.Tensor, first: int, step: int) -> torch.Tensor:

@@ -9,10 +9,10 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, causal_mask
 from rollout.models import TargetModel
-from trainers.drafter import DrafterConfig, init_from_target, train_drafter
-from trainers.ttt import estimated_tau, ttt_entropy_floor, ttt_forward, ttt_loss, ttt_mask
-from trainers.drafter_data import collate, draft_vocab, generate_batch, records_to_data
-from trainers.drafter_prompts import general_prompts
+from trainers.drafter.train import DrafterConfig, init_from_target, train_drafter
+from trainers.drafter.ttt import estimated_tau, ttt_entropy_floor, ttt_forward, ttt_loss, ttt_mask
+from trainers.drafter.data import collate, draft_vocab, generate_batch, records_to_data
+from trainers.tasks.general import general_prompts
 
 V = 300
 
@@ -164,7 +164,7 @@ def test_shipped_config_loads():
 
 
 def test_calibrate_logit_scale_picks_the_best_draft_temperature():
-    from trainers.drafter import calibrate_logit_scale, evaluate
+    from trainers.drafter.train import calibrate_logit_scale, evaluate
 
     target = tiny_target(init_range=0.3)
     data = tiny_data(target, n=12)
