@@ -52,9 +52,6 @@ from rollout.timing import step_costs  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
-VERIFIER_PARAMS = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,8,32")
@@ -150,7 +147,7 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
     names = [v for v in args.verifiers.split(",") if v]
-    return [(spec, VerifierConfig(v, VERIFIER_PARAMS.get(v, {}))) for spec in specs for v in names]
+    return [(spec, VerifierConfig(v)) for spec in specs for v in names]
 
 
 def _cap(text: str) -> int | str | None:

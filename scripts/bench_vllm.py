@@ -29,9 +29,6 @@ import time  # noqa: E402
 from rollout.models import TargetConfig  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
 
-RULES = {"lossless": {}, "mars": {"theta": 0.9}, "overshoot": {"lenience": 0.5}}
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--batch-sizes", default="1,8,32")
@@ -63,7 +60,7 @@ def _load() -> float:
 
 def vllm_runner(backend, spec: SpecConfig, rule: str | None):
     """A callable (prompts, sampling, seed) -> result row for one vLLM configuration."""
-    verifier = None if rule is None else VerifierConfig(rule, RULES[rule])
+    verifier = None if rule is None else VerifierConfig(rule)
 
     def run(prompts, sampling, seed) -> dict:
         start = time.perf_counter()
@@ -82,7 +79,7 @@ def vllm_runner(backend, spec: SpecConfig, rule: str | None):
 
 
 def hf_runner(engine, spec: SpecConfig, rule: str):
-    verifier = VerifierConfig(rule, RULES[rule])
+    verifier = VerifierConfig(rule)
 
     def run(prompts, sampling, seed) -> dict:
         t = engine.generate(prompts, sampling, spec, verifier, seed=seed).timings

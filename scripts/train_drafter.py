@@ -104,6 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     ids, coverage = draft_vocab(train, cfg.draft_vocab_size, target.vocab_size)
     _, held_cov = _coverage_on(heldout, ids)
     print(f"draft vocab {cfg.draft_vocab_size}: covers {coverage:.4f} of train and {held_cov:.4f} of held-out response tokens")
+    torch.manual_seed(cfg.seed)  # the head's random initial weights: the same config gives the same head
     head = Eagle3Head(Eagle3Config.for_target(target, cfg.draft_vocab_size), target.embed_tokens).to(device)
     head.set_draft_vocab(ids)
     init_from_target(head, target, cfg.init)

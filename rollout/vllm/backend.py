@@ -14,7 +14,7 @@ compiles for minutes on a CPU), ``max_model_len`` (2048), ``max_num_seqs`` (64),
 process, so the plug-in is installed here directly), ``llm_kwargs`` (passed to ``vllm.LLM``).
 
 Per emitted token the batch carries the behaviour log-prob, the target log-prob, the kind and
-the relaxed flag, decoded from vLLM's log-prob channel (see ``rollout.vllm.plugin``). Each
+the relaxed flag, decoded from vLLM's log-prob channel (see ``rollout.vllm.verify``). Each
 completion's first token comes from vLLM's plain sampler (a bonus token, P = p).
 """
 
@@ -32,7 +32,7 @@ from rollout.config import ConfigError
 from rollout.outputs import Completion, RolloutBatch, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.vllm.head import check_head, prepare_head
-from rollout.vllm.plugin import decode_rank
+from rollout.vllm.verify import decode_rank
 
 DEFAULTS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "max_model_len": 2048,
             "max_num_seqs": 64, "multiprocessing": False, "llm_kwargs": {}, "gpu_memory_utilization": None}
@@ -182,7 +182,7 @@ class VLLMBackend:
 
     def configure(self, verifier: VerifierConfig | None, seed: int, record: bool = False) -> list:
         """Send the rule (None: vLLM's own rejection sampler) and the seed to every worker."""
-        from rollout.vllm.plugin import configure_worker
+        from rollout.vllm.verify import configure_worker
 
         rule = None if verifier is None else {"name": verifier.name, "params": dict(verifier.params)}
         return self.llm.collective_rpc(configure_worker, args=(rule, seed, record))
@@ -190,14 +190,14 @@ class VLLMBackend:
     def records(self) -> list[dict]:
         """What the plug-in verified since the last ``generate`` (``self.record`` must be True):
         per group the setting, rows, raw target logits, drafts, q, the generator state and
-        the results (see ``rollout.vllm.plugin.verify_flat``)."""
-        from rollout.vllm.plugin import records_worker
+        the results (see ``rollout.vllm.verify.verify_flat``)."""
+        from rollout.vllm.verify import records_worker
 
         return self.llm.collective_rpc(records_worker)[0]
 
     def sampler_stats(self) -> dict:
         """Seconds spent in the rejection sampler (ours or vLLM's) and its calls since configure."""
-        from rollout.vllm.plugin import stats_worker
+        from rollout.vllm.verify import stats_worker
 
         return self.llm.collective_rpc(stats_worker)[0]
 

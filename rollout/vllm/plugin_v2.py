@@ -13,7 +13,7 @@ the last accepted token, rows 1..K_r the drafts, -1 for placeholder drafts); ``d
 [max_reqs, K, V]`` (raw, indexed by the request-state index ``idx_mapping[r]``) is set only for
 probabilistic drafts; the per-request temperature / top-k / top-p live in the sampler's
 ``sampling_states`` (indexed by request-state index). We rebuild V1's flat layout from that and
-call the same :func:`rollout.vllm.plugin.verify_flat`; ``_verify`` then returns (processed
+call the same :func:`rollout.vllm.verify_flat`; ``_verify`` then returns (processed
 logits for vLLM's own log-prob computation, sampled [R, K+1] with -1 padding, num_sampled [R]).
 The log-prob tensors vLLM computes afterwards (``_get_logprobs_tensors``, rows in logits
 order) get column 0 replaced by the behaviour log-probs, the other columns by the target
@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from rollout.vllm import plugin
+from rollout.vllm.verify import STATE, encode_rank, generator_for, verify_flat
 
 _ORIGINAL = {}
 _LAST: dict = {}  # the last chunk's results, read by the log-prob patch
@@ -39,7 +39,7 @@ def _states(sampler, name: str, idx: torch.Tensor) -> torch.Tensor | None:
 
 def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping, idx_mapping_np,
             expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np, verify_draft_sampled):
-    if plugin.STATE.rule is None:
+    if STATE.rule is None:
         return _ORIGINAL["_verify"](self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
                                     idx_mapping_np, expanded_idx_mapping, expanded_local_pos,
                                     seq_lens_upper_bound_np, verify_draft_sampled)
@@ -63,9 +63,9 @@ def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_m
         q = torch.cat([torch.softmax(draft_logits[int(i), :k].float() / t[r], -1)
                        for r, (i, k) in enumerate(zip(idx_mapping.tolist(), ks)) if k])
     drafts = verify_draft_sampled[~is_first].clamp(min=0)  # a -1 placeholder draft is never accepted by p
-    out = plugin.verify_flat(plugin.STATE.rule, ks, logits.float(), rows[~is_last], last, drafts, q, temperature,
+    out = verify_flat(STATE.rule, ks, logits.float(), rows[~is_last], last, drafts, q, temperature,
                              _states(self.sampler, "top_k", idx_mapping), _states(self.sampler, "top_p", idx_mapping),
-                             plugin._generator(dev), plugin.STATE.record)
+                             generator_for(dev), STATE.record)
     _LAST.update(out=out, cu=cu)
     num_sampled = (out["tokens"] >= 0).sum(-1).to(torch.int32)
     width = self.num_speculative_steps + 1  # vLLM's fixed output width
@@ -76,14 +76,14 @@ def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_m
 def _get_logprobs_tensors(self, sampled, num_sampled, logits, cu_num_logits, cu_num_logits_np, max_num_logprobs):
     lp = _ORIGINAL["_get_logprobs_tensors"](self, sampled, num_sampled, logits, cu_num_logits, cu_num_logits_np,
                                             max_num_logprobs)
-    if lp is None or plugin.STATE.rule is None or "out" not in _LAST:
+    if lp is None or STATE.rule is None or "out" not in _LAST:
         return lp
     out, cu = _LAST.pop("out"), _LAST.pop("cu")
     for r, start in enumerate(cu[:-1]):  # logits rows of request r: start .. start + K_r
         n = int(num_sampled[r])
         lp.logprobs[start:start + n, 0] = out["behaviour"][r, :n]
         lp.logprobs[start:start + n, 1:] = out["target"][r, :n, None]
-        lp.selected_token_ranks[start:start + n] = plugin.encode_rank(out["kinds"][r, :n], out["relaxed"][r, :n])
+        lp.selected_token_ranks[start:start + n] = encode_rank(out["kinds"][r, :n], out["relaxed"][r, :n])
     return lp
 
 

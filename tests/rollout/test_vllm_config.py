@@ -15,7 +15,7 @@ from rollout.config import ConfigError
 from rollout.params import SpecConfig
 from rollout.vllm.backend import DEFAULTS, VLLMBackend, decode_completion, speculative_config
 from rollout.vllm.head import check_head, prepare_head
-from rollout.vllm.plugin import configure, encode_rank
+from rollout.vllm.verify import configure, encode_rank
 
 import torch
 

@@ -14,7 +14,7 @@ import torch
 
 from rollout.tree import chain_tree, walk
 from rollout.vllm.layout import request_settings
-from rollout.vllm.plugin import decode_rank, encode_rank, verify_flat
+from rollout.vllm.verify import decode_rank, encode_rank, verify_flat
 from verifiers import get_rule, verify_chain
 
 V = 12

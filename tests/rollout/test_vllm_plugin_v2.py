@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import torch
 
-from rollout.vllm import plugin, plugin_v2
+from rollout.vllm import plugin_v2, verify
 from verifiers import get_rule, verify_chain
 
 V, K = 10, 3
@@ -33,12 +33,12 @@ def test_v2_verify_matches_verify_chain_per_request():
     cu = torch.arange(r + 1) * (K + 1)
     self = SimpleNamespace(sampler=_sampler(temps), num_speculative_steps=K)
     rule = get_rule("mars", theta=0.5)
-    plugin.STATE.rule, plugin.STATE.generator, plugin.STATE.seed, plugin.STATE.record = rule, None, 3, None
+    verify.STATE.rule, verify.STATE.generator, verify.STATE.seed, verify.STATE.record = rule, None, 3, None
     try:
         _, sampled, num_sampled = plugin_v2._verify(self, logits, draft_logits, inputs, None, cu, idx_mapping,
                                                     idx_mapping.numpy(), None, None, None, inputs)
     finally:
-        plugin.STATE.rule = None
+        verify.STATE.rule = None
     exp = verify_chain(rule, logits.view(r, K + 1, V), draft_logits[idx_mapping], x, temperature=0.9,
                        generator=torch.Generator().manual_seed(3))
     assert sampled.shape == (r, K + 1)

@@ -25,7 +25,8 @@ class DrafterConfig:
     "layer", see :func:`init_from_target`);
     ttt_steps / step_weight: unrolled steps and their 0.8^s weights; epochs, batch_size,
     max_steps (cap, None = epochs only); lr (peak), min_lr_ratio (cosine floor),
-    warmup_steps, weight_decay, betas, grad_clip: AdamW; seed: batch order;
+    warmup_steps, weight_decay, betas, grad_clip: AdamW; seed: the random initial weights
+    (scripts.train_drafter) and the batch order;
     out_dir: checkpoints and logs; save_every / eval_every: in optimizer steps;
     device: "auto" (cuda when available), "cpu" or "cuda"; export_dtype: dtype of the
     exported head; threads: torch CPU threads (None = torch default).

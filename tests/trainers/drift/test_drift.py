@@ -7,18 +7,16 @@ import math
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from rollout.config import ConfigError, from_dict
-from rollout.eagle3 import Eagle3Config, Eagle3Head
 from rollout.engine import Engine
-from rollout.models import TargetModel
 from rollout.outputs import DebugRecord
 from rollout.params import SamplingParams, SpecConfig
 from trainers.drift.report import build_report, from_run, step_stats, write_outputs
 from trainers.drift.run import run_all, token_drift
 from trainers.drift.study import (DriftConfig, TruncationSamplingConfig, baseline_key, parse_verifier, plan_runs,
                                   verifier_label)
+from tests.models import copy_head, tiny_target
 from verifiers import get_rule, target_probs
 
 # ----------------------------------------------------------------------------- tiny models
@@ -47,47 +45,12 @@ class CharTokenizer:
 VOCAB = 96
 
 
-def tiny_target(seed: int = 0) -> TargetModel:
-    torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=False)
-    model = LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():
-        model.lm_head.weight.mul_(12.0)  # peaked (median max p ~0.2) so truncation sets and caps bite
-        for layer in model.model.layers[1:]:
-            layer.self_attn.o_proj.weight.mul_(0.1)
-            layer.mlp.down_proj.weight.mul_(0.1)
-    return TargetModel(model)
-
-
-def near_copy_head(target: TargetModel, noise: float = 0.1, seed: int = 1) -> Eagle3Head:
-    """A head that reads the layer-1 feature through the target's norm and a perturbed lm_head:
-    q is close to p but not equal, so lossy rules visibly move P away from p."""
-    torch.manual_seed(seed)
-    h = target.hidden_size
-    cfg = Eagle3Config(hidden_size=h, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
-                       head_dim=16, vocab_size=VOCAB, draft_vocab_size=VOCAB, target_hidden_size=h,
-                       aux_layer_ids=target.aux_layer_ids)
-    head = Eagle3Head(cfg, target.embed_tokens).eval()
-    block = list(target.aux_layer_ids).index(1)
-    with torch.no_grad():
-        head.fc.weight.zero_()
-        head.fc.weight[:, block * h:(block + 1) * h] = torch.eye(h)
-        head.midlayer.self_attn.o_proj.weight.mul_(0.05)
-        head.midlayer.mlp.down_proj.weight.mul_(0.05)
-        head.norm.weight.copy_(target.model.model.norm.weight)
-        w = target.model.lm_head.weight
-        head.lm_head.weight.copy_(w + noise * w.std() * torch.randn_like(w))
-    return head
-
-
 @pytest.fixture(scope="module")
 def models():
     before = torch.get_num_threads()
     torch.set_num_threads(1)
-    target = tiny_target()
-    yield target, near_copy_head(target), CharTokenizer()
+    target = tiny_target(VOCAB, logit_scale=12.0, context=512)  # peaked: truncation sets and caps bite
+    yield target, copy_head(target, noise=0.1), CharTokenizer()
     torch.set_num_threads(before)
 
 
