@@ -30,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, check_int
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from verifiers import TruncationSampling
 
@@ -139,9 +139,7 @@ class DriftConfig:
         if self.chain.mode != "chain" or self.tree.mode != "tree":
             raise ConfigError("chain" if self.chain.mode != "chain" else "tree", "its mode must match its name")
         for name in ("prompts", "max_new_tokens", "batch_size"):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 1:
-                raise ConfigError(name, f"must be an integer >= 1, got {v!r}")
+            check_int(name, getattr(self, name))
         if self.speed_basis not in SPEED_BASES:
             raise ConfigError("speed_basis", f"unknown speed basis {self.speed_basis!r}", allowed=SPEED_BASES)
         if not isinstance(self.head, str) or not self.head:
