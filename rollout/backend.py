@@ -24,6 +24,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from rollout import native_linear
+from rollout.config import ConfigError
 from rollout.models import TargetConfig, TargetModel, load_target
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
@@ -94,19 +96,29 @@ class HFBackend:
 
     name = "hf"
 
+    OPTIONS = ("linear",)  # backend_options it reads (``Engine``'s keyword of that name)
+
     def __init__(self, target: TargetModel, head=None, *, num_threads: int | None = None, pad_id: int = 0,
-                 version: int = 0):
+                 version: int = 0, linear: str = "auto"):
         from rollout.engine import Engine
 
         self.target, self.pad_id, self._version = target, pad_id, int(version)
-        self.engine = Engine(target, head, num_threads=num_threads)
+        self.engine = Engine(target, head, num_threads=num_threads, linear=linear)
 
     @classmethod
     def from_spec(cls, spec: WorkerSpec) -> HFBackend:
+        options = dict(spec.backend_options)
+        unknown = set(options) - set(cls.OPTIONS)
+        if unknown:
+            raise ConfigError("backend_options", f"unknown hf option(s) {sorted(unknown)}", allowed=cls.OPTIONS)
+        if options.get("linear", "auto") not in native_linear.MODES:
+            raise ConfigError("backend_options.linear", f"unknown linear mode {options['linear']!r}",
+                              allowed=native_linear.MODES)
         target, tokenizer = load_target(spec.target)
         target.to(spec.device)
         pad_id = getattr(tokenizer, "pad_token_id", None)
-        backend = cls(target, None, num_threads=spec.threads, pad_id=pad_id if pad_id is not None else 0)
+        backend = cls(target, None, num_threads=spec.threads, pad_id=pad_id if pad_id is not None else 0,
+                      **options)
         if spec.drafter_path is not None and spec.spec.mode != "off":
             backend.load_drafter(spec.drafter_path)
         return backend

@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from rollout import native_linear
 from rollout.allocator import tune_malloc
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
@@ -77,13 +78,18 @@ class Engine:
     num_threads: torch CPU threads (default: the cores this process may use).
     prefill_tokens: rows are prefilled in chunks of about this many tokens (bounds the
         memory of the prefill's full-vocabulary logits).
+    linear: how the linear layers of target and head compute in forwards of few rows:
+        ``auto`` (default) through ``rollout.native_linear``'s kernel where it is available
+        (fp32 on an AVX-512 CPU), ``native`` (required), ``torch`` (always torch's GEMM).
     """
 
-    def __init__(self, target, head=None, *, num_threads: int | None = None, prefill_tokens: int = 1024):
+    def __init__(self, target, head=None, *, num_threads: int | None = None, prefill_tokens: int = 1024,
+                 linear: str = "auto"):
         if head is not None and head.cfg.vocab_size != target.vocab_size:
             raise ValueError(f"head vocab_size {head.cfg.vocab_size} != target vocab_size {target.vocab_size}")
         self.target, self.head = target, head
         self.prefill_tokens = prefill_tokens
+        self.use_native_linear = target.device.type == "cpu" and native_linear.resolve(linear)
         if target.device.type == "cpu":
             torch.set_num_threads(num_threads or available_cores())
             tune_malloc()  # vocabulary-sized temporaries reuse freed memory (rollout/allocator.py)
@@ -115,7 +121,7 @@ class Engine:
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None,
                      planner=RoundPlanner.for_spec(spec) if spec.auto else None)
-        with torch.inference_mode():
+        with torch.inference_mode(), native_linear.routed(*((self.target, head) if self.use_native_linear else ())):
             self._prefill(call, prompts, max(budgets))
             while len(call.table):
                 self._round(call)

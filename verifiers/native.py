@@ -7,7 +7,7 @@ device, T = 0, diagnostics, and the fallback). Both implement the same procedure
 same uniforms and are tested against the same slow reference and closed forms.
 
 The library is compiled on first use with the system C++ compiler (``$CXX``, else ``g++``;
-about 3 s) against torch's own thread pool (``at::parallel_for``: it follows
+about 3 s; see :mod:`.cbuild`) against torch's own thread pool (``at::parallel_for``: it follows
 ``torch.set_num_threads``), and cached under ``$HONEST_ROLLOUTS_CACHE`` (default
 ``~/.cache/honest-rollouts``) keyed by every source file, the compiler, torch version and CPU
 flags.
@@ -35,10 +35,6 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
 import subprocess
 import threading
 import time
@@ -48,6 +44,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from . import cbuild
 from .results import CandidateResult, ChainResult
 
 CSRC = Path(__file__).with_name("csrc")
@@ -68,78 +65,17 @@ _override: bool | None = None  # set by ``forced`` (tests)
 
 
 def _mode() -> str:
-    mode = os.environ.get("HONEST_ROLLOUTS_NATIVE", "auto").strip().lower()
-    if mode not in ("auto", "0", "1"):
-        raise ValueError(f"HONEST_ROLLOUTS_NATIVE must be one of auto, 0, 1; got {mode!r}")
-    return mode
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("HONEST_ROLLOUTS_CACHE") or "~/.cache/honest-rollouts"
-    return Path(root).expanduser() / "native"
-
-
-def _cpu_flags() -> str:
-    """The CPU's feature line (x86 'flags', ARM 'Features'), with the machine name: the
-    library is built for this CPU (-march=native)."""
-    try:
-        with open("/proc/cpuinfo") as fh:
-            line = next((ln for ln in fh if ln.startswith(("flags", "Features"))), "")
-    except OSError:
-        line = ""
-    return platform.machine() + " " + line
-
-
-@functools.lru_cache(maxsize=None)
-def _compiler_version(compiler: str) -> str:
-    try:
-        return subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                              timeout=60).stdout.split("\n")[0]
-    except (OSError, subprocess.SubprocessError):
-        return "unavailable"
-
-
-def _command(out: Path) -> list[str]:
-    tdir = Path(torch.__file__).parent
-    abi = int(getattr(torch._C, "_GLIBCXX_USE_CXX11_ABI", 1))
-    return [os.environ.get("CXX", "g++"), "-O3", "-std=gnu++17", "-march=native", "-fopenmp",
-            "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fPIC", "-shared",
-            f"-D_GLIBCXX_USE_CXX11_ABI={abi}",
-            f"-I{tdir / 'include'}", *(str(s) for s in SOURCES if s.suffix == ".cpp"), "-o", str(out),
-            f"-L{tdir / 'lib'}",
-            "-ltorch_cpu", "-lc10", f"-Wl,-rpath,{tdir / 'lib'}"]
+    return cbuild.mode()
 
 
 def library_path() -> Path:
     """Where the compiled library for these sources, compiler, torch and CPU lives."""
-    key = hashlib.sha256()
-    for source in SOURCES:
-        key.update(source.name.encode())
-        key.update(source.read_bytes())
-    command = _command(Path("x"))
-    key.update(" ".join(command).encode())
-    key.update(_compiler_version(command[0]).encode())
-    key.update(torch.__version__.encode())
-    key.update(_cpu_flags().encode())
-    return _cache_dir() / f"verifier-{key.hexdigest()[:16]}.so"
+    return cbuild.library_path("verifier", SOURCES)
 
 
 def build() -> Path:
     """Compile the library if it is not cached; returns its path (raises on failure)."""
-    path = library_path()
-    if path.exists():
-        return path
-    compiler = os.environ.get("CXX", "g++")
-    if shutil.which(compiler) is None:
-        raise RuntimeError(f"no C++ compiler {compiler!r} on PATH (set $CXX, or HONEST_ROLLOUTS_NATIVE=0)")
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.{threading.get_ident()}.tmp")
-    proc = subprocess.run(_command(tmp), capture_output=True, text=True, timeout=600)
-    if proc.returncode != 0:
-        tmp.unlink(missing_ok=True)
-        raise RuntimeError(f"building the fused verifier ({CSRC}) failed:\n{proc.stderr[-4000:]}")
-    os.replace(tmp, path)  # atomic: concurrent builders (Ray workers) never see a partial file
-    return path
+    return cbuild.build("verifier", SOURCES, "the fused verifier")
 
 
 def _load() -> ctypes.CDLL | None:

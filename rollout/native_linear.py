@@ -1,0 +1,132 @@
+"""Decoding-time linear layers on the CPU: one streaming pass over the weights (``csrc/linear.cpp``).
+
+At batch 1 a decoding step of a small target is a chain of matrix-vector products, and its
+cost is reading the fp32 weights once. torch's GEMM reaches about 12 GB/s there on this
+project's 2-core CPU (about 45 ms of a 60 ms SmolLM2-135M step goes to the linear layers);
+the kernel here reads each weight row once, as one stream, for all input rows at once and
+reaches about 27 GB/s (``scripts/profile_step.py`` prints both next to the bandwidth floor).
+
+- Used for forwards of at most :func:`max_rows` input rows (batch x block tokens), fp32, on
+  the CPU, without autograd; anything else goes to ``torch.nn.functional.linear``.
+- Outputs differ from torch's only by float32 rounding (the order of each dot product's sum,
+  ~1e-6 relative): the engine's tests check the logits against the torch path and that the
+  emitted tokens are the same. Each output's sum runs in a fixed order whatever the number
+  of rows in the call or the thread count (deterministic, batch-invariant).
+- Needs AVX-512 (x86); elsewhere :func:`available` is False and the torch path runs.
+- ``HONEST_ROLLOUTS_NATIVE`` (as for the fused verifier): ``0`` never uses it, ``1`` raises
+  when it cannot be built.
+
+:func:`routed` is the switch: inside it, the ``nn.Linear`` layers of a module run here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import threading
+import warnings
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from verifiers import cbuild
+
+SOURCES = [Path(__file__).with_name("csrc") / "linear.cpp"]
+MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
+
+_lib: ctypes.CDLL | None = None
+_tried = False
+_lock = threading.Lock()
+
+
+def _load() -> ctypes.CDLL | None:
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            lib = ctypes.CDLL(str(cbuild.build("linear", SOURCES, "the decoding linear kernel")))
+        except (RuntimeError, OSError) as err:
+            _tried = True
+            if cbuild.mode() == "1":
+                raise
+            warnings.warn(f"the native linear kernel is unavailable, using torch's: {err}", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        lib.hr_linear.restype = ctypes.c_int64
+        lib.hr_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.hr_linear_max_rows.restype = ctypes.c_int64
+        lib.hr_linear_vectorised.restype = ctypes.c_int64
+        _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
+        return _lib
+
+
+def available() -> bool:
+    """Whether the kernel is switched on (``HONEST_ROLLOUTS_NATIVE`` != 0), built and vectorised."""
+    return cbuild.mode() != "0" and _load() is not None
+
+
+@functools.lru_cache(maxsize=1)
+def max_rows() -> int:
+    """The most input rows one kernel call takes (larger calls go to torch)."""
+    lib = _load()
+    return int(lib.hr_linear_max_rows()) if lib is not None else 0
+
+
+def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    return (x.device.type == "cpu" and x.dtype == torch.float32 and weight.dtype == torch.float32
+            and weight.dim() == 2 and weight.is_contiguous() and x.shape[-1] == weight.shape[1]
+            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and 0 < x.numel() // max(1, weight.shape[1]) <= max_rows()
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the kernel when it fits (see the module docstring)."""
+    if _load() is None or not _fits(x, weight, bias):
+        return F.linear(x, weight, bias)
+    n, k = weight.shape
+    xs = x.contiguous()
+    out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
+    status = _lib.hr_linear(weight.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
+                            out.data_ptr(), n, k, xs.numel() // k)
+    if status != 0:  # cannot happen after _fits; never return an unwritten tensor
+        raise RuntimeError(f"hr_linear refused {xs.numel() // k} rows")
+    return out
+
+
+def _forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    return linear(x, layer.weight, layer.bias)
+
+
+@contextlib.contextmanager
+def routed(*modules: nn.Module | None):
+    """Inside the block, every ``nn.Linear`` of ``modules`` (None entries skipped) computes through
+    :func:`linear` (the kernel when a call fits, else torch). The layers are restored on exit."""
+    layers = [m for mod in modules if mod is not None for m in mod.modules() if isinstance(m, nn.Linear)
+              and "forward" not in m.__dict__]
+    for layer in layers:
+        layer.forward = functools.partial(_forward, layer)
+    try:
+        yield
+    finally:
+        for layer in layers:
+            layer.__dict__.pop("forward", None)
+
+
+def resolve(mode: str) -> bool:
+    """Whether an engine built with ``linear=mode`` uses the kernel: ``auto`` when available,
+    ``native`` required (raises when unavailable), ``torch`` never."""
+    if mode not in MODES:
+        raise ValueError(f"linear must be one of {', '.join(MODES)}; got {mode!r}")
+    if mode == "torch":
+        return False
+    if mode == "native" and not available():
+        raise RuntimeError("linear='native' but the native linear kernel is unavailable here "
+                           "(needs an AVX-512 x86 CPU and a C++ compiler; HONEST_ROLLOUTS_NATIVE must not be 0)")
+    return available()

@@ -1,0 +1,153 @@
+"""rollout.native_linear: the decoding linear kernel against torch's GEMM, the routing switch,
+and the engine's outputs with the kernel against the torch path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rollout import native_linear
+from rollout.backend import HFBackend, WorkerSpec
+from rollout.config import ConfigError
+from rollout.engine import Engine
+from rollout.models import TargetConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from tests.models import copy_head, tiny_target
+
+needs_kernel = pytest.mark.skipif(not native_linear.available(),
+                                  reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(49152, 576), (37, 17), (5, 3), (33, 1536), (64, 64)])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_torch(n, k, bias):
+    g = torch.Generator().manual_seed(n * k)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if bias else None
+    for m in range(1, native_linear.max_rows() + 1):
+        x = torch.randn(m, k, generator=g)
+        out = native_linear.linear(x, w, b)
+        torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@needs_kernel
+def test_kernel_is_batch_invariant_and_keeps_shapes():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(300, 100, generator=g)
+    x = torch.randn(2, 4, 100, generator=g)  # 8 rows: one kernel call
+    out = native_linear.linear(x, w)
+    assert out.shape == (2, 4, 300)
+    for i in range(2):
+        for j in range(4):  # each row alone gives the same bits as in the batch of 8
+            assert torch.equal(native_linear.linear(x[i, j], w), out[i, j])
+    # a non-contiguous input is read correctly
+    xt = torch.randn(100, 3, generator=g).t()
+    torch.testing.assert_close(native_linear.linear(xt, w), F.linear(xt, w), rtol=1e-5, atol=1e-3)
+
+
+@needs_kernel
+def test_kernel_differs_from_torch_only_in_rounding_not_in_bits_everywhere():
+    """Guards that the kernel really runs (not a silent fallback): its sums run in another order
+    than torch's GEMM, so on a wide layer some outputs differ in their last bits."""
+    g = torch.Generator().manual_seed(1)
+    w, x = torch.randn(4096, 576, generator=g), torch.randn(1, 576, generator=g)
+    assert not torch.equal(native_linear.linear(x, w), F.linear(x, w))
+
+
+def test_fallback_to_torch():
+    """More rows than the kernel takes, other dtypes and autograd go to torch's GEMM, bit for bit."""
+    g = torch.Generator().manual_seed(2)
+    w = torch.randn(50, 40, generator=g)
+    x = torch.randn(max(1, native_linear.max_rows()) + 1, 40, generator=g)
+    assert torch.equal(native_linear.linear(x, w), F.linear(x, w))
+    xd, wd = x[:1].double(), w.double()
+    assert torch.equal(native_linear.linear(xd, wd), F.linear(xd, wd))
+    wg = w.clone().requires_grad_(True)
+    out = native_linear.linear(x[:1], wg)
+    out.sum().backward()
+    assert wg.grad is not None and torch.equal(wg.grad, x[:1].expand(50, 40))
+
+
+def test_routed_switches_and_restores():
+    layer = nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 20, bias=False))
+    calls = []
+    original = native_linear.linear
+
+    def spy(x, weight, bias=None):
+        calls.append(tuple(weight.shape))
+        return original(x, weight, bias)
+
+    native_linear.linear = spy
+    try:
+        x = torch.randn(1, 40)
+        with torch.no_grad():
+            expected = layer(x)
+            with native_linear.routed(layer, None):
+                got = layer(x)
+            after = layer(x)
+    finally:
+        native_linear.linear = original
+    assert calls == [(30, 40), (20, 30)]  # both layers went through the switch, once
+    assert "forward" not in layer[0].__dict__ and "forward" not in layer[2].__dict__
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(after, expected)
+
+
+def test_resolve_names_the_modes():
+    with pytest.raises(ValueError, match="linear must be one of auto, native, torch; got 'fast'"):
+        native_linear.resolve("fast")
+    assert native_linear.resolve("torch") is False
+    assert native_linear.resolve("auto") == native_linear.available()
+
+
+def test_hf_backend_refuses_a_bad_linear_option():
+    spec = WorkerSpec(target=TargetConfig(), drafter_path=None, sampling=SamplingParams(), spec=SpecConfig(),
+                      verifier=VerifierConfig(), backend_options={"linear": "fast"})
+    with pytest.raises(ConfigError, match=r"backend_options\.linear.*'fast'.*auto.*native.*torch"):
+        HFBackend.from_spec(spec)
+    spec = WorkerSpec(target=TargetConfig(), drafter_path=None, sampling=SamplingParams(), spec=SpecConfig(),
+                      verifier=VerifierConfig(), backend_options={"linaer": "torch"})
+    with pytest.raises(ConfigError, match=r"unknown hf option\(s\) \['linaer'\]"):
+        HFBackend.from_spec(spec)
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode,temperature", [("off", 1.0), ("chain", 1.0), ("chain", 0.0), ("tree", 1.0)])
+def test_engine_outputs_match_the_torch_path(mode, temperature):
+    """Same tokens, kinds and acceptance; log-probs equal to float32 rounding; the kernel ran."""
+    target = tiny_target()
+    head = copy_head(target, noise=0.3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [10, 11]]
+    spec = SpecConfig(mode=mode, num_draft_tokens=3) if mode != "tree" else SpecConfig(mode="tree")
+    kw = dict(sampling=SamplingParams(temperature=temperature, max_new_tokens=40), spec=spec,
+              verifier=VerifierConfig(name="mars", params={"theta": 0.9}), seed=5)
+    ref = Engine(target, head, num_threads=2, linear="torch").generate(prompts, **kw)
+    fast_engine = Engine(target, head, num_threads=2, linear="native")
+    assert fast_engine.use_native_linear
+    fast = fast_engine.generate(prompts, **kw)
+    for a, b in zip(ref.completions, fast.completions):
+        assert a.completion_ids == b.completion_ids
+        assert a.kinds == b.kinds and a.step_emitted == b.step_emitted
+        torch.testing.assert_close(torch.tensor(b.behaviour_logprobs), torch.tensor(a.behaviour_logprobs),
+                                   rtol=0, atol=1e-4)
+        torch.testing.assert_close(torch.tensor(b.target_logprobs), torch.tensor(a.target_logprobs),
+                                   rtol=0, atol=1e-4)
+
+
+@needs_kernel
+def test_engine_logits_match_the_torch_path():
+    """The logits the verifier saw (debug records), kernel against torch, at batch 1 and 2."""
+    target = tiny_target()
+    for prompts in ([[1, 2, 3]], [[1, 2, 3], [7, 8]]):
+        kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=12), spec=SpecConfig(mode="off"),
+                  verifier=VerifierConfig(), seed=1, debug=True)
+        ref = Engine(target, None, num_threads=2, linear="torch").generate(prompts, **kw)
+        fast = Engine(target, None, num_threads=2, linear="native").generate(prompts, **kw)
+        assert [c.completion_ids for c in ref.completions] == [c.completion_ids for c in fast.completions]
+        assert len(ref.debug) == len(fast.debug) == 12 * len(prompts)
+        for a, b in zip(ref.debug, fast.debug):
+            assert (a.row, a.index, a.token) == (b.row, b.index, b.token)
+            torch.testing.assert_close(b.target_logits, a.target_logits, rtol=1e-5, atol=1e-4)
