@@ -2,7 +2,9 @@
 
     python -m scripts.profile_step [--threads 2] [--reps 20] [--json OUT.json]
 
-Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved):
+Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved), once with the
+linear layers on torch's GEMM (``linear torch``) and once on the decoding kernel of
+``rollout.native_linear`` (``linear native``, where it is available; the engine's default):
 - ``engine_ms``: one token of our autoregressive mode (``Engine.generate``, spec off),
   per token over a 32-token completion;
 - ``forward_ms``: one target forward over the pending token (``ModelRunner.verify_forward``:
@@ -11,7 +13,8 @@ Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved):
 - ``floor_ms``: reading the fp32 weights once (lm_head included, the tied embedding read
   once) at the bandwidth measured here (``bandwidth_gbs``: a sum over a 1 GiB tensor);
 - ``ops``: the profiler's self CPU time per op category over ``--reps`` forwards
-  (matmul, attention, elementwise/norm/rope, copies and views, other), in percent.
+  (matmul, attention, elementwise/norm/rope, copies and views, other), in percent; the
+  kernel's calls count as matmul.
 """
 
 from __future__ import annotations
@@ -21,16 +24,18 @@ import os
 os.environ.setdefault("MKL_CBWR", "AVX2")
 
 import argparse  # noqa: E402
+import contextlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from rollout import native_linear  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
 
-MATMUL = {"mm", "addmm", "bmm", "matmul", "linear"}
+MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "hr_linear"}
 ELEMENTWISE = {"mul", "add", "pow", "mean", "rsqrt", "silu", "neg", "sin", "cos", "div", "div_", "sum", "where",
                "softmax", "_softmax", "sub", "exp", "scalar_tensor", "result_type", "add_", "mul_"}
 COPIES = {"copy_", "_to_copy", "to", "cat", "view", "transpose", "slice", "as_strided", "expand", "reshape", "t",
@@ -66,14 +71,17 @@ def categorise(name: str) -> str:
     return "other"
 
 
-def measure(target, prompt: list[int], reps: int = 20, bandwidth: float | None = None) -> dict:
-    """The figures of the module docstring for ``target`` on one tokenised ``prompt``."""
-    engine = Engine(target, None, num_threads=torch.get_num_threads())
+def measure(target, prompt: list[int], reps: int = 20, bandwidth: float | None = None,
+            linear: str = "torch") -> dict:
+    """The figures of the module docstring for ``target`` on one tokenised ``prompt``, with the
+    linear layers computing as ``Engine(linear=...)`` does (``torch`` or ``native``)."""
+    engine = Engine(target, None, num_threads=torch.get_num_threads(), linear=linear)
+    routed = native_linear.routed(target) if engine.use_native_linear else contextlib.nullcontext()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=32)
     runner = ModelRunner(target, None)
     lm_head = target.model.get_output_embeddings()
     times: dict[str, list[float]] = {"engine_ms": [], "forward_ms": [], "lm_head_ms": []}
-    with torch.inference_mode():
+    with torch.inference_mode(), routed:
         logits = runner.start([prompt], len(prompt) + 8)
         runner.pending = logits.argmax(-1)
         block, offsets = runner.pending[:, None], torch.zeros(1, 1, dtype=torch.long, device=target.device)
@@ -113,7 +121,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=20)
-    ap.add_argument("--json", default=None)
+    ap.add_argument("--json", default=None, help="write {linear mode: figures} here")
     args = ap.parse_args(argv)
     from rollout.engine import available_cores
     from rollout.models import load_embedded_target
@@ -121,11 +129,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     torch.set_num_threads(args.threads or available_cores())
     target, tok = load_embedded_target()
-    res = measure(target, benchmark_prompts(tok, 1, 0)[0], args.reps)
-    print(f"threads {torch.get_num_threads()}: engine {res['engine_ms']:.1f} ms/token, "
-          f"forward {res['forward_ms']:.1f} ms, lm_head {res['lm_head_ms']:.1f} ms; "
-          f"floor {res['floor_ms']:.1f} ms ({res['weight_mb']:.0f} MB fp32 at {res['bandwidth_gbs']:.1f} GB/s); "
-          f"self CPU time by op category (%): {res['ops']}")
+    prompt = benchmark_prompts(tok, 1, 0)[0]
+    bandwidth = bandwidth_gbs()
+    modes = ("torch", "native") if native_linear.available() else ("torch",)
+    res = {mode: measure(target, prompt, args.reps, bandwidth, linear=mode) for mode in modes}
+    for mode, r in res.items():
+        print(f"threads {torch.get_num_threads()}, linear {mode}: engine {r['engine_ms']:.1f} ms/token, "
+              f"forward {r['forward_ms']:.1f} ms, lm_head {r['lm_head_ms']:.1f} ms; "
+              f"floor {r['floor_ms']:.1f} ms ({r['weight_mb']:.0f} MB fp32 at {r['bandwidth_gbs']:.1f} GB/s); "
+              f"self CPU time by op category (%): {r['ops']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)
