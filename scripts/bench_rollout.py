@@ -1,5 +1,7 @@
 """Rollout throughput: our engine (autoregressive, chain, tree; several verifiers) against
 Hugging Face ``generate``, side by side on the same prompts and sampling settings.
+The engine's linear layers run on ``rollout.native_linear``'s kernel where it is available
+(its default); ``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row.
 
     python -m scripts.bench_rollout --batch-sizes 1,8,32 --max-new-tokens 128 --prompts 32 \\
         --verifiers lossless,mars,overshoot --json OUT.json
@@ -75,6 +77,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    ap.add_argument("--torch-linear", action="store_true",
+                    help="add our autoregressive mode on torch's GEMM (Engine(linear='torch')) as a row")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     ap.add_argument("--seed", type=int, default=0)
@@ -124,7 +128,10 @@ def run_hf(model, group: list[list[int]], sampling: SamplingParams, pad_id: int,
 
 def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, seed: int,
              backend: str | None = None) -> dict:
-    """One generate call; ``backend`` (native / torch) pins the verifier backend (None: default)."""
+    """One generate call; ``backend`` (native / torch) pins the verifier backend (None: default),
+    ``gemm`` runs the linear layers on torch's GEMM instead of the native kernel."""
+    if backend == "gemm":
+        engine, backend = Engine(engine.target, engine.head, num_threads=torch.get_num_threads(), linear="torch"), None
     with contextlib.nullcontext() if backend is None else native.forced(backend == "native"):
         t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
     return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
@@ -180,6 +187,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     for size in (int(b) for b in args.batch_sizes.split(",")):
         configs = [] if args.no_hf else [("hf generate", "-", None, None, None)]
         configs.append(("off", "lossless", SpecConfig(mode="off"), VerifierConfig(), None))
+        if args.torch_linear:
+            configs.append(("off [torch linear]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "gemm"))
         backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
         if set(backends) - {None, "native", "torch"}:
             raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
