@@ -121,7 +121,7 @@ class Engine:
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None,
                      planner=RoundPlanner.for_spec(spec) if spec.auto else None)
-        with torch.inference_mode(), native_linear.routed(*((self.target, head) if self.use_native_linear else ())):
+        with torch.inference_mode(), self.linear_routing(head):
             self._prefill(call, prompts, max(budgets))
             while len(call.table):
                 self._round(call)
@@ -132,6 +132,11 @@ class Engine:
         t.tokens = sum(c.num_tokens for c in completions)
         captures = [Capture(f, x) for f, x in call.runner.captures()] if capture else None
         return GenerationResult(completions, t, _trim_debug(call.debug, completions), captures)
+
+    def linear_routing(self, head=None):
+        """The context in which this engine's forwards run: the target's (and ``head``'s) linear
+        layers on the native kernel when the engine uses it (``linear``), else unchanged."""
+        return native_linear.routed(self.target, head) if self.use_native_linear else native_linear.routed()
 
     def _budgets(self, prompts: list[list[int]], max_new: int) -> list[int]:
         """Validate the prompts; each row's token budget (capped by the target's context)."""

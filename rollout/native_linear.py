@@ -1,17 +1,27 @@
-"""Decoding-time linear layers on the CPU: one streaming pass over the weights (``csrc/linear.cpp``).
+"""Decoding-time linear layers on the CPU: streaming packed weights (``csrc/linear.cpp``).
 
-At batch 1 a decoding step of a small target is a chain of matrix-vector products, and its
+At small batch a decoding step of a small target is a chain of matrix-vector products, and its
 cost is reading the fp32 weights once. torch's GEMM reaches about 12 GB/s there on this
-project's 2-core CPU (about 45 ms of a 60 ms SmolLM2-135M step goes to the linear layers);
-the kernel here reads each weight row once, as one stream, for all input rows at once and
-reaches about 27 GB/s (``scripts/profile_step.py`` prints both next to the bandwidth floor).
+project's 2-core CPU (about 45 ms of a 55-60 ms SmolLM2-135M step goes to the linear layers).
+The kernel here reads each weight once, as sequential panels of 16 output columns, for all
+input rows at once. Every linear layer of SmolLM2-135M together, fp32, 2 threads (ms):
+
+    input rows      1     4     8    16    24 (torch only: the kernel stops at 16)
+    torch GEMM     47    39    50    62    71
+    this kernel    21    22    26    40    71
+
+(``scripts/profile_step.py`` measures the step both ways; the floor at this machine's
+bandwidth is about 16-18 ms.)
 
 - Used for forwards of at most :func:`max_rows` input rows (batch x block tokens), fp32, on
   the CPU, without autograd; anything else goes to ``torch.nn.functional.linear``.
-- Outputs differ from torch's only by float32 rounding (the order of each dot product's sum,
-  ~1e-6 relative): the engine's tests check the logits against the torch path and that the
-  emitted tokens are the same. Each output's sum runs in a fixed order whatever the number
-  of rows in the call or the thread count (deterministic, batch-invariant).
+- Memory: each routed weight is packed once into a copy of its size (the first forward
+  after a change of the weight, seen by its version counter, packs it again: about 0.2 s
+  for SmolLM2-135M). ``Engine(linear="torch")`` avoids the copy.
+- Outputs differ from torch's only by float32 rounding (the order of each dot product's
+  sum): the engine's tests check the logits against the torch path and that the emitted
+  tokens are the same. Each output's sum runs in a fixed order whatever the number of rows
+  in the call or the thread count (deterministic, batch-invariant).
 - Needs AVX-512 (x86); elsewhere :func:`available` is False and the torch path runs.
 - ``HONEST_ROLLOUTS_NATIVE`` (as for the fused verifier): ``0`` never uses it, ``1`` raises
   when it cannot be built.
@@ -31,6 +41,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from verifiers import cbuild
 
@@ -40,6 +51,7 @@ MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
+_packed = WeakIdKeyDictionary()  # weight -> (its version and storage when packed, the packed copy)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -60,6 +72,10 @@ def _load() -> ctypes.CDLL | None:
             return None
         lib.hr_linear.restype = ctypes.c_int64
         lib.hr_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.hr_linear_pack.restype = None
+        lib.hr_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.hr_linear_packed_size.restype = ctypes.c_int64
+        lib.hr_linear_packed_size.argtypes = [ctypes.c_int64] * 2
         lib.hr_linear_max_rows.restype = ctypes.c_int64
         lib.hr_linear_vectorised.restype = ctypes.c_int64
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
@@ -96,11 +112,23 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return _kernel(x, weight, bias)
 
 
+def packed(weight: torch.Tensor) -> torch.Tensor:
+    """The packed copy of ``weight [N, K]`` (made, or made again after the weight changed)."""
+    stamp = (weight._version, weight.data_ptr(), tuple(weight.shape))
+    entry = _packed.get(weight)
+    if entry is None or entry[0] != stamp:
+        n, k = weight.shape
+        copy = torch.empty(_lib.hr_linear_packed_size(n, k), dtype=torch.float32)
+        _lib.hr_linear_pack(weight.data_ptr(), copy.data_ptr(), n, k)
+        entry = _packed[weight] = (stamp, copy)
+    return entry[1]
+
+
 def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    status = _lib.hr_linear(weight.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
+    status = _lib.hr_linear(packed(weight).data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
                             out.data_ptr(), n, k, xs.numel() // k)
     if status != 0:  # cannot happen after _fits; never return an unwritten tensor
         raise RuntimeError(f"hr_linear refused {xs.numel() // k} rows")

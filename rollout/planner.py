@@ -19,9 +19,14 @@ tree). The planner decides from what it measured *in this call*:
   tokens emitted per row per tree round.
 
 It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b))
-against 1 / R(b, 1). In a new bucket it first measures a plain round and the largest
-speculative option; an option not run for ``reprobe`` rounds in a bucket is run again, so
-a stale measurement (machine load changes) cannot lock a choice in.
+against 1 / R(b, 1). In a new bucket it first measures a plain round and the cheapest
+speculative option (a chain of one draft with adaptive K, else the configured one). Larger
+options open one at a time: the next one's cost is extrapolated from the measured ones, and
+when it looks better it is tried, and so measured, by being chosen. Probes stay cheap: a
+large option is only tried when the one below it pays. The nearest alternative
+to the current best is run again after ``reprobe`` rounds without it when its expected
+rate is within ``margin`` of the best (a lasting change of machine load can turn the
+choice); options far behind are not re-run.
 
 Exactness: every round, plain or speculative, emits tokens from the right conditional
 distribution given the tokens before (lossless: p; lossy: the rule's induced distribution,
@@ -69,6 +74,7 @@ class RoundPlanner:
     draft_steps: dict[int, int]
     chain: bool = True
     reprobe: int = 24
+    margin: float = 0.85
     prior_accept: float = 0.5
     prior_weight: float = 4.0
     _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
@@ -142,18 +148,37 @@ class RoundPlanner:
         return r + (self.draft_steps[k] * d.value if k and d is not None else 0.0)
 
     # ------------------------------------------------------------------ decide / learn
+    def rates(self, b: int) -> dict[int, float]:
+        """Expected tokens per second of the options open to choice (0 = plain): the ones
+        measured in b's bucket and the next larger one (its cost extrapolated). Larger
+        options open one at a time, as they are measured: a forward's cost can jump with its
+        size (rows past the native linear kernel's limit go to torch's GEMM), which no
+        interpolation from farther points would see."""
+        bk = bucket(b)
+        measured = [k for k in self.options if (bk, self.block_tokens[k]) in self._round_cost]
+        above = [k for k in self.options if k > max(measured, default=0)]
+        out = {}
+        for k in (0, *measured, *above[:1]):
+            c = self.cost(b, k)
+            if c is not None:
+                out[k] = self.expected_tokens(k) / c
+        return out
+
     def choose(self, b: int) -> int:
         """Draft length of the next round over ``b`` live rows (0 = plain)."""
         self._round += 1
-        bk, top = bucket(b), max(self.options)
-        for k in (0, top):  # measure both extremes first, and again when stale
-            if (bk, k) not in self._last_run or self._round - self._last_run[(bk, k)] > self.reprobe:
+        bk = bucket(b)
+        for k in (0, min(self.options)):  # in a new bucket: a plain round, then the cheapest draft
+            if (bk, k) not in self._last_run:
                 return self._mark(bk, k)
-        best, best_rate = 0, 1.0 / self.cost(b, 0)
-        for k in self.options:
-            c = self.cost(b, k)
-            if c is not None and self.expected_tokens(k) / c > best_rate:
-                best, best_rate = k, self.expected_tokens(k) / c
+        rates = self.rates(b)
+        ranked = sorted(rates, key=lambda k: -rates[k])
+        best = ranked[0]
+        if len(ranked) > 1:  # keep the nearest alternative's measurements fresh
+            alt = ranked[1]
+            stale = self._round - self._last_run.get((bk, alt), -self.reprobe - 1) > self.reprobe
+            if stale and rates[alt] >= self.margin * rates[best]:
+                return self._mark(bk, alt)
         return self._mark(bk, best)
 
     def _mark(self, bk: int, k: int) -> int:

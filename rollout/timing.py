@@ -2,7 +2,8 @@
 
 The benchmarks and ``scripts.measure_acceptance`` time a target forward over ``n`` block
 tokens per row (``T(n)``) and one draft step the way the engine runs them (after the
-prefill, on the runner's caches), so their numbers compare with the engine's own.
+prefill, on the runner's caches, with the engine's linear layers: ``Engine.linear_routing``),
+so their numbers compare with the engine's own.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: 
     runner = ModelRunner(engine.target, engine.head, engine.prefill_tokens)
     times: dict = {n: [] for n in blocks}
     times["draft"] = []
-    with torch.inference_mode():
+    with torch.inference_mode(), engine.linear_routing(engine.head):
         logits = runner.start(group, max(len(p) for p in group) + max(blocks) + 8)
         runner.set_first_tokens(logits.argmax(-1))
         hidden = runner.draft_root().hidden if engine.head is not None else None

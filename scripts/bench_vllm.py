@@ -42,6 +42,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also run each rule on an engine that drafts only in steps with <= this many requests")
     ap.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped head)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--compiled", action="store_true",
+                    help="vLLM engines with enforce_eager false (torch.compile and CPU graphs; the start "
+                         "compiles for minutes)")
     ap.add_argument("--no-hf", action="store_true", help="skip our hf engine")
     ap.add_argument("--hf-rules", default="lossless", help="rules for our hf engine's chain configs")
     ap.add_argument("--hf-python", default=None,
@@ -104,7 +107,8 @@ def build(args):
     if not args.hf_only:
         from rollout.vllm.backend import VLLMBackend
 
-        opts = {"kv_cache_memory_bytes": 1 << 29, "max_model_len": 1024, "max_num_seqs": 64}
+        opts = {"kv_cache_memory_bytes": 1 << 29, "max_model_len": 1024, "max_num_seqs": 64,
+                "enforce_eager": not args.compiled}
         plain = VLLMBackend(TargetConfig(), None, off, options=opts)
         eagle = VLLMBackend(TargetConfig(), head, chain, options=opts)
         runs = {"vllm-plain": vllm_runner(plain, off, None), "vllm-eagle3-own": vllm_runner(eagle, chain, None)}
@@ -143,7 +147,8 @@ def main(argv: list[str] | None = None) -> None:
     runs = build(args)
     for run in runs.values():  # warm-up (first-call costs: kernels, caches)
         run(prompts[:2], SamplingParams(temperature=args.temperature, max_new_tokens=8), 0)
-    print(f"T={args.temperature}, K={args.k}, max_new_tokens={args.max_new_tokens}, repeats={args.repeats}")
+    print(f"T={args.temperature}, K={args.k}, max_new_tokens={args.max_new_tokens}, repeats={args.repeats}, "
+          f"vLLM {'compiled' if args.compiled else 'eager'}")
     print(f"{'config':22s} {'batch':>5s} {'tok/s':>8s} {'tokens':>7s} {'tau':>5s} {'sampler_ms':>10s} "
           f"{'sampler_pct':>11s} {'load':>5s}")
     rows = []

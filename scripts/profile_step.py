@@ -24,7 +24,6 @@ import os
 os.environ.setdefault("MKL_CBWR", "AVX2")
 
 import argparse  # noqa: E402
-import contextlib  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
@@ -76,7 +75,7 @@ def measure(target, prompt: list[int], reps: int = 20, bandwidth: float | None =
     """The figures of the module docstring for ``target`` on one tokenised ``prompt``, with the
     linear layers computing as ``Engine(linear=...)`` does (``torch`` or ``native``)."""
     engine = Engine(target, None, num_threads=torch.get_num_threads(), linear=linear)
-    routed = native_linear.routed(target) if engine.use_native_linear else contextlib.nullcontext()
+    routed = engine.linear_routing()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=32)
     runner = ModelRunner(target, None)
     lm_head = target.model.get_output_embeddings()

@@ -1,66 +1,88 @@
-// A memory-bound linear layer for decoding on the CPU: Y[m, n] = sum_k X[m, k] W[n, k] (+ b[n])
-// for a handful of rows (M <= kMaxRows), fp32, W row-major [N, K] as nn.Linear stores it.
+// A linear layer for decoding on the CPU: Y[m, n] = sum_k X[m, k] W[n, k] (+ b[n]) for a few
+// input rows (M <= kMaxRows), fp32, with W (nn.Linear's [N, K]) packed once into panels.
 //
-// Why: at batch 1 a decoding step of a small target is a chain of matrix-vector products whose
-// cost is reading the weights once. torch's fp32 GEMM path reaches about 12 GB/s there on this
-// project's 2-core CPU; one streaming pass per weight row reaches about 27 GB/s (the machine's
-// sum-over-1-GiB bandwidth is about 30 GB/s). See rollout/native_linear.py.
+// Why: at small M a decoding step of a small target is bound by reading the weights once.
+// torch's fp32 GEMM reaches about 12 GB/s there on this project's 2-core CPU; streaming the
+// packed panels reaches about 25 GB/s at M = 1-4 and stays ahead of torch up to M = 16 (see
+// rollout/native_linear.py for the figures and scripts/profile_step.py to measure them).
 //
-// Each output row of W is read once, as one sequential stream, and multiplied into all M input
-// rows at once (M accumulators of 16 lanes). The sum over k runs in the same order whatever M,
-// the thread count or the row's place in the batch: results are deterministic and do not depend
-// on how many rows share the call (batch invariance), and differ from torch's GEMM only by
-// float32 rounding (the order of the sum).
+// Layout: panel p holds output columns [16p, 16p + 16) as K rows of 16 floats ([P][K][16],
+// zero-padded past N), so one panel is one sequential stream. Each panel is computed by one
+// thread: for k = 0..K-1, the 16 weights of row k are multiplied by x[m, k] (broadcast) into
+// M accumulators of 16 lanes; k runs in blocks of 64 whose sums are added to the running sum
+// (a shorter chain of roundings than one sum over all K). Every output's sum runs in this fixed
+// order whatever M, the thread count or the row's place in the batch: results are
+// deterministic and batch-invariant, and differ from torch's GEMM only by float32 rounding.
 
 #include <ATen/Parallel.h>
+
 #include <cstdint>
 
 namespace {
 
-constexpr int64_t kMaxRows = 8;
+constexpr int64_t kMaxRows = 16;
+constexpr int64_t kLanes = 16;
+constexpr int64_t kBlock = 64;  // terms summed in order before joining the running sum (rounding error)
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 
 template <int M>
-inline void one_row(const float* w, const float* X, int64_t K, float* out, int64_t ldy) {
-  __m512 acc[M];
+inline void panel(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
+  __m512 acc[M], part[M];
   for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
-  int64_t k = 0;
-  for (; k + 16 <= K; k += 16) {
-    const __m512 u = _mm512_loadu_ps(w + k);
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(u, _mm512_loadu_ps(X + m * K + k), acc[m]);
+  const float* w = P + p * K * kLanes;
+  for (int64_t k0 = 0; k0 < K; k0 += kBlock) {  // blocks of kBlock terms, then the sum of blocks
+    const int64_t k1 = k0 + kBlock < K ? k0 + kBlock : K;
+    for (int m = 0; m < M; ++m) part[m] = _mm512_setzero_ps();
+    for (int64_t k = k0; k < k1; ++k) {
+      const __m512 v = _mm512_loadu_ps(w + k * kLanes);
+      for (int m = 0; m < M; ++m) part[m] = _mm512_fmadd_ps(_mm512_set1_ps(X[m * K + k]), v, part[m]);
+    }
+    for (int m = 0; m < M; ++m) acc[m] = _mm512_add_ps(acc[m], part[m]);
   }
-  if (k < K) {
-    const __mmask16 mask = static_cast<__mmask16>((1u << (K - k)) - 1u);
-    const __m512 u = _mm512_maskz_loadu_ps(mask, w + k);
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_fmadd_ps(u, _mm512_maskz_loadu_ps(mask, X + m * K + k), acc[m]);
+  const int64_t n0 = p * kLanes;
+  const __mmask16 mask = N - n0 >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                                          : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+  const __m512 bias = b != nullptr ? _mm512_maskz_loadu_ps(mask, b + n0) : _mm512_setzero_ps();
+  for (int m = 0; m < M; ++m) {
+    const __m512 out = b != nullptr ? _mm512_add_ps(acc[m], bias) : acc[m];
+    _mm512_mask_storeu_ps(Y + m * N + n0, mask, out);
   }
-  for (int m = 0; m < M; ++m) out[m * ldy] = _mm512_reduce_add_ps(acc[m]);
 }
 constexpr bool kVectorised = true;
 #else
 template <int M>
-inline void one_row(const float* w, const float* X, int64_t K, float* out, int64_t ldy) {
+inline void panel(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
   // Without AVX-512 (the Python side does not use the kernel then; kept so the file builds).
-  for (int m = 0; m < M; ++m) {
-    float s = 0.f;
-    for (int64_t k = 0; k < K; ++k) s += w[k] * X[m * K + k];
-    out[m * ldy] = s;
-  }
+  for (int64_t j = 0; j < kLanes && p * kLanes + j < N; ++j)
+    for (int m = 0; m < M; ++m) {
+      float s = 0.f;
+      for (int64_t k = 0; k < K; ++k) s += X[m * K + k] * P[(p * K + k) * kLanes + j];
+      Y[m * N + p * kLanes + j] = b != nullptr ? s + b[p * kLanes + j] : s;
+    }
 }
 constexpr bool kVectorised = false;
 #endif
 
 template <int M>
-void run(const float* W, const float* b, const float* X, float* Y, int64_t N, int64_t K) {
-  at::parallel_for(0, N, 256, [&](int64_t lo, int64_t hi) {
-    for (int64_t n = lo; n < hi; ++n) {
-      one_row<M>(W + n * K, X, K, Y + n, N);
-      if (b != nullptr)
-        for (int m = 0; m < M; ++m) Y[m * N + n] += b[n];
-    }
+void run(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K) {
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 8, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) panel<M>(P, X, b, Y, N, K, p);
   });
+}
+
+template <int M>
+int64_t dispatch(int64_t rows, const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K) {
+  if constexpr (M > kMaxRows) {
+    return 1;
+  } else {
+    if (rows == M) {
+      run<M>(P, b, X, Y, N, K);
+      return 0;
+    }
+    return dispatch<M + 1>(rows, P, b, X, Y, N, K);
+  }
 }
 
 }  // namespace
@@ -72,19 +94,27 @@ int64_t hr_linear_max_rows() { return kMaxRows; }
 // 1 when built with the AVX-512 path (the only one worth using), else 0.
 int64_t hr_linear_vectorised() { return kVectorised ? 1 : 0; }
 
-// Returns 0 on success, 1 when M is outside [1, kMaxRows] (nothing written).
-int64_t hr_linear(const float* W, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
-  switch (M) {
-    case 1: run<1>(W, b, X, Y, N, K); return 0;
-    case 2: run<2>(W, b, X, Y, N, K); return 0;
-    case 3: run<3>(W, b, X, Y, N, K); return 0;
-    case 4: run<4>(W, b, X, Y, N, K); return 0;
-    case 5: run<5>(W, b, X, Y, N, K); return 0;
-    case 6: run<6>(W, b, X, Y, N, K); return 0;
-    case 7: run<7>(W, b, X, Y, N, K); return 0;
-    case 8: run<8>(W, b, X, Y, N, K); return 0;
-    default: return 1;
-  }
+// Floats the packed copy of a [N, K] weight takes.
+int64_t hr_linear_packed_size(int64_t N, int64_t K) { return (N + kLanes - 1) / kLanes * kLanes * K; }
+
+// Pack W [N, K] (row-major) into P (hr_linear_packed_size floats).
+void hr_linear_pack(const float* W, float* P, int64_t N, int64_t K) {
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t p = lo; p < hi; ++p) {
+      float* dst = P + p * K * kLanes;
+      for (int64_t k = 0; k < K; ++k)
+        for (int64_t j = 0; j < kLanes; ++j) {
+          const int64_t n = p * kLanes + j;
+          dst[k * kLanes + j] = n < N ? W[n * K + k] : 0.f;
+        }
+    }
+  });
+}
+
+// Y [M, N] = X [M, K] W^T (+ b) from the packed P. Returns 0, or 1 when M is outside
+// [1, kMaxRows] (nothing written).
+int64_t hr_linear(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
+  return M < 1 ? 1 : dispatch<1>(M, P, b, X, Y, N, K);
 }
 
 }  // extern "C"

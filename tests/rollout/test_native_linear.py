@@ -151,3 +151,44 @@ def test_engine_logits_match_the_torch_path():
         for a, b in zip(ref.debug, fast.debug):
             assert (a.row, a.index, a.token) == (b.row, b.index, b.token)
             torch.testing.assert_close(b.target_logits, a.target_logits, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_step_costs_time_the_engines_linear_layers():
+    """The bench's bound divides by step costs measured on the same linear layers as the engine's."""
+    from rollout.timing import step_costs
+
+    target = tiny_target()
+    seen = []
+    original = native_linear.linear
+
+    def spy(x, weight, bias=None):
+        seen.append(x.numel() // weight.shape[1])
+        return original(x, weight, bias)
+
+    native_linear.linear = spy
+    try:
+        for mode, expect in (("torch", False), ("native", True)):
+            seen.clear()
+            step_costs(Engine(target, copy_head(target), num_threads=2, linear=mode), [[1, 2, 3]], [1, 4], 1)
+            assert bool(seen) is expect
+    finally:
+        native_linear.linear = original
+
+
+@needs_kernel
+def test_a_changed_weight_is_packed_again():
+    """In-place updates (an optimizer step, set_weights' copy_) and a swapped tensor both reach
+    the kernel: the packed copy follows the weight's version counter and storage."""
+    g = torch.Generator().manual_seed(3)
+    layer = nn.Linear(48, 40, bias=False)
+    x = torch.randn(2, 48, generator=g)
+    with torch.no_grad():
+        first = native_linear.linear(x, layer.weight)
+        layer.weight.add_(1.0)
+        torch.testing.assert_close(native_linear.linear(x, layer.weight), F.linear(x, layer.weight),
+                                   rtol=1e-5, atol=1e-4)
+        layer.weight.data = torch.randn(40, 48, generator=g)
+        torch.testing.assert_close(native_linear.linear(x, layer.weight), F.linear(x, layer.weight),
+                                   rtol=1e-5, atol=1e-4)
+    assert not torch.allclose(first, F.linear(x, layer.weight))
