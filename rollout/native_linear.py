@@ -15,9 +15,9 @@ bandwidth is about 16-18 ms.)
 
 - Used for forwards of at most :func:`max_rows` input rows (batch x block tokens), fp32, on
   the CPU, without autograd; anything else goes to ``torch.nn.functional.linear``.
-- Memory: each routed weight is packed once into a copy of its size (the first forward
-  after a change of the weight, seen by its version counter, packs it again: about 0.2 s
-  for SmolLM2-135M). ``Engine(linear="torch")`` avoids the copy.
+- Memory and time: each routed weight has a packed copy of its size, refilled at the start
+  of every ``Engine.generate`` call (about 0.12 s for SmolLM2-135M on 2 threads), so a call
+  always sees the weights as they are. ``Engine(linear="torch")`` avoids the copy.
 - Outputs differ from torch's only by float32 rounding (the order of each dot product's
   sum): the engine's tests check the logits against the torch path and that the emitted
   tokens are the same. Each output's sum runs in a fixed order whatever the number of rows
@@ -51,7 +51,7 @@ MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
-_packed = WeakIdKeyDictionary()  # weight -> (its version and storage when packed, the packed copy)
+_buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (refilled by every ``routed``)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -102,56 +102,71 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear(x, weight, bias)``, through the kernel when it fits (see the module docstring)."""
+def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed copy of ``weight [N, K]`` (written into ``out`` when it has the right size)."""
+    n, k = weight.shape
+    size = _lib.hr_linear_packed_size(n, k)
+    if out is None or out.numel() != size:
+        out = torch.empty(size, dtype=torch.float32)
+    _lib.hr_linear_pack(weight.data_ptr(), out.data_ptr(), n, k)
+    return out
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           packed: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the kernel when it fits (see the module docstring).
+    ``packed``: ``pack(weight)``, made by the caller while the weight is unchanged (else packed here)."""
     if _load() is None or not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
     if torch.autograd._profiler_enabled():  # name the call in profiles (scripts/profile_step.py)
         with torch.profiler.record_function("hr_linear"):
-            return _kernel(x, weight, bias)
-    return _kernel(x, weight, bias)
+            return _kernel(x, weight, bias, packed)
+    return _kernel(x, weight, bias, packed)
 
 
-def packed(weight: torch.Tensor) -> torch.Tensor:
-    """The packed copy of ``weight [N, K]`` (made, or made again after the weight changed)."""
-    stamp = (weight._version, weight.data_ptr(), tuple(weight.shape))
-    entry = _packed.get(weight)
-    if entry is None or entry[0] != stamp:
-        n, k = weight.shape
-        copy = torch.empty(_lib.hr_linear_packed_size(n, k), dtype=torch.float32)
-        _lib.hr_linear_pack(weight.data_ptr(), copy.data_ptr(), n, k)
-        entry = _packed[weight] = (stamp, copy)
-    return entry[1]
-
-
-def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, packed: torch.Tensor | None):
     n, k = weight.shape
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    status = _lib.hr_linear(packed(weight).data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
+    panels = packed if packed is not None else pack(weight)
+    status = _lib.hr_linear(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
                             out.data_ptr(), n, k, xs.numel() // k)
     if status != 0:  # cannot happen after _fits; never return an unwritten tensor
         raise RuntimeError(f"hr_linear refused {xs.numel() // k} rows")
     return out
 
 
-def _forward(layer: nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    return linear(x, layer.weight, layer.bias)
-
-
 @contextlib.contextmanager
 def routed(*modules: nn.Module | None):
     """Inside the block, every ``nn.Linear`` of ``modules`` (None entries skipped) computes through
-    :func:`linear` (the kernel when a call fits, else torch). The layers are restored on exit."""
+    :func:`linear` (the kernel when a call fits, else torch). Weights are packed on entry, so the
+    block sees them as they are then, however they were changed before (an optimizer step
+    through ``.data`` does not move a tensor's version counter, so nothing cheaper can tell);
+    they must not change inside the block. The layers are restored on exit."""
     layers = [m for mod in modules if mod is not None for m in mod.modules() if isinstance(m, nn.Linear)
               and "forward" not in m.__dict__]
+    use = bool(layers) and _load() is not None
+    filled: set[int] = set()  # buffers packed in this block (a tied weight is packed once)
     for layer in layers:
-        layer.forward = functools.partial(_forward, layer)
+        w = layer.weight
+        panels = None
+        if use and w.dtype == torch.float32 and w.device.type == "cpu" and w.dim() == 2 and w.is_contiguous():
+            panels = _buffers.get(w)
+            if panels is None or id(panels) not in filled:
+                panels = _buffers[w] = pack(w, panels)
+                filled.add(id(panels))
+        layer.forward = functools.partial(_forward, layer, panels)
     try:
         yield
     finally:
         for layer in layers:
             layer.__dict__.pop("forward", None)
+
+
+def _forward(layer: nn.Linear, panels: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    if panels is None:
+        return F.linear(x, layer.weight, layer.bias)
+    return linear(x, layer.weight, layer.bias, panels)
 
 
 def resolve(mode: str) -> bool:

@@ -102,11 +102,11 @@ void hr_linear_pack(const float* W, float* P, int64_t N, int64_t K) {
   at::parallel_for(0, (N + kLanes - 1) / kLanes, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) {
       float* dst = P + p * K * kLanes;
-      for (int64_t k = 0; k < K; ++k)
-        for (int64_t j = 0; j < kLanes; ++j) {
-          const int64_t n = p * kLanes + j;
-          dst[k * kLanes + j] = n < N ? W[n * K + k] : 0.f;
-        }
+      for (int64_t j = 0; j < kLanes; ++j) {  // read each weight row in order; the panel stays in cache
+        const int64_t n = p * kLanes + j;
+        const float* src = W + n * K;
+        for (int64_t k = 0; k < K; ++k) dst[k * kLanes + j] = n < N ? src[k] : 0.f;
+      }
     }
   });
 }

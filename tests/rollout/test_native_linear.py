@@ -76,9 +76,9 @@ def test_routed_switches_and_restores():
     calls = []
     original = native_linear.linear
 
-    def spy(x, weight, bias=None):
+    def spy(x, weight, bias=None, packed=None):
         calls.append(tuple(weight.shape))
-        return original(x, weight, bias)
+        return original(x, weight, bias, packed)
 
     native_linear.linear = spy
     try:
@@ -162,9 +162,9 @@ def test_step_costs_time_the_engines_linear_layers():
     seen = []
     original = native_linear.linear
 
-    def spy(x, weight, bias=None):
+    def spy(x, weight, bias=None, packed=None):
         seen.append(x.numel() // weight.shape[1])
-        return original(x, weight, bias)
+        return original(x, weight, bias, packed)
 
     native_linear.linear = spy
     try:
@@ -177,18 +177,31 @@ def test_step_costs_time_the_engines_linear_layers():
 
 
 @needs_kernel
-def test_a_changed_weight_is_packed_again():
-    """In-place updates (an optimizer step, set_weights' copy_) and a swapped tensor both reach
-    the kernel: the packed copy follows the weight's version counter and storage."""
+def test_every_routed_block_sees_the_weights_as_they_are():
+    """Weights changed between blocks reach the kernel however they were changed: in place (an
+    optimizer step), through ``.data`` (which leaves the version counter alone, as the TRL
+    trainer's step does), or by swapping the tensor; tied weights are packed once per block."""
     g = torch.Generator().manual_seed(3)
-    layer = nn.Linear(48, 40, bias=False)
+    net = nn.Sequential(nn.Linear(48, 40, bias=False), nn.Linear(40, 48, bias=False))
     x = torch.randn(2, 48, generator=g)
+    changes = [lambda: net[0].weight.add_(1.0), lambda: net[0].weight.data.mul_(-0.5),
+               lambda: setattr(net[0].weight, "data", torch.randn(40, 48, generator=g))]
     with torch.no_grad():
-        first = native_linear.linear(x, layer.weight)
-        layer.weight.add_(1.0)
-        torch.testing.assert_close(native_linear.linear(x, layer.weight), F.linear(x, layer.weight),
-                                   rtol=1e-5, atol=1e-4)
-        layer.weight.data = torch.randn(40, 48, generator=g)
-        torch.testing.assert_close(native_linear.linear(x, layer.weight), F.linear(x, layer.weight),
-                                   rtol=1e-5, atol=1e-4)
-    assert not torch.allclose(first, F.linear(x, layer.weight))
+        for change in [lambda: None, *changes]:
+            change()
+            with native_linear.routed(net):
+                got = net(x)
+            torch.testing.assert_close(got, F.linear(F.linear(x, net[0].weight), net[1].weight),
+                                       rtol=1e-5, atol=1e-4)
+        tied = nn.Sequential(nn.Linear(48, 48, bias=False), nn.Linear(48, 48, bias=False))
+        tied[1].weight = tied[0].weight
+        packs = []
+        original = native_linear.pack
+        native_linear.pack = lambda w, out=None: packs.append(w.shape) or original(w, out)
+        try:
+            with native_linear.routed(tied):
+                got = tied(x)
+        finally:
+            native_linear.pack = original
+        assert len(packs) == 1
+        torch.testing.assert_close(got, F.linear(F.linear(x, tied[0].weight), tied[0].weight), rtol=1e-5, atol=1e-4)
