@@ -50,6 +50,40 @@ inline void panel(const float* P, const float* X, const float* b, float* Y, int6
     _mm512_mask_storeu_ps(Y + m * N + n0, mask, out);
   }
 }
+// One panel: rows [n0, n0 + 16) of W as K rows of 16 (16 x 16 blocks transposed in registers).
+inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0) {
+  const bool full = n0 + kLanes <= N;
+  int64_t k = 0;
+  for (; full && k + kLanes <= K; k += kLanes) {
+    __m512 r[16], t[16];
+    for (int j = 0; j < 16; ++j) r[j] = _mm512_loadu_ps(W + (n0 + j) * K + k);
+    for (int j = 0; j < 16; j += 2) {  // 2 x 2 blocks of single floats
+      t[j] = _mm512_unpacklo_ps(r[j], r[j + 1]);
+      t[j + 1] = _mm512_unpackhi_ps(r[j], r[j + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) {  // 4 x 4 blocks
+      for (int i = 0; i < 2; ++i) {
+        r[j + i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[j + i]), _mm512_castps_pd(t[j + i + 2])));
+        r[j + i + 2] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[j + i]), _mm512_castps_pd(t[j + i + 2])));
+      }
+    }
+    for (int j = 0; j < 16; j += 8) {  // 8 x 8 blocks: 128-bit lanes
+      for (int i = 0; i < 4; ++i) {
+        t[j + i] = _mm512_shuffle_f32x4(r[j + i], r[j + i + 4], 0x88);
+        t[j + i + 4] = _mm512_shuffle_f32x4(r[j + i], r[j + i + 4], 0xDD);
+      }
+    }
+    for (int i = 0; i < 8; ++i) {  // 16 x 16
+      r[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
+      r[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xDD);
+    }
+    // r[j] holds column k + kColumn[j] of the 16 rows (the 4 x 4 stage swaps the middle pair)
+    static constexpr int kColumn[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
+    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + (k + kColumn[j]) * kLanes, r[j]);
+  }
+  for (; k < K; ++k)
+    for (int64_t j = 0; j < kLanes; ++j) dst[k * kLanes + j] = n0 + j < N ? W[(n0 + j) * K + k] : 0.f;
+}
 constexpr bool kVectorised = true;
 #else
 template <int M>
@@ -61,6 +95,10 @@ inline void panel(const float* P, const float* X, const float* b, float* Y, int6
       for (int64_t k = 0; k < K; ++k) s += X[m * K + k] * P[(p * K + k) * kLanes + j];
       Y[m * N + p * kLanes + j] = b != nullptr ? s + b[p * kLanes + j] : s;
     }
+}
+inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0) {
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = 0; j < kLanes; ++j) dst[k * kLanes + j] = n0 + j < N ? W[(n0 + j) * K + k] : 0.f;
 }
 constexpr bool kVectorised = false;
 #endif
@@ -100,14 +138,7 @@ int64_t hr_linear_packed_size(int64_t N, int64_t K) { return (N + kLanes - 1) / 
 // Pack W [N, K] (row-major) into P (hr_linear_packed_size floats).
 void hr_linear_pack(const float* W, float* P, int64_t N, int64_t K) {
   at::parallel_for(0, (N + kLanes - 1) / kLanes, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p) {
-      float* dst = P + p * K * kLanes;
-      for (int64_t j = 0; j < kLanes; ++j) {  // read each weight row in order; the panel stays in cache
-        const int64_t n = p * kLanes + j;
-        const float* src = W + n * K;
-        for (int64_t k = 0; k < K; ++k) dst[k * kLanes + j] = n < N ? src[k] : 0.f;
-      }
-    }
+    for (int64_t p = lo; p < hi; ++p) pack_panel(W, P + p * K * kLanes, N, K, p * kLanes);
   });
 }
 

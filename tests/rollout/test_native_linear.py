@@ -205,3 +205,15 @@ def test_every_routed_block_sees_the_weights_as_they_are():
             native_linear.pack = original
         assert len(packs) == 1
         torch.testing.assert_close(got, F.linear(F.linear(x, tied[0].weight), tied[0].weight), rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+@pytest.mark.parametrize("n,k", [(16, 16), (32, 48), (48, 35), (17, 16), (5, 3), (64, 576)])
+def test_pack_layout(n, k):
+    """Panel p holds output columns 16p..16p+15 as K rows of 16, zero past N (the 16 x 16
+    register transpose and the scalar edges agree with that layout exactly)."""
+    w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
+    padded = torch.zeros((n + 15) // 16 * 16, k)
+    padded[:n] = w
+    expected = padded.reshape(-1, 16, k).transpose(1, 2)
+    assert torch.equal(native_linear.pack(w).reshape(-1, k, 16), expected)
