@@ -11,7 +11,10 @@ tree). The planner decides from what it measured *in this call*:
   bucket. Each cost is the median of its last 5 measurements. Unmeasured n are
   interpolated linearly between measured ones.
 - **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
-  are not counted: their step 0 is longer).
+  are not counted: their step 0 is longer). What a catch-up costs beyond a typical draft
+  is added to that round's cost instead: it is the price of drafting after plain rounds,
+  so an option that is only ever re-probed from a plain streak carries it, and one that
+  runs round after round does not.
 - **acceptance**: for chains, the conditional acceptance rate at each draft depth j,
   alpha_j = P(draft j accepted | drafts 1..j-1 accepted), pooled over rows and rounds; a
   chain of k then emits E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens per row. Depths
@@ -192,7 +195,11 @@ class RoundPlanner:
         ``catch_up``: the draft consumed pairs of skipped rounds (its draft cost is not typical)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
-        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9))
+        extra = 0.0
+        if k and catch_up:  # the catch-up's cost beyond a typical draft is the price of switching
+            typical = self._draft_cost.get(bk)
+            extra = max(0.0, draft_s - (self.draft_steps[k] * typical.value if typical is not None else 0.0))
+        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s + extra, 1e-9))
         if k == 0:
             return
         if not catch_up:

@@ -132,3 +132,19 @@ def test_one_slow_round_does_not_move_the_cost():
     for _ in range(3):  # a lasting change is followed
         planner.observe(1, 0, 3.0, 0.0, [1])
     assert planner.round_cost(1, 1) == 3.0
+
+
+def test_a_catch_up_counts_against_the_option_that_needs_it():
+    """Drafting after plain rounds first runs the draft over every skipped pair; that extra cost
+    lands on the round's cost, so a speculative option that barely wins when it runs round after
+    round but pays a long catch-up whenever it is re-probed from plain rounds is not re-probed
+    into losing time."""
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=1, max_batch="auto"))
+    planner.observe(8, 1, 1.0, 0.1, [2] * 8)  # a typical draft: 0.1 s per step
+    planner.observe(8, 1, 1.0, 2.1, [2] * 8, catch_up=True)  # 2.0 s more than typical
+    planner.observe(8, 1, 1.0, 2.1, [2] * 8, catch_up=True)
+    assert planner.round_cost(8, 2) == pytest.approx(3.0)  # re-probed from plain streaks: it pays
+    assert planner._draft_cost[bucket(8)].value == pytest.approx(0.1)
+    for _ in range(3):  # run round after round: the catch-ups fall out of the median
+        planner.observe(8, 1, 1.0, 0.1, [2] * 8)
+    assert planner.round_cost(8, 2) == pytest.approx(1.0)
