@@ -8,7 +8,8 @@ Configurations (T = 1 by default, chain K = 3 with probabilistic drafts for EAGL
 ``vllm-eagle3-<rule>`` (our verifier through the plug-in: lossless, mars, overshoot),
 ``vllm-eagle3-<rule>-mb<m>`` with ``--max-batch m`` (drafts only in steps with <= m requests),
 ``hf-plain`` and ``hf-chain-<rule>`` (our engine). For batch size b one call completes the first
-b held-out prompts (``--repeats`` calls, seeds differ); tokens/s = completion tokens / wall time.
+b held-out prompts (``--repeats`` calls, seeds differ), or with ``--prompts N`` the first N
+prompts in calls of b; tokens/s = completion tokens / wall time.
 ``sampler_ms`` is the mean time of one rejection-sampler call (ours or vLLM's) and
 ``sampler_pct`` its share of the call's wall time; tau = tokens per row per verification
 round. Every configuration runs on each batch before the next batch (interleaved), so a
@@ -42,6 +43,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="also run each rule on an engine that drafts only in steps with <= this many requests")
     ap.add_argument("--head", default=None, help="EAGLE-3 head folder (default: the shipped head)")
     ap.add_argument("--repeats", type=int, default=1)
+    ap.add_argument("--prompts", type=int, default=None,
+                    help="held-out prompts per batch size, run in calls of that size (default: the largest "
+                         "batch size, so batch b runs the first b prompts in one call)")
     ap.add_argument("--compiled", action="store_true",
                     help="vLLM engines with enforce_eager false (torch.compile and CPU graphs; the start "
                          "compiles for minutes)")
@@ -141,7 +145,7 @@ def main(argv: list[str] | None = None) -> None:
 
     tok = AutoTokenizer.from_pretrained(target_folder(TargetConfig()))
     sizes = [int(b) for b in args.batch_sizes.split(",")]
-    prompts = benchmark_prompts(tok, max(sizes), args.seed)
+    prompts = benchmark_prompts(tok, max(sizes + [args.prompts or 0]), args.seed)
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))
     runs = build(args)
@@ -155,14 +159,17 @@ def main(argv: list[str] | None = None) -> None:
     for b in sizes:
         acc = {name: {"tokens": 0, "seconds": 0.0, "tau": [], "sampler_s": 0.0, "sampler_calls": 0, "load": []}
                for name in runs}
+        pool = prompts[:max(b, args.prompts or b)]
+        groups = [pool[i:i + b] for i in range(0, len(pool), b)]
         for r in range(args.repeats):
-            for name, run in runs.items():
-                res = run(prompts[:b], sampling, args.seed + 1000 * r)
-                a = acc[name]
-                for key in ("tokens", "seconds", "sampler_s", "sampler_calls"):
-                    a[key] += res[key]
-                a["tau"].append(res["tau"])
-                a["load"].append(_load())
+            for g, group in enumerate(groups):
+                for name, run in runs.items():
+                    res = run(group, sampling, args.seed + 1000 * r + g)
+                    a = acc[name]
+                    for key in ("tokens", "seconds", "sampler_s", "sampler_calls"):
+                        a[key] += res[key]
+                    a["tau"].append(res["tau"])
+                    a["load"].append(_load())
         for name, a in acc.items():
             row = {"config": name, "batch": b, "tokens": a["tokens"], "seconds": a["seconds"],
                    "tok_s": a["tokens"] / a["seconds"], "tau": sum(a["tau"]) / len(a["tau"]),
