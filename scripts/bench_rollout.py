@@ -128,10 +128,7 @@ def run_hf(model, group: list[list[int]], sampling: SamplingParams, pad_id: int,
 
 def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, seed: int,
              backend: str | None = None) -> dict:
-    """One generate call; ``backend`` (native / torch) pins the verifier backend (None: default),
-    ``gemm`` runs the linear layers on torch's GEMM instead of the native kernel."""
-    if backend == "gemm":
-        engine, backend = Engine(engine.target, engine.head, num_threads=torch.get_num_threads(), linear="torch"), None
+    """One generate call; ``backend`` (native / torch) pins the verifier backend (None: default)."""
     with contextlib.nullcontext() if backend is None else native.forced(backend == "native"):
         t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
     return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
@@ -187,8 +184,9 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     for size in (int(b) for b in args.batch_sizes.split(",")):
         configs = [] if args.no_hf else [("hf generate", "-", None, None, None)]
         configs.append(("off", "lossless", SpecConfig(mode="off"), VerifierConfig(), None))
-        if args.torch_linear:
-            configs.append(("off [torch linear]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "gemm"))
+        if args.torch_linear:  # the same target and head, linear layers on torch's GEMM
+            gemm = Engine(target, engine.head, num_threads=torch.get_num_threads(), linear="torch")
+            configs.append(("off [torch linear]", "lossless", SpecConfig(mode="off"), VerifierConfig(), gemm))
         backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
         if set(backends) - {None, "native", "torch"}:
             raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
@@ -206,8 +204,12 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         for i, group in enumerate(groups):
             for (mode, _, spec, verifier, backend), tot in zip(configs, totals):
                 seed = args.seed + i
-                res = run_hf(target.model, group, sampling, pad_id, seed) if spec is None else \
-                    run_ours(engine, group, sampling, spec, verifier, seed, backend)
+                if spec is None:
+                    res = run_hf(target.model, group, sampling, pad_id, seed)
+                elif isinstance(backend, Engine):  # a row on another engine
+                    res = run_ours(backend, group, sampling, spec, verifier, seed)
+                else:
+                    res = run_ours(engine, group, sampling, spec, verifier, seed, backend)
                 for key, value in res.items():
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())

@@ -11,6 +11,7 @@ builders (Ray workers) never see a partial file.
 
 from __future__ import annotations
 
+import ctypes
 import functools
 import hashlib
 import os
@@ -18,6 +19,7 @@ import platform
 import shutil
 import subprocess
 import threading
+import warnings
 from pathlib import Path
 
 import torch
@@ -100,3 +102,16 @@ def mode() -> str:
     if value not in ("auto", "0", "1"):
         raise ValueError(f"HONEST_ROLLOUTS_NATIVE must be one of auto, 0, 1; got {value!r}")
     return value
+
+
+def open_library(name: str, sources: list[Path], what: str, fallback: str) -> ctypes.CDLL | None:
+    """Build (when not cached) and open library ``name``. On failure: raise under
+    ``HONEST_ROLLOUTS_NATIVE=1``, else warn that ``what`` is unavailable and ``fallback`` runs
+    instead, and return None."""
+    try:
+        return ctypes.CDLL(str(build(name, sources, what)))
+    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        if mode() == "1":
+            raise
+        warnings.warn(f"{what} is unavailable, using {fallback}: {err}", RuntimeWarning, stacklevel=4)
+        return None

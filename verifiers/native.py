@@ -35,10 +35,8 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import subprocess
 import threading
 import time
-import warnings
 from pathlib import Path
 
 import torch
@@ -90,13 +88,12 @@ def _load_locked() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     try:
-        lib = ctypes.CDLL(str(build()))
-    except (RuntimeError, OSError, subprocess.SubprocessError) as err:
+        lib = cbuild.open_library("verifier", SOURCES, "the fused C++ verifier", "the PyTorch one")
+    except Exception:
+        _tried = True  # one attempt per process
+        raise
+    if lib is None:
         _tried = True
-        if _mode() == "1":
-            raise
-        warnings.warn(f"the fused C++ verifier is unavailable, using the PyTorch one: {err}",
-                      RuntimeWarning, stacklevel=3)
         return None
     fn = lib.hr_verify_chain
     fn.restype = ctypes.c_int64

@@ -217,3 +217,18 @@ def test_pack_layout(n, k):
     padded[:n] = w
     expected = padded.reshape(-1, 16, k).transpose(1, 2)
     assert torch.equal(native_linear.pack(w).reshape(-1, k, 16), expected)
+
+
+def test_native_off_means_torch_everywhere(monkeypatch):
+    """``HONEST_ROLLOUTS_NATIVE=0``: not available, ``native`` refused, every path on torch's GEMM."""
+    monkeypatch.setenv("HONEST_ROLLOUTS_NATIVE", "0")
+    assert not native_linear.available() and native_linear.resolve("auto") is False
+    with pytest.raises(RuntimeError, match="HONEST_ROLLOUTS_NATIVE must not be 0"):
+        native_linear.resolve("native")
+    g = torch.Generator().manual_seed(4)
+    layer = nn.Linear(40, 30, bias=False)
+    x = torch.randn(1, 40, generator=g)
+    with torch.no_grad():
+        assert torch.equal(native_linear.linear(x, layer.weight), F.linear(x, layer.weight))
+        with native_linear.routed(layer):
+            assert torch.equal(layer(x), F.linear(x, layer.weight))
