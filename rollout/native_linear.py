@@ -4,17 +4,19 @@ At small batch a decoding step of a small target is a chain of matrix-vector pro
 cost is reading the fp32 weights once. torch's GEMM reaches about 12 GB/s there on this
 project's 2-core CPU (about 45 ms of a 55-60 ms SmolLM2-135M step goes to the linear layers).
 The kernel here reads each weight once, as sequential panels of 16 output columns, for all
-input rows at once. Every linear layer of SmolLM2-135M together, fp32, 2 threads (ms):
+input rows at once; at more rows (verify blocks over a batch, prefill) its register tiles keep
+ahead of torch's GEMM too. Every linear layer of SmolLM2-135M together, distinct weights,
+fp32, 2 threads, ``MKL_CBWR=AVX2`` (ms):
 
-    input rows      1     4     8    16    24 (torch only: the kernel stops at 16)
-    torch GEMM     47    39    50    62    71
-    this kernel    21    22    26    40    71
+    input rows      1     8    16    32    64   256   2048
+    torch GEMM     45    42    54    75   120   398   3031
+    this kernel    19    20    29    47    88   346   2783
 
 (``scripts/profile_step.py`` measures the step both ways; the floor at this machine's
 bandwidth is about 16-18 ms.)
 
-- Used for forwards of at most :func:`max_rows` input rows (batch x block tokens), fp32, on
-  the CPU, without autograd; anything else goes to ``torch.nn.functional.linear``.
+- Used for forwards of fp32 on the CPU without autograd (up to :func:`max_rows` input rows,
+  batch x block tokens, per call); anything else goes to ``torch.nn.functional.linear``.
 - Memory and time: each routed weight has a packed copy of its size, refilled at the start
   of every ``Engine.generate`` call (about 0.05 s for SmolLM2-135M on 2 threads), so a call
   always sees the weights as they are. ``Engine(linear="torch")`` avoids the copy.

@@ -1,53 +1,73 @@
-// A linear layer for decoding on the CPU: Y[m, n] = sum_k X[m, k] W[n, k] (+ b[n]) for a few
-// input rows (M <= kMaxRows), fp32, with W (nn.Linear's [N, K]) packed once into panels.
+// A linear layer for decoding on the CPU: Y[m, n] = sum_k X[m, k] W[n, k] (+ b[n]), fp32, with
+// W (nn.Linear's [N, K]) packed once into panels.
 //
-// Why: at small M a decoding step of a small target is bound by reading the weights once.
+// Why: at small M a decoding step of a small target is bound by reading the weights once, and
 // torch's fp32 GEMM reaches about 12 GB/s there on this project's 2-core CPU; streaming the
-// packed panels reaches about 25 GB/s at M = 1-4 and stays ahead of torch up to M = 16 (see
-// rollout/native_linear.py for the figures and scripts/profile_step.py to measure them).
+// packed panels reaches 25-30 GB/s at M = 1-8. At larger M (verify blocks of a batch, prefill)
+// the work is FMAs, and the register tiles below keep ahead of torch's GEMM at every M measured
+// (1-2048; see rollout/native_linear.py for the figures, scripts/profile_step.py to measure).
 //
 // Layout: panel p holds output columns [16p, 16p + 16) as K rows of 16 floats ([P][K][16],
-// zero-padded past N), so one panel is one sequential stream. Each panel is computed by one
-// thread: for k = 0..K-1, the 16 weights of row k are multiplied by x[m, k] (broadcast) into
-// M accumulators of 16 lanes; k runs in blocks of 64 whose sums are added to the running sum
-// (a shorter chain of roundings than one sum over all K). Every output's sum runs in this fixed
-// order whatever M, the thread count or the row's place in the batch: results are
-// deterministic and batch-invariant, and differ from torch's GEMM only by float32 rounding.
+// zero-padded past N), so one panel is one sequential stream. Work units are kUnit adjacent
+// panels (a trailing panel runs alone), each computed by one thread; the rows run in groups of
+// kGroupU (kGroup1 alone): for k = 0..K-1, the 16 weights of row k of each panel are multiplied
+// by x[m, k] (broadcast) into kUnit x rows accumulators of 16 lanes. A second group rereads the
+// unit's panels from cache, and rows run in blocks of kRowBlock so X stays in cache too.
+// k runs in blocks of 64 whose sums are added to the running sum (a shorter chain of roundings
+// than one sum over all K). Every output's sum runs in this fixed order whatever M, the tiling,
+// the thread count or the row's place in the batch: results are deterministic and
+// batch-invariant, and differ from torch's GEMM only by float32 rounding.
 
 #include <ATen/Parallel.h>
 
+#include <array>
 #include <cstdint>
+#include <utility>
 
 namespace {
 
-constexpr int64_t kMaxRows = 16;
+constexpr int64_t kMaxRows = 1 << 16;
+constexpr int64_t kRowBlock = 256;  // rows per pass over the weights
+constexpr int kGroup1 = 16;  // rows per group with one panel
+constexpr int kUnit = 2;  // panels per work unit
+constexpr int kGroupU = 12;  // rows per group with a unit of panels
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 64;  // terms summed in order before joining the running sum (rounding error)
 
 #ifdef __AVX512F__
 #include <immintrin.h>
 
-template <int M>
-inline void panel(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
-  __m512 acc[M], part[M];
-  for (int m = 0; m < M; ++m) acc[m] = _mm512_setzero_ps();
+// Rows [0, M) of X times panels p .. p + NP - 1: NP x M accumulators of 16 lanes.
+template <int M, int NP>
+inline void tile(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
+  __m512 acc[NP][M], part[NP][M];
+  for (int j = 0; j < NP; ++j)
+    for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
   const float* w = P + p * K * kLanes;
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {  // blocks of kBlock terms, then the sum of blocks
     const int64_t k1 = k0 + kBlock < K ? k0 + kBlock : K;
-    for (int m = 0; m < M; ++m) part[m] = _mm512_setzero_ps();
+    for (int j = 0; j < NP; ++j)
+      for (int m = 0; m < M; ++m) part[j][m] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      const __m512 v = _mm512_loadu_ps(w + k * kLanes);
-      for (int m = 0; m < M; ++m) part[m] = _mm512_fmadd_ps(_mm512_set1_ps(X[m * K + k]), v, part[m]);
+      __m512 v[NP];
+      for (int j = 0; j < NP; ++j) v[j] = _mm512_loadu_ps(w + (j * K + k) * kLanes);
+      for (int m = 0; m < M; ++m) {
+        const __m512 x = _mm512_set1_ps(X[m * K + k]);
+        for (int j = 0; j < NP; ++j) part[j][m] = _mm512_fmadd_ps(x, v[j], part[j][m]);
+      }
     }
-    for (int m = 0; m < M; ++m) acc[m] = _mm512_add_ps(acc[m], part[m]);
+    for (int j = 0; j < NP; ++j)
+      for (int m = 0; m < M; ++m) acc[j][m] = _mm512_add_ps(acc[j][m], part[j][m]);
   }
-  const int64_t n0 = p * kLanes;
-  const __mmask16 mask = N - n0 >= kLanes ? static_cast<__mmask16>(0xFFFF)
-                                          : static_cast<__mmask16>((1u << (N - n0)) - 1u);
-  const __m512 bias = b != nullptr ? _mm512_maskz_loadu_ps(mask, b + n0) : _mm512_setzero_ps();
-  for (int m = 0; m < M; ++m) {
-    const __m512 out = b != nullptr ? _mm512_add_ps(acc[m], bias) : acc[m];
-    _mm512_mask_storeu_ps(Y + m * N + n0, mask, out);
+  for (int j = 0; j < NP; ++j) {
+    const int64_t n0 = (p + j) * kLanes;
+    const __mmask16 mask = N - n0 >= kLanes ? static_cast<__mmask16>(0xFFFF)
+                                            : static_cast<__mmask16>((1u << (N - n0)) - 1u);
+    const __m512 bias = b != nullptr ? _mm512_maskz_loadu_ps(mask, b + n0) : _mm512_setzero_ps();
+    for (int m = 0; m < M; ++m) {
+      const __m512 out = b != nullptr ? _mm512_add_ps(acc[j][m], bias) : acc[j][m];
+      _mm512_mask_storeu_ps(Y + m * N + n0, mask, out);
+    }
   }
 }
 // One panel: rows [n0, n0 + 16) of W as K rows of 16 (16 x 16 blocks transposed in registers).
@@ -86,13 +106,13 @@ inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t
 }
 constexpr bool kVectorised = true;
 #else
-template <int M>
-inline void panel(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
+template <int M, int NP>
+inline void tile(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
   // Without AVX-512 (the Python side does not use the kernel then; kept so the file builds).
-  for (int64_t j = 0; j < kLanes && p * kLanes + j < N; ++j)
+  for (int64_t j = 0; j < NP * kLanes && p * kLanes + j < N; ++j)
     for (int m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += X[m * K + k] * P[(p * K + k) * kLanes + j];
+      for (int64_t k = 0; k < K; ++k) s += X[m * K + k] * P[p * K * kLanes + (j / kLanes * K + k) * kLanes + j % kLanes];
       Y[m * N + p * kLanes + j] = b != nullptr ? s + b[p * kLanes + j] : s;
     }
 }
@@ -103,23 +123,33 @@ inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t
 constexpr bool kVectorised = false;
 #endif
 
-template <int M>
-void run(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K) {
-  at::parallel_for(0, (N + kLanes - 1) / kLanes, 8, [&](int64_t lo, int64_t hi) {
-    for (int64_t p = lo; p < hi; ++p) panel<M>(P, X, b, Y, N, K, p);
-  });
-}
+using Tile = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
 
-template <int M>
-int64_t dispatch(int64_t rows, const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K) {
-  if constexpr (M > kMaxRows) {
-    return 1;
-  } else {
-    if (rows == M) {
-      run<M>(P, b, X, Y, N, K);
-      return 0;
-    }
-    return dispatch<M + 1>(rows, P, b, X, Y, N, K);
+template <int NP, int... Ms>
+constexpr std::array<Tile, sizeof...(Ms) + 1> tiles(std::integer_sequence<int, Ms...>) {
+  return {nullptr, &tile<Ms + 1, NP>...};
+}
+constexpr auto kTiles1 = tiles<1>(std::make_integer_sequence<int, kGroup1>{});  // [rows] -> tile
+constexpr auto kTilesU = tiles<kUnit>(std::make_integer_sequence<int, kGroupU>{});
+
+// Work units are kUnit panels; each runs the rows in groups that fit the registers (a group
+// rereads the unit's panels from cache, not memory). Panels past the last whole unit run alone.
+void run(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
+  const int64_t panels = (N + kLanes - 1) / kLanes;
+  const int64_t units = panels / kUnit;
+  for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {  // row blocks whose X stays in cache
+    const int64_t r1 = r0 + kRowBlock < M ? r0 + kRowBlock : M;
+    at::parallel_for(0, units + panels % kUnit, 4, [&](int64_t lo, int64_t hi) {
+      for (int64_t u = lo; u < hi; ++u) {
+        const bool whole = u < units;
+        const int64_t p = whole ? u * kUnit : units * kUnit + (u - units);
+        const int64_t group = whole ? kGroupU : kGroup1;
+        for (int64_t m0 = r0; m0 < r1; m0 += group) {
+          const int64_t rows = r1 - m0 < group ? r1 - m0 : group;
+          (whole ? kTilesU[rows] : kTiles1[rows])(P, X + m0 * K, b, Y + m0 * N, N, K, p);
+        }
+      }
+    });
   }
 }
 
@@ -143,9 +173,11 @@ void hr_linear_pack(const float* W, float* P, int64_t N, int64_t K) {
 }
 
 // Y [M, N] = X [M, K] W^T (+ b) from the packed P. Returns 0, or 1 when M is outside
-// [1, kMaxRows] (nothing written).
+// [1, kMaxRows] (nothing written; kMaxRows only bounds the call).
 int64_t hr_linear(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
-  return M < 1 ? 1 : dispatch<1>(M, P, b, X, Y, N, K);
+  if (M < 1 || M > kMaxRows) return 1;
+  run(P, b, X, Y, N, K, M);
+  return 0;
 }
 
 }  // extern "C"

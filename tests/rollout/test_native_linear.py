@@ -27,7 +27,9 @@ def test_kernel_matches_torch(n, k, bias):
     g = torch.Generator().manual_seed(n * k)
     w = torch.randn(n, k, generator=g)
     b = torch.randn(n, generator=g) if bias else None
-    for m in range(1, native_linear.max_rows() + 1):
+    # every row count of the register groups (12 rows with a pair of panels, 16 alone), their
+    # tails, and row blocks (256 rows per pass over the weights) with their tails
+    for m in [*range(1, 41), 63, 64, 255, 256, 257, 600]:
         x = torch.randn(m, k, generator=g)
         out = native_linear.linear(x, w, b)
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
@@ -43,6 +45,11 @@ def test_kernel_is_batch_invariant_and_keeps_shapes():
     for i in range(2):
         for j in range(4):  # each row alone gives the same bits as in the batch of 8
             assert torch.equal(native_linear.linear(x[i, j], w), out[i, j])
+    many = torch.randn(300, 100, generator=g)  # row groups, a second row block, a lone tail panel
+    out = native_linear.linear(many, w)
+    for i in range(0, 300, 7):
+        assert torch.equal(native_linear.linear(many[i:i + 1], w), out[i:i + 1])
+        assert torch.equal(native_linear.linear(many[i:i + 13], w), out[i:i + 13])
     # a non-contiguous input is read correctly
     xt = torch.randn(100, 3, generator=g).t()
     torch.testing.assert_close(native_linear.linear(xt, w), F.linear(xt, w), rtol=1e-5, atol=1e-3)
