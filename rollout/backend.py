@@ -150,6 +150,7 @@ class HFBackend:
             raise ValueError(f"drafter {path}: vocab_size {head.cfg.vocab_size} != target vocab_size "
                              f"{self.target.vocab_size}")
         self.engine.head = head
+        self.engine.forget_plans()  # acceptance was learned with the old head
 
     def set_weights(self, state_dict: Mapping[str, torch.Tensor] | None, version: int) -> int:
         """Load new policy weights in place (None: the parameters are shared, only the version moves)."""

@@ -90,6 +90,7 @@ class Engine:
         self.target, self.head = target, head
         self.prefill_tokens = prefill_tokens
         self.use_native_linear = target.device.type == "cpu" and native_linear.resolve(linear)
+        self._planners: dict[tuple, RoundPlanner] = {}  # see planner()
         if target.device.type == "cpu":
             torch.set_num_threads(num_threads or available_cores())
             tune_malloc()  # vocabulary-sized temporaries reuse freed memory (rollout/allocator.py)
@@ -120,7 +121,7 @@ class Engine:
                      table=SequenceTable(prompts, budgets, sampling.stop_token_ids), rule=verifier.rule(),
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None,
-                     planner=RoundPlanner.for_spec(spec) if spec.auto else None)
+                     planner=self.planner(spec, verifier, sampling) if spec.auto else None)
         with torch.inference_mode(), self.linear_routing(head):
             self._prefill(call, prompts, max(budgets))
             while len(call.table):
@@ -132,6 +133,23 @@ class Engine:
         t.tokens = sum(c.num_tokens for c in completions)
         captures = [Capture(f, x) for f, x in call.runner.captures()] if capture else None
         return GenerationResult(completions, t, _trim_debug(call.debug, completions), captures)
+
+    def planner(self, spec: SpecConfig, verifier: VerifierConfig, sampling: SamplingParams) -> RoundPlanner:
+        """The round planner of ``max_batch: auto`` calls with these settings, kept across calls:
+        the step costs it measured stay, its acceptance counts decay at each call
+        (``RoundPlanner.new_call``). One per speculation config, verifier and sampling setting
+        (they set the acceptance); :meth:`forget_plans` drops them all."""
+        key = (repr(spec), repr(verifier), sampling.temperature, sampling.top_k, sampling.top_p)
+        planner = self._planners.get(key)
+        if planner is None:
+            planner = self._planners[key] = RoundPlanner.for_spec(spec)
+        else:
+            planner.new_call()
+        return planner
+
+    def forget_plans(self) -> None:
+        """Drop what the planners learned (e.g. after moving the engine to another machine)."""
+        self._planners.clear()
 
     def linear_routing(self, head=None):
         """The context in which this engine's forwards run: the target's (and ``head``'s) linear

@@ -3,7 +3,9 @@
 Each round the engine asks :meth:`RoundPlanner.choose` how many tokens to draft: 0 is a
 plain round (one target forward over the pending token; the draft catches up later, see
 ``rollout.runner``), k >= 1 a speculative round (a chain of k drafts, or the configured
-tree). The planner decides from what it measured *in this call*:
+tree). The planner decides from what it measured in this call and, when the engine keeps
+it (:class:`rollout.engine.Engine` keeps one per speculation, verifier and sampling setting),
+in its earlier calls (:meth:`RoundPlanner.new_call`):
 
 - **round cost** ``R(b, n)``: seconds of a round without its drafting, over ``b`` live rows
   with ``n`` block tokens per row (1 for a plain round, k + 1 for a chain of k). Rounds are
@@ -31,11 +33,18 @@ to the current best is run again after ``reprobe`` rounds without it when its ex
 rate is within ``margin`` of the best (a lasting change of machine load can turn the
 choice); options far behind are not re-run.
 
+Across calls: the costs stay (they are properties of the machine, the model and the batch
+size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),
+so later calls do not pay the probes again; the acceptance counts are scaled down at each
+new call (``carry``, default 0.5: a call's own rounds soon outweigh earlier ones, as the
+prompts and the policy change between calls).
+
 Exactness: every round, plain or speculative, emits tokens from the right conditional
 distribution given the tokens before (lossless: p; lossy: the rule's induced distribution,
 whose log-probs are reported), and the choice depends only on the past, so switching
 keeps outputs exact. The choice depends on wall-clock times, though: with ``auto`` a
-seeded call is exact but not bit-reproducible across runs.
+seeded call is exact but not bit-reproducible across runs (nor across calls, as the planner
+learns).
 """
 
 from __future__ import annotations
@@ -80,10 +89,11 @@ class RoundPlanner:
     margin: float = 0.85
     prior_accept: float = 0.5
     prior_weight: float = 4.0
+    carry: float = 0.5
     _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
     _draft_cost: dict[int, _Recent] = field(default_factory=dict)
-    _attempts: list[int] = field(default_factory=list)
-    _accepts: list[int] = field(default_factory=list)
+    _attempts: list[float] = field(default_factory=list)  # per depth (decayed counts across calls)
+    _accepts: list[float] = field(default_factory=list)
     _tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens, row-rounds
     _last_run: dict[tuple[int, int], int] = field(default_factory=dict)
     _round: int = 0
@@ -91,7 +101,14 @@ class RoundPlanner:
     def __post_init__(self) -> None:
         assert self.options and min(self.options) >= 1, self.options
         depth = max(self.options) + 1
-        self._attempts, self._accepts = [0] * depth, [0] * depth
+        self._attempts, self._accepts = [0.0] * depth, [0.0] * depth
+
+    def new_call(self) -> None:
+        """Start another call with what earlier calls measured: costs kept, acceptance counts
+        scaled by ``carry`` (see the module docstring)."""
+        self._attempts = [a * self.carry for a in self._attempts]
+        self._accepts = [a * self.carry for a in self._accepts]
+        self._tree = [x * self.carry for x in self._tree]
 
     @classmethod
     def for_spec(cls, spec, adaptive_k: bool | None = None) -> RoundPlanner:

@@ -130,3 +130,13 @@ def test_load_drafter_refuses_a_head_for_another_target(backend):
 
     with pytest.raises(Exception, match="(?i)hidden|mismatch"):
         backend.load_drafter(str(default_head_path()))
+
+
+def test_load_drafter_drops_what_the_planner_learned(backend, tiny_head_dir):
+    """``max_batch: auto`` planners learned acceptance with the old head; a new head starts afresh."""
+    spec = SpecConfig(mode="chain", num_draft_tokens=2, max_batch="auto")
+    sampling = SamplingParams(max_new_tokens=6)
+    backend.generate(PROMPTS, sampling=sampling, spec=spec, verifier=VerifierConfig(), seed=1)
+    assert backend.engine._planners
+    backend.load_drafter(str(tiny_head_dir))
+    assert not backend.engine._planners

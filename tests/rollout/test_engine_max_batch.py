@@ -162,6 +162,25 @@ def test_auto_behaviour_logprobs_match_the_closed_form(models, fast_reprobe):
     assert len(res.debug) == sum(c.num_tokens for c in res.completions)
 
 
+def test_the_engine_keeps_its_planner_across_calls(models):
+    """One planner per speculation, verifier and sampling setting, kept by the engine: a second
+    call starts from the first one's costs (no new probe rounds) with its acceptance counts
+    discounted; another setting gets its own; ``forget_plans`` drops them."""
+    target, head = models
+    engine = Engine(target, head, num_threads=1)
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=12)
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto", adaptive_k=True)
+    engine.generate(PROMPTS, sampling, spec, seed=1)
+    planner = engine.planner(spec, VerifierConfig(), sampling)  # the one the call used (discounted once more)
+    assert planner._round_cost and sum(planner._attempts) > 0
+    attempts, costs = list(planner._attempts), dict(planner._round_cost)
+    assert engine.planner(spec, VerifierConfig(), sampling) is planner
+    assert planner._attempts == [a * planner.carry for a in attempts] and planner._round_cost == costs
+    assert engine.planner(spec, VerifierConfig("mars", {"theta": 0.5}), sampling) is not planner
+    engine.forget_plans()
+    assert engine.planner(spec, VerifierConfig(), sampling) is not planner
+
+
 def test_auto_lossless_t1_matches_autoregressive_distribution(models, fast_reprobe):
     """Monte Carlo: the first 3 tokens of one prompt under lossless chain + auto (switching
     between plain rounds and chain lengths) follow the same law as plain decoding: the

@@ -148,3 +148,26 @@ def test_a_catch_up_counts_against_the_option_that_needs_it():
     for _ in range(3):  # run round after round: the catch-ups fall out of the median
         planner.observe(8, 1, 1.0, 0.1, [2] * 8)
     assert planner.round_cost(8, 2) == pytest.approx(1.0)
+
+
+def test_a_later_call_keeps_the_costs_and_discounts_the_acceptance():
+    """``new_call``: the costs measured in earlier calls stay, so a later call does not probe
+    again an option far behind; acceptance counts are scaled by ``carry`` (rates unchanged,
+    weight halved), so the new call's own rounds soon dominate."""
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto")
+    planner = RoundPlanner.for_spec(spec)
+    first = simulate(planner, 64, 30, cpu_like, accept=0.6)
+    assert first[:2] == [0, 3] and first[2:] == [0] * 28
+    attempts, alphas = list(planner._attempts), planner.acceptance()
+    planner.new_call()
+    assert planner._attempts == [a * planner.carry for a in attempts]
+    planner.prior_weight = 0.0
+    assert planner.acceptance() == pytest.approx(alphas, abs=0.02)
+    assert simulate(planner, 64, 30, cpu_like, accept=0.6) == [0] * 30  # no probe this time
+    assert simulate(RoundPlanner.for_spec(spec), 64, 2, cpu_like, accept=0.6) == [0, 3]  # a fresh one probes
+    # the acceptance of the new call takes over: after a call at 0.9, alpha is nearer 0.9 than 0.6
+    small = RoundPlanner.for_spec(spec)
+    simulate(small, 1, 40, cpu_like, accept=0.6)
+    small.new_call()
+    simulate(small, 1, 40, cpu_like, accept=0.9)
+    assert small.acceptance()[0] > 0.75
