@@ -72,9 +72,12 @@ def _gqa_attention(target):
 class ModelRunner:
     """Target + optional EAGLE-3 head, their KV caches, pending tokens and draft inputs."""
 
+    share_prompts = True  # prefill identical prompts once (see ``start``)
+
     def __init__(self, target, head=None, prefill_tokens: int = 1024, capture: bool = False):
         self.target, self.head = target, head
         self.capture = capture  # keep every forwarded position's features (see ``captures``)
+        self.prefilled_rows = 0  # rows the last ``start`` prefilled
         cfg = target.config
         self.device = target.device
         self.dtype = target.dtype
@@ -94,7 +97,13 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ prefill
     def start(self, prompts: list[list[int]], capacity: int) -> torch.Tensor:
-        """Allocate the caches and prefill every prompt; return the last logits ``[B, V]``."""
+        """Allocate the caches and prefill every prompt; return the last logits ``[B, V]``.
+
+        Identical prompts (GRPO's group of samples per prompt) are prefilled once: the first
+        rows of the cache take the distinct prompts, and every row then copies its prompt's
+        KV slots, last logits and features. Each row's prefill is independent of the others in
+        its forward (per-row attention, batch-invariant linear layers), so this changes no
+        value. Not with ``capture`` (every row keeps its own positions)."""
         b, p_max = len(prompts), max(len(p) for p in prompts)
         self._rows = list(range(b))  # the call's row index of each live row
         self._captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]
@@ -105,25 +114,40 @@ class ModelRunner:
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
         plen = torch.tensor([len(p) for p in prompts], device=self.device)  # [B]
+        first: dict[tuple[int, ...], int] = {}  # distinct prompt -> its first row
+        for i, p in enumerate(prompts):
+            first.setdefault(tuple(p), i)
+        share = self.share_prompts and not self.capture and len(first) < b
+        distinct = list(first.values()) if share else list(range(b))  # the rows prefilled, in order
+        u_ids, u_plen = ids[distinct], plen[distinct]
         feats = None
         last_logits = []
         rows_per_chunk = max(1, self.prefill_tokens // p_max)
-        for r0 in range(0, b, rows_per_chunk):
-            rows = slice(r0, min(b, r0 + rows_per_chunk))
-            p_chunk = int(plen[rows].max())
-            logits, f, final = self._prefill_chunk(ids[rows, :p_chunk], plen[rows], rows)
+        for r0 in range(0, len(distinct), rows_per_chunk):
+            rows = slice(r0, min(len(distinct), r0 + rows_per_chunk))
+            p_chunk = int(u_plen[rows].max())
+            logits, f, final = self._prefill_chunk(u_ids[rows, :p_chunk], u_plen[rows], rows)
             last_logits.append(logits)
             if self.capture:
                 chunk = range(rows.start, rows.stop)
                 self._record(f, final, chunk, [len(prompts[r]) for r in chunk])
             if self.head is not None:
                 if feats is None:
-                    feats = f.new_zeros(b, p_max, f.shape[-1])
+                    feats = f.new_zeros(len(distinct), p_max, f.shape[-1])
                 feats[rows, :p_chunk] = f
+        logits = torch.cat(last_logits)
+        if share:  # every row takes its prompt's prefill (prefilled row j sits in cache row j)
+            position = {row: j for j, row in enumerate(distinct)}
+            index = torch.tensor([position[first[tuple(p)]] for p in prompts], device=self.device)
+            for kv in (*self.cache.keys, *self.cache.values):
+                kv[:, :, :p_max] = kv[:, :, :p_max].index_select(0, index)
+            logits = logits.index_select(0, index)
+            feats = feats.index_select(0, index) if feats is not None else None
+        self.prefilled_rows = len(distinct)
         self.cache.set_lengths(plen)
         self._prompt_ids, self._plen = ids, plen
         self._waiting_feats = feats  # [B, P, 3H] until the first token is known
-        return torch.cat(last_logits)
+        return logits
 
     def _prefill_chunk(self, ids: torch.Tensor, plen: torch.Tensor, rows: slice):
         """Prefill rows ``rows``: logits ``[b, V]`` at each row's last prompt token, the

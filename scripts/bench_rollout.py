@@ -16,6 +16,9 @@ autoregressive mode ("off") and over HF generate at the same batch size. All
 configurations run on each batch of prompts before the next batch (interleaved), so a
 change of machine load hits them alike. rss_mb is the largest resident memory seen after
 a run of the configuration, peak_rss_mb the process peak.
+``--group N`` repeats each prompt N times in a row, as GRPO samples a group per prompt (the
+engine prefills identical prompts once; ``--unshared-prefill`` adds our autoregressive
+mode with every row prefilled on its own as a row).
 ``--repeat N`` then reruns one speculative configuration N times and reports the RSS
 after each run (memory growth check).
 
@@ -50,6 +53,7 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
+from rollout.runner import ModelRunner  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
@@ -77,6 +81,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
+    ap.add_argument("--group", type=int, default=1,
+                    help="samples per prompt: each of the --prompts prompts appears this many times in a row")
+    ap.add_argument("--unshared-prefill", action="store_true",
+                    help="add our autoregressive mode with identical prompts prefilled once per row as a row")
     ap.add_argument("--torch-linear", action="store_true",
                     help="add our autoregressive mode on torch's GEMM (Engine(linear='torch')) as a row")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
@@ -187,6 +195,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         if args.torch_linear:  # the same target and head, linear layers on torch's GEMM
             gemm = Engine(target, engine.head, num_threads=torch.get_num_threads(), linear="torch")
             configs.append(("off [torch linear]", "lossless", SpecConfig(mode="off"), VerifierConfig(), gemm))
+        if args.unshared_prefill:
+            configs.append(("off [unshared prefill]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "unshared"))
         backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
         if set(backends) - {None, "native", "torch"}:
             raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
@@ -208,6 +218,12 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     res = run_hf(target.model, group, sampling, pad_id, seed)
                 elif isinstance(backend, Engine):  # a row on another engine
                     res = run_ours(backend, group, sampling, spec, verifier, seed)
+                elif backend == "unshared":  # every row prefilled on its own
+                    ModelRunner.share_prompts = False
+                    try:
+                        res = run_ours(engine, group, sampling, spec, verifier, seed)
+                    finally:
+                        ModelRunner.share_prompts = True
                 else:
                     res = run_ours(engine, group, sampling, spec, verifier, seed, backend)
                 for key, value in res.items():
@@ -263,10 +279,10 @@ def main(argv: list[str] | None = None) -> None:
     target, tok = load_embedded_target()
     head = load_eagle3(args.head or default_head_path(), target)
     engine = Engine(target, head, num_threads=threads)  # sets torch's threads for HF generate too
-    prompts = benchmark_prompts(tok, args.prompts, args.seed)
+    prompts = [p for p in benchmark_prompts(tok, args.prompts, args.seed) for _ in range(args.group)]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))
-    print(f"{len(prompts)} prompts (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "
+    print(f"{len(prompts)} prompts{f' ({args.group} per distinct prompt)' if args.group > 1 else ''} (mean {sum(map(len, prompts)) / len(prompts):.0f} tokens), "
           f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, threads={torch.get_num_threads()}, "
           f"MKL_CBWR={os.environ.get('MKL_CBWR', '-')}")
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), SpecConfig(mode="chain"))  # warm-up
