@@ -101,9 +101,12 @@ class ModelRunner:
 
         Identical prompts (GRPO's group of samples per prompt) are prefilled once: the first
         rows of the cache take the distinct prompts, and every row then copies its prompt's
-        KV slots, last logits and features. Each row's prefill is independent of the others in
-        its forward (per-row attention, batch-invariant linear layers), so this changes no
-        value. Not with ``capture`` (every row keeps its own positions)."""
+        KV slots, last logits and features. Each row's prefill is independent of the other rows
+        of its forward (per-row attention, batch-invariant linear layers): the values are the
+        same bits as prefilling every row, except where a row lands in a prefill chunk padded
+        to another length (chunks of ``prefill_tokens``), which moves them by float rounding
+        (log-probs by about 1e-5 on SmolLM2), as chunking itself does. Not with ``capture``
+        (every row keeps its own positions)."""
         b, p_max = len(prompts), max(len(p) for p in prompts)
         self._rows = list(range(b))  # the call's row index of each live row
         self._captured: list[list[tuple[torch.Tensor, torch.Tensor]]] = [[] for _ in range(b)]
