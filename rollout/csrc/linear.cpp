@@ -73,6 +73,7 @@ inline void tile(const float* P, const float* X, const float* b, float* Y, int64
 // One panel: rows [n0, n0 + 16) of W as K rows of 16 (16 x 16 blocks transposed in registers).
 inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0) {
   const bool full = n0 + kLanes <= N;
+  const bool stream = reinterpret_cast<std::uintptr_t>(dst) % 64 == 0;  // rows of 16 floats stay aligned
   int64_t k = 0;
   for (; full && k + kLanes <= K; k += kLanes) {
     __m512 r[16], t[16];
@@ -99,11 +100,16 @@ inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t
     }
     // r[j] holds column k + kColumn[j] of the 16 rows (the 4 x 4 stage swaps the middle pair)
     static constexpr int kColumn[16] = {0, 2, 1, 3, 4, 6, 5, 7, 8, 10, 9, 11, 12, 14, 13, 15};
-    for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + (k + kColumn[j]) * kLanes, r[j]);
+    if (stream) {  // the copy is not read soon: skip reading its lines into the cache first
+      for (int j = 0; j < 16; ++j) _mm512_stream_ps(dst + (k + kColumn[j]) * kLanes, r[j]);
+    } else {
+      for (int j = 0; j < 16; ++j) _mm512_storeu_ps(dst + (k + kColumn[j]) * kLanes, r[j]);
+    }
   }
   for (; k < K; ++k)
     for (int64_t j = 0; j < kLanes; ++j) dst[k * kLanes + j] = n0 + j < N ? W[(n0 + j) * K + k] : 0.f;
 }
+inline void fence() { _mm_sfence(); }
 constexpr bool kVectorised = true;
 #else
 template <int M, int NP>
@@ -120,6 +126,7 @@ inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t
   for (int64_t k = 0; k < K; ++k)
     for (int64_t j = 0; j < kLanes; ++j) dst[k * kLanes + j] = n0 + j < N ? W[(n0 + j) * K + k] : 0.f;
 }
+inline void fence() {}
 constexpr bool kVectorised = false;
 #endif
 
@@ -169,6 +176,7 @@ int64_t hr_linear_packed_size(int64_t N, int64_t K) { return (N + kLanes - 1) / 
 void hr_linear_pack(const float* W, float* P, int64_t N, int64_t K) {
   at::parallel_for(0, (N + kLanes - 1) / kLanes, 16, [&](int64_t lo, int64_t hi) {
     for (int64_t p = lo; p < hi; ++p) pack_panel(W, P + p * K * kLanes, N, K, p * kLanes);
+    fence();  // streaming stores are visible to other threads after this
   });
 }
 

@@ -224,6 +224,12 @@ def test_pack_layout(n, k):
     padded[:n] = w
     expected = padded.reshape(-1, 16, k).transpose(1, 2)
     assert torch.equal(native_linear.pack(w).reshape(-1, k, 16), expected)
+    # into a buffer off the 64-byte alignment the streaming stores need: plain stores, same layout
+    size = expected.numel()
+    unaligned = torch.full((size + 1,), -1.0)[1:]
+    assert unaligned.data_ptr() % 64 != 0
+    assert native_linear.pack(w, unaligned) is unaligned
+    assert torch.equal(unaligned.reshape(-1, k, 16), expected)
 
 
 def test_native_off_means_torch_everywhere(monkeypatch):
