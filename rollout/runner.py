@@ -117,12 +117,11 @@ class ModelRunner:
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
         plen = torch.tensor([len(p) for p in prompts], device=self.device)  # [B]
-        first: dict[tuple[int, ...], int] = {}  # distinct prompt -> its first row
-        for i, p in enumerate(prompts):
-            first.setdefault(tuple(p), i)
-        share = self.share_prompts and not self.capture and len(first) < b
-        distinct = list(first.values()) if share else list(range(b))  # the rows prefilled, in order
-        u_ids, u_plen = ids[distinct], plen[distinct]
+        slots: dict[tuple[int, ...], int] = {}  # distinct prompt -> its row among the prefilled ones
+        source = [slots.setdefault(tuple(p), len(slots)) for p in prompts]  # each row's prefilled row
+        share = self.share_prompts and not self.capture and len(slots) < b
+        distinct = [source.index(j) for j in range(len(slots))] if share else list(range(b))  # rows prefilled
+        u_ids, u_plen = (ids[distinct], plen[distinct]) if share else (ids, plen)
         feats = None
         last_logits = []
         rows_per_chunk = max(1, self.prefill_tokens // p_max)
@@ -140,8 +139,7 @@ class ModelRunner:
                 feats[rows, :p_chunk] = f
         logits = torch.cat(last_logits)
         if share:  # every row takes its prompt's prefill (prefilled row j sits in cache row j)
-            position = {row: j for j, row in enumerate(distinct)}
-            index = torch.tensor([position[first[tuple(p)]] for p in prompts], device=self.device)
+            index = torch.tensor(source, device=self.device)
             for kv in (*self.cache.keys, *self.cache.values):
                 kv[:, :, :p_max] = kv[:, :, :p_max].index_select(0, index)
             logits = logits.index_select(0, index)

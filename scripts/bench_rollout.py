@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--group", type=int, default=1,
                     help="samples per prompt: each of the --prompts prompts appears this many times in a row")
     ap.add_argument("--unshared-prefill", action="store_true",
-                    help="add our autoregressive mode with identical prompts prefilled once per row as a row")
+                    help="add a row: our autoregressive mode with every row prefilled on its own")
     ap.add_argument("--torch-linear", action="store_true",
                     help="add our autoregressive mode on torch's GEMM (Engine(linear='torch')) as a row")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
