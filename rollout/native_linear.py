@@ -53,6 +53,7 @@ _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
 _buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (refilled by every ``routed``)
+_merged_buffers = WeakIdKeyDictionary()  # fused module -> its merged layers' packed buffer (likewise)
 
 
 def _load() -> ctypes.CDLL | None:
@@ -134,8 +135,9 @@ def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, pa
     return _run(x, weight, bias, panels)
 
 
-def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, panels: torch.Tensor):
-    n, k = weight.shape
+def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None, panels: torch.Tensor,
+         shape: tuple[int, int] | None = None):
+    n, k = weight.shape if shape is None else shape
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     status = _lib.hr_linear(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
@@ -145,16 +147,67 @@ def _run(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, panel
     return out
 
 
+def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
+    """The packed copy of ``torch.cat(weights)`` (each ``[N_i, K]``, every ``N_i`` but the last a
+    multiple of the panel width 16), packed from the weights in place (no concatenated copy)."""
+    k = weights[0].shape[1]
+    sizes = [_lib.hr_linear_packed_size(w.shape[0], k) for w in weights]
+    if out is None or out.numel() != sum(sizes):
+        out = torch.empty(sum(sizes), dtype=torch.float32)
+    start = 0
+    for w, size in zip(weights, sizes):
+        _lib.hr_linear_pack(w.data_ptr(), out[start:].data_ptr(), w.shape[0], k)
+        start += size
+    return out
+
+
+def _mergeable(layers: list[nn.Linear]) -> bool:
+    """Whether one kernel call can stand for these layers' calls (none has hooks to run)."""
+    k = layers[0].in_features
+    return (all(_packable(m.weight) and m.in_features == k and m.bias is None
+                and not (m._forward_hooks or m._forward_pre_hooks) for m in layers)
+            and all(m.out_features % 16 == 0 for m in layers[:-1]))
+
+
+def _merged(layers: list[nn.Linear], panels: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``torch.cat([layer(x) for layer in layers], -1)``: one kernel call when it fits."""
+    n, k = sum(m.out_features for m in layers), layers[0].in_features
+    if _fits(x, layers[0].weight, None):
+        if torch.autograd._profiler_enabled():
+            with torch.profiler.record_function("hr_linear"):
+                return _run(x, None, None, panels, (n, k))
+        return _run(x, None, None, panels, (n, k))
+    return torch.cat([F.linear(x, m.weight) for m in layers], dim=-1)
+
+
 @contextlib.contextmanager
 def routed(*modules: nn.Module | None):
     """Inside the block, every ``nn.Linear`` of ``modules`` (None entries skipped) computes through
-    :func:`linear` (the kernel when a call fits, else torch). Weights are packed on entry, so the
-    block sees them as they are then, however they were changed before (an optimizer step
-    through ``.data`` does not move a tensor's version counter, so nothing cheaper can tell);
-    they must not change inside the block. The layers are restored on exit."""
-    layers = [m for mod in modules if mod is not None for m in mod.modules() if isinstance(m, nn.Linear)
-              and "forward" not in m.__dict__]
-    use = bool(layers) and available()
+    :func:`linear` (the kernel when a call fits, else torch), and Llama-style norms, attention
+    and MLPs run the leaner forwards of :mod:`rollout.fused_layers` (q/k/v and gate/up from one
+    kernel call each). Weights are packed on entry, so the block sees them as they are then,
+    however they were changed before (an optimizer step through ``.data`` does not move a
+    tensor's version counter, so nothing cheaper can tell); they must not change inside the
+    block. The modules are restored on exit."""
+    from rollout import fused_layers
+
+    mods = [m for mod in modules if mod is not None for m in mod.modules()]
+    use = any(isinstance(m, nn.Linear) for m in mods) and available()
+    patched: list[nn.Module] = []
+    covered: set[int] = set()  # linear layers computed inside a merged call
+    for mod in mods if use and fused_layers.enabled else ():
+        if "forward" in mod.__dict__:
+            continue
+        forward = fused_layers.norm_forward(mod)
+        group = fused_layers.merged_groups(mod) if forward is None else None
+        if group is not None and _mergeable(group) and not any(id(m) in covered for m in group):
+            panels = _merged_buffers[mod] = pack_merged([m.weight for m in group], _merged_buffers.get(mod))
+            forward = fused_layers.fused_forward(mod, functools.partial(_merged, group, panels))
+            covered.update(id(m) for m in group)
+        if forward is not None:
+            mod.forward = forward
+            patched.append(mod)
+    layers = [m for m in mods if isinstance(m, nn.Linear) and "forward" not in m.__dict__ and id(m) not in covered]
     filled: set[int] = set()  # buffers packed in this block (a tied weight is packed once)
     for layer in layers:
         w = layer.weight
@@ -168,8 +221,8 @@ def routed(*modules: nn.Module | None):
     try:
         yield
     finally:
-        for layer in layers:
-            layer.__dict__.pop("forward", None)
+        for mod in (*layers, *patched):
+            mod.__dict__.pop("forward", None)
 
 
 def _forward(layer: nn.Linear, panels: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

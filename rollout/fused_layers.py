@@ -1,0 +1,143 @@
+"""Decoding-time forwards of Llama-style layers with fewer ops (inside ``native_linear.routed``).
+
+At batch 1 a SmolLM2-135M step runs about 1300 small ops besides its 211 linear layers, and on
+this project's 2-core CPU their dispatch costs about a fifth of the step. Inside an engine call
+(the native linear kernel in use), these modules run a leaner forward with the same arithmetic:
+
+- **RMS norms** (Llama's formula, fp32): ``torch.nn.functional.rms_norm``, one op instead of
+  seven; it computes the same values (bit for bit on the shapes tested).
+- **Attention** (Llama/Mistral: no biases, no q/k norms): q, k and v come from one kernel call
+  over their weights packed side by side (each output column is summed in the kernel's fixed
+  order, so the values are those of three calls), and the rotary embedding rotates q and k
+  together in four ops. ``x * cos + rotate_half(x) * sin`` becomes
+  ``x * cos + swap_halves(x) * sin'`` with ``sin'`` the sine with its first half negated: the
+  same products, so the same bits.
+- **MLP** (gate/up/down with SiLU): gate and up from one kernel call, ``down(silu(g) * u)``.
+
+Anything else (other dtypes, autograd, too many rows for the kernel, other module classes)
+keeps the module's own forward or computes the torch way. The engine's tests compare the
+logits, log-probs and tokens of this path with the torch path (``Engine(linear="torch")``,
+which never enters here).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+enabled = True  # switch: False keeps every module's own forward (A/B measurements)
+NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "RMSNorm"})
+ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention"})
+MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "DraftMLP"})
+
+
+def _norm_eps(module: nn.Module) -> float | None:
+    """The epsilon of a Llama-formula RMS norm (``weight * x * rsqrt(mean(x^2) + eps)``), else None."""
+    if not _known(module, NORMS):
+        return None
+    eps = getattr(module, "variance_epsilon", getattr(module, "eps", None))
+    weight = getattr(module, "weight", None)
+    if not isinstance(eps, float) or not isinstance(weight, torch.Tensor) or weight.dim() != 1:
+        return None
+    return eps
+
+
+def _known(module: nn.Module, names: frozenset[str]) -> bool:
+    """A class of ``names`` from transformers or from this project (whose formulas are known)."""
+    cls = type(module)
+    return cls.__name__ in names and cls.__module__.split(".")[0] in ("transformers", "rollout")
+
+
+def _bias_free(*layers) -> bool:
+    return all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers)
+
+
+def _silu(module: nn.Module) -> bool:
+    act = getattr(module, "act_fn", None)
+    return type(module).__name__ == "DraftMLP" or isinstance(act, nn.SiLU) or (
+        type(act).__name__ == "SiLUActivation" and type(act).__module__ == "transformers.activations")
+
+
+def merged_groups(module: nn.Module) -> list[nn.Linear] | None:
+    """The linear layers whose outputs a fused forward of ``module`` computes in one kernel call
+    (attention: q, k, v; MLP: gate, up), or None when ``module`` is not fused."""
+    if _known(module, ATTENTIONS) and _bias_free(module.q_proj, module.k_proj, module.v_proj, module.o_proj) \
+            and not hasattr(module, "q_norm"):
+        return [module.q_proj, module.k_proj, module.v_proj]
+    if _known(module, MLPS) and _silu(module) and _bias_free(module.gate_proj, module.up_proj, module.down_proj):
+        return [module.gate_proj, module.up_proj]
+    return None
+
+
+def norm_forward(module: nn.Module):
+    """The fused forward of an RMS norm module, or None."""
+    eps = _norm_eps(module)
+    if eps is None:
+        return None
+    original = type(module).forward
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.float32 or module.weight.dtype != torch.float32:
+            return original(module, x)
+        return F.rms_norm(x, (x.shape[-1],), module.weight, eps)
+
+    return forward
+
+
+def fused_forward(module: nn.Module, merged):
+    """The fused forward of an attention or MLP module (``merged(x)``: the concatenated outputs
+    of :func:`merged_groups`'s layers)."""
+    if type(module).__name__ in ATTENTIONS:
+        return functools.partial(_attention, module, merged)
+    return functools.partial(_mlp, module, merged)
+
+
+def _mlp(module: nn.Module, merged, x: torch.Tensor) -> torch.Tensor:
+    gate_up = merged(x)
+    inner = module.gate_proj.out_features
+    return module.down_proj(F.silu(gate_up[..., :inner]) * gate_up[..., inner:])
+
+
+_last_rotary: tuple = (None, None, None)  # (sin, cos [B, T, 1, d], signed sin [B, T, 1, d]) of the last forward
+
+
+def _rotary(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and the sine with its first half negated, ``[B, T, 1, d]``: computed once per forward
+    (every layer of a forward gets the same ``position_embeddings`` tensors)."""
+    global _last_rotary
+    cos, sin = position_embeddings  # [B, T, d]
+    last = _last_rotary
+    if last[0] is sin:
+        return last[1], last[2]
+    half = sin.shape[-1] // 2
+    signed = torch.cat([-sin[..., :half], sin[..., half:]], dim=-1).unsqueeze(-2)
+    _last_rotary = (sin, cos.unsqueeze(-2), signed)
+    return _last_rotary[1], _last_rotary[2]
+
+
+def _attention(module: nn.Module, merged, hidden_states: torch.Tensor, position_embeddings=None,
+               attention_mask=None, cache=None, **kwargs):
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+    from transformers.models.llama.modeling_llama import eager_attention_forward
+
+    lead = hidden_states.shape[:-1]  # [B, T]
+    d = module.head_dim
+    n_q, n_kv = module.q_proj.out_features // d, module.k_proj.out_features // d
+    qkv = merged(hidden_states)  # [B, T, (n_q + 2 n_kv) d]
+    qk = qkv[..., : (n_q + n_kv) * d].view(*lead, n_q + n_kv, d)
+    cos, signed_sin = _rotary(position_embeddings)
+    swapped = qk.view(*lead, n_q + n_kv, 2, d // 2).flip(-2).view(*lead, n_q + n_kv, d)
+    qk = qk * cos + swapped * signed_sin
+    query = qk[..., :n_q, :].transpose(1, 2)  # [B, n_q, T, d]
+    key = qk[..., n_q:, :].transpose(1, 2)
+    value = qkv[..., (n_q + n_kv) * d:].view(*lead, n_kv, d).transpose(1, 2)
+    if cache is not None:
+        key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
+    attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
+    out, weights = attend(module, query, key, value, attention_mask,
+                          dropout=0.0 if not module.training else module.attention_dropout,
+                          scaling=module.scaling, **kwargs)
+    return module.o_proj(out.reshape(*lead, -1).contiguous()), weights

@@ -1,0 +1,146 @@
+"""rollout.fused_layers: inside ``native_linear.routed`` the Llama-style norms, attention and MLPs
+run leaner forwards that compute the same bits as the modules' own (with the kernel in both)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from rollout import fused_layers, native_linear
+from rollout.engine import Engine
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from tests.models import copy_head, tiny_target
+
+needs_kernel = pytest.mark.skipif(not native_linear.available(),
+                                  reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
+
+
+@pytest.fixture
+def unfused():
+    """Run a block with every module's own forward (the kernel still computes the linears)."""
+    def switch(on: bool):
+        fused_layers.enabled = not on
+    yield switch
+    fused_layers.enabled = True
+
+
+def _forward(target, ids):
+    with torch.inference_mode():
+        return target(ids, final=True)
+
+
+@needs_kernel
+def test_fused_forward_gives_the_same_bits(unfused):
+    target = tiny_target(seed=2)
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+    with native_linear.routed(target):
+        fused = _forward(target, ids)
+    unfused(True)
+    with native_linear.routed(target):
+        plain = _forward(target, ids)
+    assert torch.equal(fused.logits, plain.logits)
+    assert torch.equal(fused.features, plain.features) and torch.equal(fused.final, plain.final)
+
+
+@needs_kernel
+def test_modules_are_patched_inside_and_restored_after():
+    target = tiny_target()
+    head = copy_head(target)
+    packed = []
+    original = native_linear.pack
+    native_linear.pack = lambda w, out=None: packed.append(tuple(w.shape)) or original(w, out)
+    try:
+        with native_linear.routed(target, head):
+            patched = {type(m).__name__ for m in (*target.modules(), *head.modules()) if "forward" in m.__dict__}
+            layer = target.model.model.layers[0]
+            # q/k/v and gate/up run inside one merged call each: not routed, not packed on their own
+            for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
+                assert "forward" not in linear.__dict__
+            assert "forward" in layer.self_attn.o_proj.__dict__ and "forward" in layer.mlp.down_proj.__dict__
+    finally:
+        native_linear.pack = original
+    assert patched == {"LlamaRMSNorm", "LlamaAttention", "LlamaMLP", "RMSNorm", "DraftMLP", "Linear"}
+    assert (32, 64) not in packed and (128, 64) not in packed  # k/v [32, 64], gate/up [128, 64]: merged only
+    assert (32, 128) in packed  # the head's attention (not a Llama class) keeps its own layers
+    assert not any("forward" in m.__dict__ for m in (*target.modules(), *head.modules()))
+
+
+@needs_kernel
+def test_merged_weights_are_packed_afresh_in_every_block():
+    """A weight changed through ``.data`` between blocks (as the TRL trainer's step does) reaches
+    the merged q/k/v and gate/up calls."""
+    target = tiny_target(seed=3)
+    ids = torch.randint(0, 64, (2, 5), generator=torch.Generator().manual_seed(1))
+    layer = target.model.model.layers[0]
+    with native_linear.routed(target):
+        before = _forward(target, ids).logits
+    for lin in (layer.self_attn.k_proj, layer.mlp.up_proj):
+        lin.weight.data.mul_(-1.5)
+    with native_linear.routed(target):
+        after = _forward(target, ids).logits
+    with native_linear.routed():  # no routing: torch's GEMM and the modules' own forwards
+        reference = _forward(target, ids).logits
+    assert not torch.allclose(after, before, atol=1e-3)
+    torch.testing.assert_close(after, reference, rtol=1e-5, atol=1e-4)
+
+
+@needs_kernel
+def test_autograd_falls_back_to_torch_and_keeps_gradients():
+    target = tiny_target(seed=4)
+    x = torch.randn(1, 3, 64, requires_grad=True)
+    layer = target.model.model.layers[1]
+    mlp, norm = layer.mlp, layer.post_attention_layernorm
+    expected = mlp(norm(x))
+    with native_linear.routed(target):
+        got = mlp(norm(x))
+    assert torch.equal(got, expected)
+    got.sum().backward()
+    assert x.grad is not None and mlp.gate_proj.weight.grad is not None and norm.weight.grad is not None
+
+
+def test_other_classes_keep_their_own_forward():
+    class LlamaRMSNorm(nn.Module):  # a lookalike outside transformers: its formula is unknown
+        def __init__(self):
+            super().__init__()
+            self.weight = nn.Parameter(torch.ones(8))
+            self.variance_epsilon = 1e-6
+
+    assert fused_layers.norm_forward(LlamaRMSNorm()) is None
+    target = tiny_target()
+    attn = target.model.model.layers[0].self_attn
+    assert fused_layers.merged_groups(attn) == [attn.q_proj, attn.k_proj, attn.v_proj]
+    attn.q_proj.bias = nn.Parameter(torch.zeros(64))  # biased projections (e.g. Qwen2) are not fused
+    assert fused_layers.merged_groups(attn) is None
+
+
+@needs_kernel
+@pytest.mark.parametrize("mode", ["off", "chain", "tree"])
+def test_engine_outputs_are_the_same_bits_fused_or_not(mode, unfused):
+    target = tiny_target()
+    head = copy_head(target, noise=0.3)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
+    spec = SpecConfig(mode=mode, num_draft_tokens=3) if mode != "tree" else SpecConfig(mode="tree")
+    kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=30), spec=spec,
+              verifier=VerifierConfig(name="mars", params={"theta": 0.9}), seed=7)
+    engine = Engine(target, head, num_threads=2, linear="native")
+    fused = engine.generate(prompts, **kw)
+    unfused(True)
+    plain = engine.generate(prompts, **kw)
+    for a, b in zip(fused.completions, plain.completions):
+        assert a.completion_ids == b.completion_ids and a.kinds == b.kinds
+        assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
+
+
+@needs_kernel
+def test_a_layer_with_hooks_is_not_merged_away():
+    target = tiny_target()
+    layer = target.model.model.layers[0]
+    seen = []
+    handle = layer.self_attn.k_proj.register_forward_hook(lambda mod, args, out: seen.append(out.shape))
+    try:
+        with native_linear.routed(target):
+            _forward(target, torch.tensor([[1, 2, 3]]))
+    finally:
+        handle.remove()
+    assert seen == [torch.Size([1, 3, 32])]
