@@ -46,7 +46,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from verifiers import cbuild
 
-SOURCES = [Path(__file__).with_name("csrc") / "linear.cpp"]
+SOURCES = [Path(__file__).with_name("csrc") / "linear.cpp", Path(__file__).with_name("csrc") / "attention.cpp"]
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 
 _lib: ctypes.CDLL | None = None
@@ -79,6 +79,11 @@ def _load() -> ctypes.CDLL | None:
         lib.hr_linear_packed_size.argtypes = [ctypes.c_int64] * 2
         lib.hr_linear_max_rows.restype = ctypes.c_int64
         lib.hr_linear_vectorised.restype = ctypes.c_int64
+        i64, ptr = ctypes.c_int64, ctypes.c_void_p
+        lib.hr_attend.restype = i64
+        lib.hr_attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr] + [i64] * 6 + [
+            ctypes.c_float]
+        lib.hr_attend_vectorised.restype = i64
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
         return _lib
 
@@ -223,6 +228,29 @@ def routed(*modules: nn.Module | None):
     finally:
         for mod in (*layers, *patched):
             mod.__dict__.pop("forward", None)
+
+
+def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
+           scale: float) -> torch.Tensor | None:
+    """Attention through ``csrc/attention.cpp``: ``query [B, Hq, T, D]``, ``key`` and ``value
+    [B, Hkv, L, D]`` (views of one cache layout: the same strides), ``mask [B, 1, T, L]`` bool
+    (True: may attend); returns ``[B, T, Hq, D]`` (contiguous), or None where it does not fit
+    (then the caller runs torch's attention)."""
+    b, hq, t, d = query.shape
+    if not (_lib is not None and query.dtype == key.dtype == value.dtype == torch.float32
+            and mask.dtype == torch.bool and query.device.type == key.device.type == "cpu"
+            and d in (16, 32, 64, 128) and key.dim() == 4 and key.shape == value.shape and key.stride() == value.stride()
+            and key.shape[0] == b and key.shape[3] == d and hq % key.shape[1] == 0
+            and mask.shape == (b, 1, t, key.shape[2])
+            and query.stride(-1) == key.stride(-1) == mask.stride(-1) == 1
+            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
+        return None
+    out = torch.empty(b, t, hq, d, dtype=torch.float32)
+    qs, ks, ms = query.stride(), key.stride(), mask.stride()
+    status = _lib.hr_attend(query.data_ptr(), qs[0], qs[1], qs[2], key.data_ptr(), value.data_ptr(), ks[0], ks[1],
+                            ks[2], mask.data_ptr(), ms[0], ms[2], out.data_ptr(), b, t, hq, key.shape[1],
+                            key.shape[2], d, scale)
+    return out if status == 0 else None
 
 
 def _forward(layer: nn.Linear, panels: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -1,7 +1,9 @@
 """Rollout throughput: our engine (autoregressive, chain, tree; several verifiers) against
 Hugging Face ``generate``, side by side on the same prompts and sampling settings.
 The engine's linear layers run on ``rollout.native_linear``'s kernel where it is available
-(its default); ``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row.
+(its default), with the leaner Llama layer forwards of ``rollout.fused_layers``;
+``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row, ``--unfused`` the
+autoregressive mode with the modules' own forwards (kernel still on).
 
     python -m scripts.bench_rollout --batch-sizes 1,8,32 --max-new-tokens 128 --prompts 32 \\
         --verifiers lossless,mars,overshoot --json OUT.json
@@ -49,6 +51,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
+from rollout import fused_layers  # noqa: E402
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
@@ -85,6 +88,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="samples per prompt: each of the --prompts prompts appears this many times in a row")
     ap.add_argument("--unshared-prefill", action="store_true",
                     help="add a row: our autoregressive mode with every row prefilled on its own")
+    ap.add_argument("--unfused", action="store_true",
+                    help="add our autoregressive mode with every module's own forward (no "
+                         "rollout.fused_layers; the linear kernel still on) as a row")
     ap.add_argument("--torch-linear", action="store_true",
                     help="add our autoregressive mode on torch's GEMM (Engine(linear='torch')) as a row")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
@@ -197,6 +203,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             configs.append(("off [torch linear]", "lossless", SpecConfig(mode="off"), VerifierConfig(), gemm))
         if args.unshared_prefill:
             configs.append(("off [unshared prefill]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "unshared"))
+        if args.unfused:
+            configs.append(("off [unfused layers]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "unfused"))
         backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
         if set(backends) - {None, "native", "torch"}:
             raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
@@ -218,6 +226,12 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     res = run_hf(target.model, group, sampling, pad_id, seed)
                 elif isinstance(backend, Engine):  # a row on another engine
                     res = run_ours(backend, group, sampling, spec, verifier, seed)
+                elif backend == "unfused":  # every module's own forward (the kernel still on)
+                    fused_layers.enabled = False
+                    try:
+                        res = run_ours(engine, group, sampling, spec, verifier, seed)
+                    finally:
+                        fused_layers.enabled = True
                 elif backend == "unshared":  # every row prefilled on its own
                     ModelRunner.share_prompts = False
                     try:

@@ -3,8 +3,10 @@
     python -m scripts.profile_step [--threads 2] [--reps 20] [--json OUT.json]
 
 Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved), once with the
-linear layers on torch's GEMM (``linear torch``) and once on the decoding kernel of
-``rollout.native_linear`` (``linear native``, where it is available; the engine's default):
+linear layers on torch's GEMM (``linear torch``) and twice on the decoding kernel of
+``rollout.native_linear`` (where it is available): with the modules' own forwards
+(``linear native unfused``) and with the leaner forwards of ``rollout.fused_layers``
+(``linear native``, the engine's default):
 - ``engine_ms``: one token of our autoregressive mode (``Engine.generate``, spec off),
   per token over a 32-token completion;
 - ``forward_ms``: one target forward over the pending token (``ModelRunner.verify_forward``:
@@ -29,7 +31,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from rollout import native_linear  # noqa: E402
+from rollout import fused_layers, native_linear  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
@@ -71,9 +73,18 @@ def categorise(name: str) -> str:
 
 
 def measure(target, prompt: list[int], reps: int = 20, bandwidth: float | None = None,
-            linear: str = "torch") -> dict:
+            linear: str = "torch", fused: bool = True) -> dict:
     """The figures of the module docstring for ``target`` on one tokenised ``prompt``, with the
-    linear layers computing as ``Engine(linear=...)`` does (``torch`` or ``native``)."""
+    linear layers computing as ``Engine(linear=...)`` does (``torch`` or ``native``); ``fused``
+    False: the modules' own forwards instead of ``rollout.fused_layers``'."""
+    fused_layers.enabled = fused
+    try:
+        return _measure(target, prompt, reps, bandwidth, linear)
+    finally:
+        fused_layers.enabled = True
+
+
+def _measure(target, prompt: list[int], reps: int, bandwidth: float | None, linear: str) -> dict:
     engine = Engine(target, None, num_threads=torch.get_num_threads(), linear=linear)
     routed = engine.linear_routing()
     sampling = SamplingParams(temperature=1.0, max_new_tokens=32)
@@ -130,8 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
     target, tok = load_embedded_target()
     prompt = benchmark_prompts(tok, 1, 0)[0]
     bandwidth = bandwidth_gbs()
-    modes = ("torch", "native") if native_linear.available() else ("torch",)
-    res = {mode: measure(target, prompt, args.reps, bandwidth, linear=mode) for mode in modes}
+    modes = ("torch", "native unfused", "native") if native_linear.available() else ("torch",)
+    res = {mode: measure(target, prompt, args.reps, bandwidth, linear=mode.split()[0], fused=mode != "native unfused")
+           for mode in modes}
     for mode, r in res.items():
         print(f"threads {torch.get_num_threads()}, linear {mode}: engine {r['engine_ms']:.1f} ms/token, "
               f"forward {r['forward_ms']:.1f} ms, lm_head {r['lm_head_ms']:.1f} ms; "

@@ -98,3 +98,24 @@ def test_bound_is_tau_times_measured_step_costs(tiny):
     assert tree["bound"] == pytest.approx(tree["tau"] * costs["1"] / (costs["5"] + 2 * costs["draft"]))
     for mode in ("off", "chain K=3 sampled mb=auto/k", "tree d=2 k=2 n=4 mb=auto"):
         assert by_mode[mode]["bound"] is None and by_mode[mode]["of_bound"] is None
+
+
+def test_unfused_row_runs_the_modules_own_forwards(tiny, monkeypatch):
+    """--unfused: a row of our autoregressive mode with rollout.fused_layers off, then back on."""
+    from rollout import fused_layers
+    from rollout.params import SamplingParams
+    from scripts import bench_rollout
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    seen = []
+    run = bench_rollout.run_ours
+    monkeypatch.setattr(bench_rollout, "run_ours",
+                        lambda *a, **kw: seen.append(fused_layers.enabled) or run(*a, **kw))
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "5", "--modes", "chain", "--no-hf",
+                       "--verifiers", "lossless", "--unfused"])
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)],
+                   SamplingParams(max_new_tokens=5))
+    assert [r["mode"] for r in rows] == ["off", "off [unfused layers]", "chain K=3 sampled"]
+    assert seen == [True, False, True] and fused_layers.enabled
+    assert rows[0]["tokens"] == rows[1]["tokens"] == 10

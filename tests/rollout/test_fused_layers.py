@@ -1,10 +1,12 @@
 """rollout.fused_layers: inside ``native_linear.routed`` the Llama-style norms, attention and MLPs
-run leaner forwards that compute the same bits as the modules' own (with the kernel in both)."""
+run leaner forwards: the same bits as the modules' own (with the linear kernel in both) except
+attention, which runs ``csrc/attention.cpp`` (checked here against torch's)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from rollout import fused_layers, native_linear
@@ -32,6 +34,8 @@ def _forward(target, ids):
 
 @needs_kernel
 def test_fused_forward_gives_the_same_bits(unfused):
+    """Without a mask (attention through torch's causal path), norms, merged q/k/v and gate/up
+    and the rotary embedding give the same bits as the modules' own forwards."""
     target = tiny_target(seed=2)
     ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
     with native_linear.routed(target):
@@ -116,7 +120,9 @@ def test_other_classes_keep_their_own_forward():
 
 @needs_kernel
 @pytest.mark.parametrize("mode", ["off", "chain", "tree"])
-def test_engine_outputs_are_the_same_bits_fused_or_not(mode, unfused):
+def test_engine_outputs_fused_or_not(mode, unfused):
+    """The engine's forwards pass a mask, so attention runs the native kernel when fused: the
+    same tokens, kinds and acceptance; log-probs equal to float32 rounding."""
     target = tiny_target()
     head = copy_head(target, noise=0.3)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
@@ -124,12 +130,87 @@ def test_engine_outputs_are_the_same_bits_fused_or_not(mode, unfused):
     kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=30), spec=spec,
               verifier=VerifierConfig(name="mars", params={"theta": 0.9}), seed=7)
     engine = Engine(target, head, num_threads=2, linear="native")
-    fused = engine.generate(prompts, **kw)
+    calls = []
+    original = native_linear.attend
+    native_linear.attend = lambda *a: calls.append(a[0].shape) or original(*a)
+    try:
+        fused = engine.generate(prompts, **kw)
+    finally:
+        native_linear.attend = original
+    assert len(calls) >= 4 * 30 // 3  # every target forward's layers (4) went through the kernel
     unfused(True)
     plain = engine.generate(prompts, **kw)
     for a, b in zip(fused.completions, plain.completions):
-        assert a.completion_ids == b.completion_ids and a.kinds == b.kinds
-        assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
+        assert a.completion_ids == b.completion_ids and a.kinds == b.kinds and a.step_emitted == b.step_emitted
+        torch.testing.assert_close(torch.tensor(a.behaviour_logprobs), torch.tensor(b.behaviour_logprobs),
+                                   rtol=0, atol=1e-5)
+        torch.testing.assert_close(torch.tensor(a.target_logprobs), torch.tensor(b.target_logprobs),
+                                   rtol=0, atol=1e-5)
+
+
+def _masks(b: int, t: int, length: int, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """[B, 1, T, L] bool masks as the runner builds them: a causal block after each row's own
+    committed length, a tree block (ancestors only), and a row with nothing committed."""
+    keys = torch.arange(length)
+    lengths = torch.randint(0, length - t + 1, (b,), generator=g)
+    lengths[0] = length - t  # the longest row fills the keys
+    causal = keys[None, None, :] <= (lengths[:, None] + torch.arange(t))[:, :, None]
+    rel = keys[None, :] - lengths[:, None]
+    tree = torch.rand(t, t, generator=g) < 0.5
+    tree = (tree.tril(-1) | torch.eye(t, dtype=torch.bool))[None].expand(b, t, t)
+    in_block = (rel >= 0) & (rel < t)
+    seen = tree.gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, length))
+    tree_mask = (rel < 0)[:, None, :] | (seen & in_block[:, None, :])
+    return {"causal": causal[:, None], "tree": tree_mask[:, None]}
+
+
+@needs_kernel
+@pytest.mark.parametrize("d", [16, 32, 64, 128])
+@pytest.mark.parametrize("b,t,length,hq,hkv", [(1, 1, 7, 9, 3), (5, 4, 40, 4, 2), (3, 9, 70, 6, 6), (2, 1, 200, 8, 1)])
+def test_attention_kernel_matches_torch(d, b, t, length, hq, hkv):
+    g = torch.Generator().manual_seed(d * b + length)
+    cap = length + 11  # views into a longer cache, as the runner's
+    kb, vb = torch.randn(b, hkv, cap, d, generator=g), torch.randn(b, hkv, cap, d, generator=g)
+    k, v = kb[:, :, :length], vb[:, :, :length]
+    q = (3 * torch.randn(b, t, hq, d, generator=g)).transpose(1, 2)  # [B, Hq, T, D], strided
+    for name, mask in _masks(b, t, length, g).items():
+        with torch.inference_mode():
+            ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d ** -0.5,
+                                                  enable_gqa=hq != hkv).transpose(1, 2)
+            got = native_linear.attend(q, k, v, mask, d ** -0.5)
+        assert got is not None and got.shape == (b, t, hq, d) and got.is_contiguous(), name
+        torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5, msg=name)
+
+
+@needs_kernel
+def test_attention_kernel_is_batch_invariant():
+    """A row's output does not depend on the other rows or on how far the keys are padded."""
+    g = torch.Generator().manual_seed(5)
+    b, t, length, d = 6, 3, 50, 64
+    kb, vb = torch.randn(b, 3, 64, d, generator=g), torch.randn(b, 3, 64, d, generator=g)
+    q = torch.randn(b, 9, t, d, generator=g)
+    mask = _masks(b, t, length, g)["causal"]
+    with torch.inference_mode():
+        out = native_linear.attend(q, kb[:, :, :length], vb[:, :, :length], mask, 0.125)
+        for row in range(b):
+            own = int(mask[row, 0, -1].sum())  # the keys this row may see end here
+            alone = native_linear.attend(q[row:row + 1], kb[row:row + 1, :, :own], vb[row:row + 1, :, :own],
+                                         mask[row:row + 1, :, :, :own], 0.125)
+            assert torch.equal(alone[0], out[row])
+
+
+@needs_kernel
+def test_attention_kernel_refuses_what_it_does_not_fit():
+    q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 2, 10, 64)
+    mask = torch.ones(1, 1, 2, 10, dtype=torch.bool)
+    with torch.inference_mode():
+        assert native_linear.attend(q, k, k, mask, 0.1) is not None
+        assert native_linear.attend(q[..., :48], k[..., :48], k[..., :48], mask, 0.1) is None  # head dim 48
+        assert native_linear.attend(q, k, k, mask.float(), 0.1) is None  # an additive mask
+        longer = torch.randn(1, 2, 16, 64)[:, :, :10]  # values laid out unlike the keys
+        assert native_linear.attend(q, k, longer, mask, 0.1) is None
+        assert native_linear.attend(q.double(), k.double(), k.double(), mask, 0.1) is None
+    assert native_linear.attend(q.requires_grad_(), k, k, mask, 0.1) is None  # autograd
 
 
 @needs_kernel

@@ -9,6 +9,7 @@ import pytest
 def test_profile_reports_costs_floor_and_op_shares(tiny_policy_dir):
     import torch
 
+    from rollout import fused_layers
     from rollout.models import TargetConfig, load_target
     from scripts.profile_step import categorise, measure
 
@@ -16,6 +17,8 @@ def test_profile_reports_costs_floor_and_op_shares(tiny_policy_dir):
     res = measure(target, [1, 20, 300, 7], reps=3, bandwidth=10.0)
     native = measure(target, [1, 20, 300, 7], reps=3, bandwidth=10.0, linear="auto")
     assert native["ops"].get("matmul", 0) > 0 and native["forward_ms"] > 0
+    unfused = measure(target, [1, 20, 300, 7], reps=3, bandwidth=10.0, linear="auto", fused=False)
+    assert unfused["forward_ms"] > 0 and fused_layers.enabled  # switched back on
     weights = sum(p.numel() * 4 for p in target.parameters())
     assert res["floor_ms"] == pytest.approx(weights / 10e9 * 1000)
     assert res["engine_ms"] > 0 and res["forward_ms"] > 0 and res["lm_head_ms"] > 0
