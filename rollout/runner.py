@@ -38,6 +38,7 @@ import torch.nn.functional as F
 from rollout.eagle3_head import DraftOutput
 from rollout.kv_cache import RowKVCache
 from verifiers.processing import draft_logits as scale_draft_logits
+from verifiers.processing import sample_inverse_cdf
 
 DRAFT_POSITION_OFFSET = 0  # draft pair j sits at RoPE position j + this offset
 GQA_ATTENTION = "rollout_sdpa_gqa"
@@ -357,9 +358,18 @@ class ModelRunner:
 def sample_draft(logits: torch.Tensor, temperature: float, greedy: bool,
                  generator: torch.Generator) -> torch.Tensor:
     """Draft ids ``[...]`` from draft logits ``[..., Vd]``: the argmax when greedy or T = 0, else
-    a sample from q = softmax(logits / T) (exponential race, no host sync)."""
+    a sample from q = softmax(logits / T) by inversion (``verifiers.processing.sample_inverse_cdf``,
+    as the verifier samples its residuals): one uniform per row picks the first id whose
+    cumulative q, summed in float64, exceeds u times the total (no host sync).
+
+    One uniform per row instead of an exponential race over the vocabulary: torch's CPU
+    ``exponential_`` costs about 0.2 ms per row of 8192 draft ids (3.2 ms at 16 rows), about
+    a ninth of a batch-1 draft step; the inversion costs ~0.03 ms. The law is q up to float64
+    rounding of the cumulative sums (an id is picked only where the sum grows, so never an id
+    with q = 0; one with q below ~1e-16 of the total can be skipped)."""
     if greedy or temperature == 0:
         return logits.argmax(-1)
     q = torch.softmax(scale_draft_logits(logits, temperature), dim=-1)
-    race = torch.empty_like(q).exponential_(generator=generator)
-    return (q / race).argmax(-1)
+    rows = q.reshape(-1, q.shape[-1])
+    u = torch.rand(rows.shape[0], generator=generator, dtype=torch.float64, device=q.device)
+    return sample_inverse_cdf(rows, u).view(q.shape[:-1])

@@ -102,3 +102,38 @@ def test_tree_with_one_child_per_node_is_the_greedy_chain(models):
         assert a.completion_ids == b.completion_ids
         assert a.step_emitted == b.step_emitted
     assert chain.tau > 1.05  # some drafts accepted: the equality covers multi-token rounds
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_sampled_drafts_follow_q(temperature):
+    """sample_draft draws from q = softmax(scaled logits / T): chi-square over 60k draws per row,
+    never an id with q = 0, the same draws for the same seed, any leading shape."""
+    from scipy.stats import chisquare
+
+    from rollout.runner import sample_draft
+    from verifiers.processing import draft_logits
+
+    g = torch.Generator().manual_seed(3)
+    logits = 2 * torch.randn(3, 2, 12, generator=g)
+    logits[0, 0, 5] = logits[1, 1, 0] = logits[2, 0, 11] = float("-inf")  # q = 0, first and last ids too
+    n = 60_000
+    draws = sample_draft(logits[None].expand(n, -1, -1, -1), temperature, False, torch.Generator().manual_seed(1))
+    assert draws.shape == (n, 3, 2)
+    again = sample_draft(logits[None].expand(n, -1, -1, -1), temperature, False, torch.Generator().manual_seed(1))
+    assert torch.equal(draws, again)
+    q = torch.softmax(draft_logits(logits, temperature), -1).double()
+    for b in range(3):
+        for t in range(2):
+            counts = torch.bincount(draws[:, b, t], minlength=12).double()
+            assert bool((counts[q[b, t] == 0] == 0).all())
+            keep = q[b, t] > 0
+            assert chisquare(counts[keep], n * q[b, t][keep] / q[b, t][keep].sum()).pvalue > 1e-4
+
+
+def test_greedy_and_cold_drafts_are_the_argmax():
+    from rollout.runner import sample_draft
+
+    logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(0))
+    g = torch.Generator().manual_seed(0)
+    assert torch.equal(sample_draft(logits, 1.0, True, g), logits.argmax(-1))
+    assert torch.equal(sample_draft(logits, 0.0, False, g), logits.argmax(-1))

@@ -139,7 +139,8 @@ def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
     target, head = models
     engine = Engine(target, head, num_threads=1)
     verifier = VerifierConfig(rule_name, LOSSY.get(rule_name, {}))
-    sampling = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=16)
+    # 32 tokens: MARS (theta 0.5) relaxes 2-10 tokens per call on this model over seeds 0-7
+    sampling = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=32)
     res = engine.generate(PROMPTS, sampling, SPECS[name], verifier, seed=2, debug=True)
     assert len(res.debug) == res.timings.tokens, "one debug record per emitted token"
     rule = verifier.rule()

@@ -62,11 +62,14 @@ def test_modules_are_patched_inside_and_restored_after():
             for linear in (layer.self_attn.q_proj, layer.self_attn.k_proj, layer.mlp.gate_proj, layer.mlp.up_proj):
                 assert "forward" not in linear.__dict__
             assert "forward" in layer.self_attn.o_proj.__dict__ and "forward" in layer.mlp.down_proj.__dict__
+            draft = head.midlayer.self_attn
+            assert "forward" not in draft.k_proj.__dict__ and "forward" in draft.o_proj.__dict__
     finally:
         native_linear.pack = original
-    assert patched == {"LlamaRMSNorm", "LlamaAttention", "LlamaMLP", "RMSNorm", "DraftMLP", "Linear"}
+    assert patched == {"LlamaRMSNorm", "LlamaAttention", "LlamaMLP", "RMSNorm", "DraftAttention", "DraftMLP",
+                       "Linear"}
     assert (32, 64) not in packed and (128, 64) not in packed  # k/v [32, 64], gate/up [128, 64]: merged only
-    assert (32, 128) in packed  # the head's attention (not a Llama class) keeps its own layers
+    assert (32, 128) not in packed  # the head's k/v [32, 128] (its input is 2H wide): merged only too
     assert not any("forward" in m.__dict__ for m in (*target.modules(), *head.modules()))
 
 
@@ -225,3 +228,40 @@ def test_a_layer_with_hooks_is_not_merged_away():
     finally:
         handle.remove()
     assert seen == [torch.Size([1, 3, 32])]
+
+
+@needs_kernel
+@pytest.mark.parametrize("past_len", [0, 9])
+def test_draft_attention_fused_matches_its_own_forward(past_len, unfused):
+    """The EAGLE-3 head's attention, fused (merged q/k/v, q and k rotated together, the native
+    kernel over grouped kv heads when a past is given): its output equal to float32 rounding,
+    its keys and values the same bits (both run the linear kernel; only the attention differs)."""
+    target = tiny_target(seed=5)
+    head = copy_head(target, noise=0.3)
+    attn = head.midlayer.self_attn
+    g = torch.Generator().manual_seed(past_len)
+    b, t = 3, 4
+    x = torch.randn(b, t, 2 * head.cfg.hidden_size, generator=g)
+    pos = torch.arange(t)[None].expand(b, t) + past_len
+    past = None
+    if past_len:
+        past = (torch.randn(b, attn.nkv, past_len, attn.d, generator=g),
+                torch.randn(b, attn.nkv, past_len, attn.d, generator=g))
+    mask = torch.rand(b, t, past_len + t, generator=g) < 0.6
+    mask[:, :, past_len:] = torch.eye(t, dtype=torch.bool) | mask[:, :, past_len:].tril()  # each sees itself
+    with torch.inference_mode():
+        unfused(True)
+        with native_linear.routed(head):
+            own, own_kv = attn(x, head.rotary, pos, mask, past)
+        unfused(False)
+        calls = []
+        original = native_linear.attend
+        native_linear.attend = lambda *a: calls.append(1) or original(*a)
+        try:
+            with native_linear.routed(head):
+                fused, fused_kv = attn(x, head.rotary, pos, mask, past)
+        finally:
+            native_linear.attend = original
+    assert calls == [1]
+    torch.testing.assert_close(fused, own, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fused_kv[0], own_kv[0]) and torch.equal(fused_kv[1], own_kv[1])

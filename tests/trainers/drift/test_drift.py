@@ -224,9 +224,12 @@ def test_study_drift_grows_as_theta_and_lenience_fall(quick_report, mode):
     over = [c[f"{s}@{mode}"]["tv"]["mean"] for s in LADDER[4:]]
     assert over[0] > 1e-3 and over == sorted(over), over
     assert c[f"overshoot:lenience=0.1@{mode}"]["relaxed_frac"] > c[f"overshoot:lenience=0.9@{mode}"]["relaxed_frac"]
-    assert mars[0] < mars[1] and mars[0] < mars[2], mars
+    assert mars[0] < mars[2] and mars[1] < mars[2], mars
+    # theta 0.97 against 0.9 is not resolved by ~400 sampled tokens: over generation seeds 0-5
+    # their mean TV spans 0.0007-0.0053 and 0.0041-0.0101 (chain), so their order is left to the
+    # same-context test; theta 0.5 drifts clearly more (0.014-0.029)
     if mode == "chain":  # MARS in a tree moves P by point masses: its mean TV is noisier
-        assert mars == sorted(mars), mars
+        assert mars[2] > 1.5 * max(mars[:2]), mars
 
 
 # ----------------------------------------------------------------------------- CLI and --from-run
