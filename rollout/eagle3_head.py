@@ -172,12 +172,16 @@ class DraftAttention(nn.Module):
         if past is not None:
             k = torch.cat([past[0], k], dim=2)  # [B, nkv, L_past + T, d]
             v = torch.cat([past[1], v], dim=2)
+        out = self.attend(q, k, v, attn_mask).reshape(b, t, self.nh * self.d)
+        return self.o_proj(out), (k, v)
+
+    def attend(self, q, k, v, attn_mask):
+        """softmax(q k^T / sqrt(d), masked) v over the grouped kv heads: ``q [B, nh, T, d]``,
+        ``k``, ``v [B, nkv, L, d]``, ``attn_mask [B, T, L]`` bool; returns ``[B, T, nh, d]``."""
         rep = self.nh // self.nkv
         kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k  # [B, nh, L, d]
         vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=attn_mask[:, None])  # [B, nh, T, d]
-        out = out.transpose(1, 2).reshape(b, t, self.nh * self.d)
-        return self.o_proj(out), (k, v)
+        return F.scaled_dot_product_attention(q, kr, vr, attn_mask=attn_mask[:, None]).transpose(1, 2)
 
 
 class DraftMLP(nn.Module):

@@ -13,9 +13,9 @@ this project's 2-core CPU their dispatch costs about a fifth of the step. Inside
   ``x * cos + swap_halves(x) * sin'`` with ``sin'`` the sine with its first half negated: the
   same products, so the same bits. With a mask (the engine always passes one) and plain
   softmax attention, the attention itself runs ``csrc/attention.cpp``
-  (``native_linear.attend``): 2-3x cheaper than torch's at batch 16, batch-invariant, and
-  equal to torch's up to float32 rounding (the only part of this module that is not the same
-  bits).
+  (``native_linear.attend``, which ``native_linear.routed`` hands in: this module calls no
+  kernel of its own): 2-3x cheaper than torch's at batch 16, batch-invariant, and equal to
+  torch's up to float32 rounding (the only part of this module that is not the same bits).
 - **MLP** (gate/up/down with SiLU): gate and up from one kernel call, ``down(silu(g) * u)``.
 - **The EAGLE-3 head's attention** (``rollout.eagle3_head.DraftAttention``): as Llama's (q/k/v
   from one call, q and k rotated together, ``csrc/attention.cpp`` over the grouped kv heads
@@ -35,8 +35,6 @@ import functools
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-from rollout import native_linear
 
 enabled = True  # switch: False keeps every module's own forward (A/B measurements)
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "RMSNorm"})
@@ -78,10 +76,8 @@ def _silu(module: nn.Module) -> bool:
 def merged_groups(module: nn.Module) -> list[nn.Linear] | None:
     """The linear layers whose outputs a fused forward of ``module`` computes in one kernel call
     (attention: q, k, v; MLP: gate, up), or None when ``module`` is not fused."""
-    if _known(module, ATTENTIONS) and _bias_free(module.q_proj, module.k_proj, module.v_proj, module.o_proj) \
-            and not hasattr(module, "q_norm"):
-        return [module.q_proj, module.k_proj, module.v_proj]
-    if _known(module, DRAFT_ATTENTIONS) and _bias_free(module.q_proj, module.k_proj, module.v_proj, module.o_proj):
+    attention = (_known(module, ATTENTIONS) and not hasattr(module, "q_norm")) or _known(module, DRAFT_ATTENTIONS)
+    if attention and _bias_free(module.q_proj, module.k_proj, module.v_proj, module.o_proj):
         return [module.q_proj, module.k_proj, module.v_proj]
     if _known(module, MLPS) and _silu(module) and _bias_free(module.gate_proj, module.up_proj, module.down_proj):
         return [module.gate_proj, module.up_proj]
@@ -103,13 +99,14 @@ def norm_forward(module: nn.Module):
     return forward
 
 
-def fused_forward(module: nn.Module, merged):
+def fused_forward(module: nn.Module, merged, attend):
     """The fused forward of an attention or MLP module (``merged(x)``: the concatenated outputs
-    of :func:`merged_groups`'s layers)."""
+    of :func:`merged_groups`'s layers; ``attend``: ``native_linear.attend``, the attention
+    kernel, which returns None where it does not fit)."""
     if type(module).__name__ in ATTENTIONS:
-        return functools.partial(_attention, module, merged)
+        return functools.partial(_attention, module, merged, attend)
     if type(module).__name__ in DRAFT_ATTENTIONS:
-        return functools.partial(_draft_attention, module, merged)
+        return functools.partial(_draft_attention, module, merged, attend)
     return functools.partial(_mlp, module, merged)
 
 
@@ -136,7 +133,7 @@ def _rotary(position_embeddings) -> tuple[torch.Tensor, torch.Tensor]:
     return _last_rotary[1], _last_rotary[2]
 
 
-def _attention(module: nn.Module, merged, hidden_states: torch.Tensor, position_embeddings=None,
+def _attention(module: nn.Module, merged, attend_native, hidden_states: torch.Tensor, position_embeddings=None,
                attention_mask=None, cache=None, **kwargs):
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
@@ -156,7 +153,7 @@ def _attention(module: nn.Module, merged, hidden_states: torch.Tensor, position_
         key, value = cache.update(key, value, module.layer_idx, kwargs=kwargs)
     if (module.config._attn_implementation in PLAIN_ATTENTION and not module.training and attention_mask is not None
             and getattr(module.config, "sliding_window", None) is None):
-        out = native_linear.attend(query, key, value, attention_mask, module.scaling)  # None: does not fit
+        out = attend_native(query, key, value, attention_mask, module.scaling)  # None: does not fit
         if out is not None:
             return module.o_proj(out.view(*lead, -1)), None
     attend = ALL_ATTENTION_FUNCTIONS.get_interface(module.config._attn_implementation, eager_attention_forward)
@@ -166,7 +163,7 @@ def _attention(module: nn.Module, merged, hidden_states: torch.Tensor, position_
     return module.o_proj(out.reshape(*lead, -1).contiguous()), weights
 
 
-def _draft_attention(module: nn.Module, merged, x: torch.Tensor, rotary, position_ids, attn_mask, past):
+def _draft_attention(module: nn.Module, merged, attend, x: torch.Tensor, rotary, position_ids, attn_mask, past):
     """The EAGLE-3 head's attention (``rollout.eagle3_head.DraftAttention``): q, k and v from one
     kernel call, q and k rotated together (the rotation is the same per head, so the same bits),
     and the grouped-query attention through ``csrc/attention.cpp`` without repeating the kv
@@ -179,10 +176,7 @@ def _draft_attention(module: nn.Module, merged, x: torch.Tensor, rotary, positio
     v = qkv[..., (nh + nkv) * d:].view(b, t, nkv, d).transpose(1, 2)
     if past is not None:
         k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # [B, nkv, L, d]
-    out = native_linear.attend(q, k, v, attn_mask[:, None], d ** -0.5) if not module.training else None
+    out = attend(q, k, v, attn_mask[:, None], d ** -0.5) if not module.training else None
     if out is None:  # does not fit the kernel: the module's own arithmetic
-        rep = nh // nkv
-        kr = k.repeat_interleave(rep, dim=1) if rep > 1 else k
-        vr = v.repeat_interleave(rep, dim=1) if rep > 1 else v
-        out = F.scaled_dot_product_attention(q, kr, vr, attn_mask=attn_mask[:, None]).transpose(1, 2)
+        out = module.attend(q, k, v, attn_mask)
     return module.o_proj(out.reshape(b, t, nh * d)), (k, v)

@@ -44,6 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
+from rollout import fused_layers
 from verifiers import cbuild
 
 SOURCES = [Path(__file__).with_name("csrc") / "linear.cpp", Path(__file__).with_name("csrc") / "attention.cpp"]
@@ -194,8 +195,6 @@ def routed(*modules: nn.Module | None):
     however they were changed before (an optimizer step through ``.data`` does not move a
     tensor's version counter, so nothing cheaper can tell); they must not change inside the
     block. The modules are restored on exit."""
-    from rollout import fused_layers
-
     mods = [m for mod in modules if mod is not None for m in mod.modules()]
     use = any(isinstance(m, nn.Linear) for m in mods) and available()
     patched: list[nn.Module] = []
@@ -207,7 +206,7 @@ def routed(*modules: nn.Module | None):
         group = fused_layers.merged_groups(mod) if forward is None else None
         if group is not None and _mergeable(group) and not any(id(m) in covered for m in group):
             panels = _merged_buffers[mod] = pack_merged([m.weight for m in group], _merged_buffers.get(mod))
-            forward = fused_layers.fused_forward(mod, functools.partial(_merged, group, panels))
+            forward = fused_layers.fused_forward(mod, functools.partial(_merged, group, panels), attend)
             covered.update(id(m) for m in group)
         if forward is not None:
             mod.forward = forward
