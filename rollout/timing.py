@@ -21,10 +21,11 @@ def _median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
-def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int) -> dict:
+def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int, raw: bool = False) -> dict:
     """Median seconds of a target forward over ``n`` block tokens per row (``T(n)``) for each n
     in ``blocks``, and of one draft step (``draft``), on ``group`` after its prefill; the
-    measurements are interleaved rep by rep."""
+    measurements are interleaved rep by rep. ``raw``: every timed repetition's seconds (a list
+    per step) instead of their median."""
     runner = ModelRunner(engine.target, engine.head, engine.prefill_tokens)
     times: dict = {n: [] for n in blocks}
     times["draft"] = []
@@ -45,6 +46,6 @@ def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: 
                 runner.draft_step(runner.draft_ids[:1].expand(len(group))[:, None], hidden[:, None], 1, None)
                 if rep:
                     times["draft"].append(time.perf_counter() - t0)
-    return {k: _median(v) for k, v in times.items() if v}
+    return {k: (v if raw else _median(v)) for k, v in times.items() if v}
 
 

@@ -16,17 +16,22 @@ the other; tokens/s = completion tokens / wall time (completions stop at EOS or 
 limit). tau = mean tokens emitted per row per target forward. Speedups are over our
 autoregressive mode ("off") and over HF generate at the same batch size. All
 configurations run on each batch of prompts before the next batch (interleaved), so a
-change of machine load hits them alike. rss_mb is the largest resident memory seen after
-a run of the configuration, peak_rss_mb the process peak.
+change of machine load hits them alike; batch i of prompts runs them in an order rotated by
+i (``--order rotate``, the default; ``fixed``: the listed order every time), so that no
+configuration always runs first or last (on this shared machine the configuration run last
+in each batch lost a few percent whatever it was). rss_mb is the largest resident memory
+seen after a run of the configuration, peak_rss_mb the process peak.
 ``--group N`` repeats each prompt N times in a row, as GRPO samples a group per prompt (the
 engine prefills identical prompts once; ``--unshared-prefill`` adds our autoregressive
 mode with every row prefilled on its own as a row).
 ``--repeat N`` then reruns one speculative configuration N times and reports the RSS
 after each run (memory growth check).
 
-Bound: for each batch size the script also times the engine's own steps on the first
-batch of prompts (median of ``--cost-reps`` runs, interleaved): a target forward over 1 and
-over n block tokens per row, T(1) and T(n), and one draft step, T_draft. A speculative
+Bound: for each batch size the script also times the engine's own steps: a target forward
+over 1 and over n block tokens per row, T(1) and T(n), and one draft step, T_draft, each
+the median of ``--cost-reps`` interleaved repetitions on every batch of prompts, taken
+right after that batch's configurations ran (so the costs are sampled across the run, as
+the throughput is, not in one moment before it). A speculative
 configuration with the measured tau can then at best run at
 ``bound = tau x T(1) / (T(n) + steps x T_draft)`` times our autoregressive mode (chain:
 n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft levels
@@ -77,7 +82,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "decide per round from measured costs): draft only while at most this many rows "
                          "are unfinished")
     ap.add_argument("--adaptive-k", action="store_true", help="with max_batch auto: chain length per round")
-    ap.add_argument("--cost-reps", type=int, default=5, help="timed repetitions per step cost (0: no bound)")
+    ap.add_argument("--cost-reps", type=int, default=3,
+                    help="timed repetitions of each step cost per batch of prompts (0: no bound)")
+    ap.add_argument("--order", default="rotate", choices=("rotate", "fixed"),
+                    help="order of the configurations on each batch of prompts: rotated by one per batch "
+                         "(default) or always as listed")
     ap.add_argument("--verifier-backend", default=None,
                     help="comma list of native, torch: run each speculative config with each verifier "
                          "backend side by side (default: the default backend only)")
@@ -181,6 +190,18 @@ def describe(spec: SpecConfig) -> str:
     return "off"
 
 
+def run_order(n: int, i: int, order: str) -> list[int]:
+    """The order of the ``n`` configurations on batch ``i`` of prompts: rotated by ``i`` or as listed."""
+    start = i % n if order == "rotate" else 0
+    return [*range(start, n), *range(start)]
+
+
+def median(values: list[float]) -> float:
+    values = sorted(values)
+    mid = len(values) // 2
+    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
+
+
 def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
     """tau x T(1) / (T(n) + steps x T_draft) (see the module docstring); None without one."""
     if spec is None or not spec.speculative or spec.auto or "draft" not in costs:
@@ -212,15 +233,11 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     for spec, v in spec_configs(args) for be in backends]
         totals: list[dict] = [{} for _ in configs]
         groups = batches(prompts, size)
-        costs = {}
-        if args.cost_reps > 0:
-            blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
-            costs = step_costs(engine, groups[0], blocks, args.cost_reps)
-            print(f"  batch {size} step costs (ms): " + ", ".join(
-                f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in costs.items()),
-                flush=True)
+        blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
+        samples: dict = {}  # step -> seconds, over every batch of prompts
         for i, group in enumerate(groups):
-            for (mode, _, spec, verifier, backend), tot in zip(configs, totals):
+            for c in run_order(len(configs), i, args.order):
+                (mode, _, spec, verifier, backend), tot = configs[c], totals[c]
                 seed = args.seed + i
                 if spec is None:
                     res = run_hf(target.model, group, sampling, pad_id, seed)
@@ -243,7 +260,15 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                 for key, value in res.items():
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
+            if args.cost_reps > 0:
+                for step, values in step_costs(engine, group, blocks, args.cost_reps, raw=True).items():
+                    samples.setdefault(step, []).extend(values)
             print(f"  batch {size}: {i + 1}/{len(groups)} batches done", file=sys.stderr, flush=True)
+        costs = {step: median(values) for step, values in samples.items()}
+        if costs:
+            print(f"  batch {size} step costs (ms, median of {len(samples[1])} over the run): " + ", ".join(
+                f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in costs.items()),
+                flush=True)
         # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows
         speeds = {(mode, vname): tot["tokens"] / tot["seconds"] for (mode, vname, *_), tot in zip(configs, totals)}
         ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))

@@ -119,3 +119,39 @@ def test_unfused_row_runs_the_modules_own_forwards(tiny, monkeypatch):
     assert [r["mode"] for r in rows] == ["off", "off [unfused layers]", "chain K=3 sampled"]
     assert seen == [True, False, True] and fused_layers.enabled
     assert rows[0]["tokens"] == rows[1]["tokens"] == 10
+
+
+def test_configurations_rotate_and_step_costs_span_the_run(tiny, monkeypatch):
+    """--order rotate (default): batch i of prompts starts at configuration i, so none always
+    runs first or last; the step costs are timed on every batch of prompts, after its runs."""
+    from rollout.params import SamplingParams
+    from scripts import bench_rollout
+    from scripts.bench_rollout import describe, measure, parse_args
+
+    target, tok, engine = tiny
+    events = []
+    run, costs = bench_rollout.run_ours, bench_rollout.step_costs
+    monkeypatch.setattr(bench_rollout, "run_ours",
+                        lambda eng, group, s, spec, *a, **kw: events.append(describe(spec)) or run(eng, group, s, spec, *a, **kw))
+    monkeypatch.setattr(bench_rollout, "step_costs",
+                        lambda eng, group, *a, **kw: events.append(("costs", group[0][1])) or costs(eng, group, *a, **kw))
+    prompts = [[1, 20 + i, 300 + i] for i in range(3)]
+    base = ["--batch-sizes", "1", "--max-new-tokens", "4", "--modes", "chain,tree", "--no-hf",
+            "--verifiers", "lossless", "--tree", "2,2,4", "--cost-reps", "1"]
+    rows = measure(parse_args(base), target, tok, engine, prompts, SamplingParams(max_new_tokens=4))
+    names = ["off", "chain K=3 sampled", "tree d=2 k=2 n=4"]
+    assert [r["mode"] for r in rows] == names  # reported in the listed order
+    assert events == [*names, ("costs", 20), *names[1:], names[0], ("costs", 21),
+                      names[2], *names[:2], ("costs", 22)]
+    assert set(rows[0]["step_costs_ms"]) == {"1", "4", "5", "draft"}
+    events.clear()
+    measure(parse_args([*base, "--order", "fixed", "--cost-reps", "0"]), target, tok, engine, prompts,
+            SamplingParams(max_new_tokens=4))
+    assert events == names * 3
+
+
+def test_median_of_the_costs():
+    from scripts.bench_rollout import median, run_order
+
+    assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0, 2.0, 3.0]) == 2.5
+    assert run_order(4, 5, "rotate") == [1, 2, 3, 0] and run_order(4, 5, "fixed") == [0, 1, 2, 3]
