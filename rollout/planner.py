@@ -13,18 +13,23 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   bucket. Each cost is the median of its last 5 measurements. Unmeasured n are
   interpolated linearly between measured ones.
 - **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
-  are not counted: their step 0 is longer). What a catch-up costs beyond a typical draft
-  is added to that round's cost instead: it is the price of drafting after plain rounds,
-  so an option that is only ever re-probed from a plain streak carries it, and one that
-  runs round after round does not.
+  are not counted: their step 0 is longer).
+- **switch cost** ``S(b)``: what a catch-up costs beyond a typical draft (the draft runs over
+  the pairs of the rounds it skipped, or over the prompt in a call's first draft). It is paid
+  once when drafting resumes, not every round, so it stays out of ``R`` (charging it to the
+  round that paid it made an option measured only right after plain rounds look slow for
+  good: at batch 1 with adaptive K the planner then kept to plain rounds at 1.0x while a
+  fixed chain ran at 1.4x). From a plain round, a speculative option's cost carries ``S(b) / horizon``: the
+  switch is amortised over the ``horizon`` rounds (default 24, the re-probe interval) it
+  is expected to run, so a re-probe that barely wins is not made into a loss.
 - **acceptance**: for chains, the conditional acceptance rate at each draft depth j,
   alpha_j = P(draft j accepted | drafts 1..j-1 accepted), pooled over rows and rounds; a
   chain of k then emits E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens per row. Depths
   not yet tried borrow the mean of the tried ones (pseudo-counts). For trees, the mean
   tokens emitted per row per tree round.
 
-It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b))
-against 1 / R(b, 1). In a new bucket it first measures a plain round and the cheapest
+It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b)
+[+ S(b) / horizon after a plain round]) against 1 / R(b, 1). In a new bucket it first measures a plain round and the cheapest
 speculative option (a chain of one draft with adaptive K, else the configured one). Larger
 options open one at a time: the next one's cost is extrapolated from the measured ones, and
 when it looks better it is tried, and so measured, by being chosen. Probes stay cheap: a
@@ -90,8 +95,11 @@ class RoundPlanner:
     prior_accept: float = 0.5
     prior_weight: float = 4.0
     carry: float = 0.5
+    horizon: int = 24
     _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
     _draft_cost: dict[int, _Recent] = field(default_factory=dict)
+    _switch_cost: dict[int, _Recent] = field(default_factory=dict)  # per bucket: a catch-up beyond a draft
+    _drafting: bool = False  # the last round drafted (else the next draft catches up)
     _attempts: list[float] = field(default_factory=list)  # per depth (decayed counts across calls)
     _accepts: list[float] = field(default_factory=list)
     _tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens, row-rounds
@@ -109,6 +117,7 @@ class RoundPlanner:
         self._attempts = [a * self.carry for a in self._attempts]
         self._accepts = [a * self.carry for a in self._accepts]
         self._tree = [x * self.carry for x in self._tree]
+        self._drafting = False  # a call's first draft consumes its prompt
 
     @classmethod
     def for_spec(cls, spec, adaptive_k: bool | None = None) -> RoundPlanner:
@@ -159,27 +168,32 @@ class RoundPlanner:
             (m0, v0), (m1, v1) = above[0], above[1]
         return max(1e-9, v0 + (v1 - v0) * (n - m0) / (m1 - m0))
 
-    def cost(self, b: int, k: int) -> float | None:
-        """Expected seconds of a round of option k over b rows (None: not measurable yet)."""
+    def cost(self, b: int, k: int, switching: bool = False) -> float | None:
+        """Expected seconds of a round of option k over b rows (None: not measurable yet);
+        ``switching``: the round follows a plain one (a speculative option then carries its
+        share of the switch cost, see the module docstring)."""
         r = self.round_cost(b, self.block_tokens[k] if k else 1)
-        if r is None:
-            return None
-        d = self._draft_cost.get(bucket(b))
-        return r + (self.draft_steps[k] * d.value if k and d is not None else 0.0)
+        if r is None or not k:
+            return r
+        d, sw = self._draft_cost.get(bucket(b)), self._switch_cost.get(bucket(b))
+        extra = sw.value / self.horizon if switching and sw is not None else 0.0
+        return r + (self.draft_steps[k] * d.value if d is not None else 0.0) + extra
 
     # ------------------------------------------------------------------ decide / learn
-    def rates(self, b: int) -> dict[int, float]:
+    def rates(self, b: int, switching: bool | None = None) -> dict[int, float]:
         """Expected tokens per second of the options open to choice (0 = plain): the ones
-        measured in b's bucket and the next larger one (its cost extrapolated). Larger
+        measured in b's bucket and the next larger one (its cost extrapolated); ``switching``
+        (default: the last round was plain) charges the switch cost (:meth:`cost`). Larger
         options open one at a time, as they are measured: a forward's cost can jump with its
         size (rows past the native linear kernel's limit go to torch's GEMM), which no
         interpolation from farther points would see."""
         bk = bucket(b)
         measured = [k for k in self.options if (bk, self.block_tokens[k]) in self._round_cost]
         above = [k for k in self.options if k > max(measured, default=0)]
+        switching = not self._drafting if switching is None else switching
         out = {}
         for k in (0, *measured, *above[:1]):
-            c = self.cost(b, k)
+            c = self.cost(b, k, switching)
             if c is not None:
                 out[k] = self.expected_tokens(k) / c
         return out
@@ -203,24 +217,26 @@ class RoundPlanner:
 
     def _mark(self, bk: int, k: int) -> int:
         self._last_run[(bk, k)] = self._round
+        self._drafting = k > 0
         return k
 
     def observe(self, b: int, k: int, round_s: float, draft_s: float, emitted: list[int],
                 catch_up: bool = False) -> None:
         """Record a round of option ``k`` over ``b`` rows: its seconds without drafting and of
         drafting, and the tokens each row emitted (before stop/length truncation).
-        ``catch_up``: the draft consumed pairs of skipped rounds (its draft cost is not typical)."""
+        ``catch_up``: the draft consumed pairs of skipped rounds or the prompt (its draft cost is
+        not typical: what it costs beyond a typical draft is the switch cost)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
-        extra = 0.0
-        if k and catch_up:  # the catch-up's cost beyond a typical draft is the price of switching
-            typical = self._draft_cost.get(bk)
-            extra = max(0.0, draft_s - (self.draft_steps[k] * typical.value if typical is not None else 0.0))
-        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s + extra, 1e-9))
+        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9))
         if k == 0:
             return
+        typical = self._draft_cost.get(bk)
         if not catch_up:
             self._draft_cost.setdefault(bk, _Recent()).add(draft_s / self.draft_steps[k])
+        elif typical is not None:  # (before a typical draft is measured the split is unknown)
+            extra = max(0.0, draft_s - self.draft_steps[k] * typical.value)
+            self._switch_cost.setdefault(bk, _Recent()).add(extra)
         if not self.chain:
             self._tree[0] += sum(emitted)
             self._tree[1] += len(emitted)
