@@ -124,6 +124,7 @@ class Engine:
                      planner=self.planner(spec, verifier, sampling) if spec.auto else None)
         with torch.inference_mode(), self.linear_routing(head):
             self._prefill(call, prompts, max(budgets))
+            call.timings.setup_s = time.perf_counter() - start
             while len(call.table):
                 self._round(call)
         t = call.timings

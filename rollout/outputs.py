@@ -50,12 +50,15 @@ class Timings:
 
     draft_s: draft-head forwards and candidate selection; verify_s: target forwards
     (prefill included) and the verifier; other_s: the rest (bookkeeping, cache moves).
+    setup_s: everything before the first round (packing the weights for the linear kernel,
+    the prefill, the first token); ``total_s - setup_s`` is the decoding.
     """
 
     draft_s: float = 0.0
     verify_s: float = 0.0
     other_s: float = 0.0
     total_s: float = 0.0
+    setup_s: float = 0.0
     target_forwards: int = 0
     draft_forwards: int = 0
     rounds: int = 0

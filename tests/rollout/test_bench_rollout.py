@@ -96,6 +96,15 @@ def test_bound_is_tau_times_measured_step_costs(tiny):
         assert r["of_bound"] == pytest.approx(r["speedup_vs_ar"] / r["bound"])
     tree = by_mode["tree d=2 k=2 n=4"]
     assert tree["bound"] == pytest.approx(tree["tau"] * costs["1"] / (costs["5"] + 2 * costs["draft"]))
+    ar = by_mode["off"]
+    for r in rows:  # the decoding alone: each call's time after its setup (packing, prefill)
+        assert 0 < r["setup_s"] < r["seconds"]
+        assert r["decode_tokens_per_s"] == pytest.approx(r["tokens"] / (r["seconds"] - r["setup_s"]))
+        assert r["decode_vs_ar"] == pytest.approx(r["decode_tokens_per_s"] / ar["decode_tokens_per_s"])
+        if r["bound"]:
+            assert r["decode_of_bound"] == pytest.approx(r["decode_vs_ar"] / r["bound"])
+        else:
+            assert r["decode_of_bound"] is None
     for mode in ("off", "chain K=3 sampled mb=auto/k", "tree d=2 k=2 n=4 mb=auto"):
         assert by_mode[mode]["bound"] is None and by_mode[mode]["of_bound"] is None
 

@@ -162,3 +162,20 @@ def test_params_validation_names_fields():
     spec = from_dict(SpecConfig, {"mode": "tree", "depth": 3})
     assert spec.depth == 3 and spec.block_size == spec.total_tokens + 1
     assert from_dict(SamplingParams, {"stop_token_ids": [2]}).stop_token_ids == (2,)
+
+
+def test_setup_time_covers_the_prefill_and_not_the_rounds(models, monkeypatch):
+    """Timings.setup_s: everything before the first round (weight packing, the prefill)."""
+    import time
+
+    from rollout.runner import ModelRunner
+
+    target, head = models
+    engine = Engine(target, head, num_threads=1)
+    start, verify = ModelRunner.start, ModelRunner.verify_forward
+    monkeypatch.setattr(ModelRunner, "start", lambda self, *a: time.sleep(0.2) or start(self, *a))
+    monkeypatch.setattr(ModelRunner, "verify_forward", lambda self, *a: time.sleep(0.02) or verify(self, *a))
+    t = engine.generate(PROMPTS[:1], SamplingParams(temperature=0, max_new_tokens=10), SpecConfig(mode="off")).timings
+    assert t.rounds == 9  # the first token comes from the prefill
+    assert 0.2 <= t.setup_s < 0.2 + 9 * 0.02 <= t.total_s  # (the rounds are not in it)
+    assert t.total_s - t.setup_s >= 9 * 0.02
