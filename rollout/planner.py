@@ -29,14 +29,17 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   tokens emitted per row per tree round.
 
 It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b)
-[+ S(b) / horizon after a plain round]) against 1 / R(b, 1). In a new bucket it first measures a plain round and the cheapest
-speculative option (a chain of one draft with adaptive K, else the configured one). Larger
+[+ S(b) / horizon after a plain round]) against 1 / R(b, 1). In a new bucket it first
+measures a plain round and the cheapest speculative option (a chain of one draft with adaptive K, else the configured one). Larger
 options open one at a time: the next one's cost is extrapolated from the measured ones, and
 when it looks better it is tried, and so measured, by being chosen. Probes stay cheap: a
-large option is only tried when the one below it pays. The nearest alternative
-to the current best is run again after ``reprobe`` rounds without it when its expected
-rate is within ``margin`` of the best (a lasting change of machine load can turn the
-choice); options far behind are not re-run.
+large option is only tried when the one below it pays. An alternative to the current
+best is run again after ``reprobe`` rounds without it when its expected rate is within
+``margin`` of the best (a lasting change of machine load can turn the choice), one further
+behind after longer (``reprobe_interval``: the interval grows with the gap), so that a
+noisy measurement cannot lock an option out for good (on this shared machine a few slow
+rounds had made the best chain length look 35% slower for the rest of the calls). Each
+cost is judged on its measurements of the 48 rounds before its newest one.
 
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),
@@ -65,18 +68,24 @@ def bucket(batch: int) -> int:
 
 @dataclass
 class _Recent:
-    """The median of the last ``keep`` measurements: one round slowed by another process
-    does not move it, a lasting change of cost does within a few rounds."""
+    """The median of the last ``keep`` measurements taken within ``window`` rounds of the newest
+    one: one round slowed by another process does not move it, a lasting change of cost does
+    within a few rounds, and an option measured only now and then is judged on its latest
+    measurements, not on ones from a time when the machine was busier (or idler)."""
 
     keep: int = 5
-    values: list[float] = field(default_factory=list)
+    window: int = 48
+    values: list[tuple[int, float]] = field(default_factory=list)  # (planner round, seconds)
 
-    def add(self, x: float) -> None:
-        self.values = (self.values + [x])[-self.keep:]
+    def add(self, x: float, now: int = 0) -> None:
+        self.values = (self.values + [(now, x)])[-self.keep:]
 
     @property
     def value(self) -> float:
-        return sorted(self.values)[len(self.values) // 2]
+        newest = self.values[-1][0]
+        xs = sorted(v for t, v in self.values if newest - t <= self.window)
+        mid = len(xs) // 2
+        return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
 
 @dataclass
@@ -206,14 +215,28 @@ class RoundPlanner:
             if (bk, k) not in self._last_run:
                 return self._mark(bk, k)
         rates = self.rates(b)
-        ranked = sorted(rates, key=lambda k: -rates[k])
-        best = ranked[0]
-        if len(ranked) > 1:  # keep the nearest alternative's measurements fresh
-            alt = ranked[1]
-            stale = self._round - self._last_run.get((bk, alt), -self.reprobe - 1) > self.reprobe
-            if stale and rates[alt] >= self.margin * rates[best]:
-                return self._mark(bk, alt)
+        best = max(rates, key=lambda k: rates[k])
+        due = [k for k in rates if k != best and self._due(bk, k, rates[k] / rates[best])]
+        if due:  # keep the alternatives' measurements fresh (the nearest first)
+            return self._mark(bk, max(due, key=lambda k: rates[k]))
         return self._mark(bk, best)
+
+    def _due(self, bk: int, k: int, ratio: float) -> bool:
+        """Whether option k (expected rate ``ratio`` times the best's) is to be run again; one
+        never run in the bucket (its cost extrapolated) only when within ``margin``."""
+        last = self._last_run.get((bk, k))
+        if last is None:
+            return ratio >= self.margin
+        return self._round - last > self.reprobe_interval(ratio)
+
+    def reprobe_interval(self, ratio: float) -> float:
+        """Rounds between re-runs of an option whose expected rate is ``ratio`` times the best's:
+        ``reprobe`` within ``margin``, then growing with the gap (twice the tolerated gap:
+        2 x reprobe). A far option is still re-run now and then, so a noisy measurement cannot
+        lock it out for good, and each such probe costs about the same small share of the time
+        (the gap over the interval)."""
+        tolerated = 1.0 - self.margin
+        return self.reprobe * max(1.0, (1.0 - ratio) / tolerated)
 
     def _mark(self, bk: int, k: int) -> int:
         self._last_run[(bk, k)] = self._round
@@ -228,15 +251,15 @@ class RoundPlanner:
         not typical: what it costs beyond a typical draft is the switch cost)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
-        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9))
+        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9), self._round)
         if k == 0:
             return
         typical = self._draft_cost.get(bk)
         if not catch_up:
-            self._draft_cost.setdefault(bk, _Recent()).add(draft_s / self.draft_steps[k])
+            self._draft_cost.setdefault(bk, _Recent()).add(draft_s / self.draft_steps[k], self._round)
         elif typical is not None:  # (before a typical draft is measured the split is unknown)
             extra = max(0.0, draft_s - self.draft_steps[k] * typical.value)
-            self._switch_cost.setdefault(bk, _Recent()).add(extra)
+            self._switch_cost.setdefault(bk, _Recent()).add(extra, self._round)
         if not self.chain:
             self._tree[0] += sum(emitted)
             self._tree[1] += len(emitted)

@@ -57,7 +57,7 @@ def test_it_drafts_at_batch_one_and_stops_drafting_at_large_batches():
     large = simulate(RoundPlanner.for_spec(spec), 64, 60, cpu_like, accept=0.6)
     assert small[:2] == [0, 3] and large[:2] == [0, 3]  # it measures both extremes first
     assert small[2:].count(3) >= len(small) - 2 - 3, small  # drafts, except for re-probes of plain rounds
-    assert large[2:] == [0] * (len(large) - 2), large  # far behind plain: never run again
+    assert large[2:] == [0] * (len(large) - 2), large  # far behind plain: not run again in 60 rounds
 
 
 def test_the_nearest_alternative_is_measured_again():
@@ -213,3 +213,51 @@ def test_a_later_call_keeps_the_costs_and_discounts_the_acceptance():
     small.new_call()
     simulate(small, 1, 40, cpu_like, accept=0.9)
     assert small.acceptance()[0] > 0.75
+
+
+def test_a_burst_of_slow_rounds_does_not_lock_the_best_option_out():
+    """While the machine is busy, the chain that runs measures slow (here the busy spell hits
+    only the rounds that draft); the plain round then measured looks far better than the
+    chain's cost. The chain is run again after reprobe_interval rounds, and judged on that fresh
+    measurement (not on the busy ones among its last 5), so the planner returns to it."""
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto")
+    planner = RoundPlanner.for_spec(spec)
+    busy = set(range(10, 30))
+    clock = iter(range(10**6))
+
+    def cost(b, k):
+        busy_now = next(clock) in busy
+        return 1.0 if k == 0 else 1.2 * (3.0 if busy_now else 1.0)
+
+    chosen = simulate(planner, 1, 300, cost, accept=0.6)
+    assert chosen[:10].count(3) >= 7 and chosen[-50:].count(3) >= 45, chosen
+    assert chosen[20:30] == [0] * 10, chosen  # the busy chain looked slower than plain
+    ratio = (1 + 0.6 + 0.36 + 0.216) / 3.6  # the chain's busy cost against an idle plain round
+    wait = planner.reprobe_interval(ratio)
+    assert planner.reprobe < wait < 100
+    back = next(i for i in range(30, 300) if chosen[i] == 3)
+    assert back <= 30 + wait + 2, (back, chosen)
+    assert chosen[back:back + 20].count(3) >= 18, chosen  # one fresh measurement is enough to stay
+
+
+def test_reprobe_interval_grows_with_the_gap():
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"))
+    assert planner.reprobe_interval(0.99) == planner.reprobe_interval(planner.margin) == planner.reprobe
+    assert planner.reprobe_interval(1 - 2 * (1 - planner.margin)) == pytest.approx(2 * planner.reprobe)
+    assert planner.reprobe_interval(0.2) > planner.reprobe_interval(0.5)
+
+
+def test_costs_are_judged_on_recent_measurements():
+    from rollout.planner import _Recent
+
+    r = _Recent()
+    for t in range(4):
+        r.add(3.0, now=t)  # busy, long ago
+    r.add(1.0, now=200)
+    assert r.value == 1.0  # the only one within the window of the newest
+    r.add(1.2, now=201)
+    assert r.value == pytest.approx(1.1)
+    fresh = _Recent()
+    for t, x in enumerate((1.0, 1.1, 0.9, 10.0, 1.0)):
+        fresh.add(x, now=t)
+    assert fresh.value == 1.0
