@@ -9,9 +9,15 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
 
 - **round cost** ``R(b, n)``: seconds of a round without its drafting, over ``b`` live rows
   with ``n`` block tokens per row (1 for a plain round, k + 1 for a chain of k). Rounds are
-  grouped by batch bucket (1, 2, 3-4, 5-8, ...): a forward's cost changes little within a
-  bucket. Each cost is the median of its last 5 measurements. Unmeasured n are
-  interpolated linearly between measured ones.
+  grouped by batch bucket (1, 2, 3-4, 5-8, ...). Per bucket and n the planner keeps the
+  median of the last 5 measurements and of the live rows they ran over, a point (b x n
+  rows, seconds); ``R(b, n)`` is linear in rows between the points nearest to b x n rows
+  (from the two nearest on one side beyond them; never decreasing). Within a bucket the
+  rows change (from 16 to 9 as rows of a batch of 16 finish), and from about 16 rows a
+  forward's cost grows with them: comparing a plain round measured at 16 rows with a chain
+  measured at 10 as if both ran at the same batch had made drafting look 1.5x better than
+  plain at batch 16, where it loses. With one point (one n measured), R is that point for
+  its n and unknown for the others.
 - **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
   are not counted: their step 0 is longer).
 - **switch cost** ``S(b)``: what a catch-up costs beyond a typical draft (the draft runs over
@@ -80,10 +86,13 @@ class _Recent:
     def add(self, x: float, now: int = 0) -> None:
         self.values = (self.values + [(now, x)])[-self.keep:]
 
+    def fresh(self) -> list[float]:
+        newest = self.values[-1][0]
+        return [v for t, v in self.values if newest - t <= self.window]
+
     @property
     def value(self) -> float:
-        newest = self.values[-1][0]
-        xs = sorted(v for t, v in self.values if newest - t <= self.window)
+        xs = sorted(self.fresh())
         mid = len(xs) // 2
         return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
 
@@ -106,6 +115,7 @@ class RoundPlanner:
     carry: float = 0.5
     horizon: int = 24
     _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
+    _round_rows: dict[tuple[int, int], _Recent] = field(default_factory=dict)  # live rows of those rounds
     _draft_cost: dict[int, _Recent] = field(default_factory=dict)
     _switch_cost: dict[int, _Recent] = field(default_factory=dict)  # per bucket: a catch-up beyond a draft
     _drafting: bool = False  # the last round drafted (else the next draft catches up)
@@ -160,22 +170,25 @@ class RoundPlanner:
         return out
 
     def round_cost(self, b: int, n: int) -> float | None:
-        """R(b, n): measured, or linear between the nearest measured block sizes of the bucket."""
+        """R(b, n): linear in rows between the bucket's points nearest to rows = b x n (see the
+        module docstring)."""
         bk = bucket(b)
-        known = sorted((m, e.value) for (kb, m), e in self._round_cost.items() if kb == bk)
-        exact = [v for m, v in known if m == n]
-        if exact:
-            return exact[0]
-        if len(known) < 2:
-            return None
-        below, above = [p for p in known if p[0] < n], [p for p in known if p[0] > n]
+        points = sorted((self._round_rows[key].value * key[1], e.value, key[1])
+                        for key, e in self._round_cost.items() if key[0] == bk)
+        xs = sorted({x for x, *_ in points})
+        if len(xs) < 2:  # no line yet: a measured n stands for itself
+            exact = [y for _, y, m in points if m == n]
+            return exact[0] if exact else None
+        x = b * n
+        below, above = [p for p in points if p[0] <= x], [p for p in points if p[0] > x]
         if below and above:
-            (m0, v0), (m1, v1) = below[-1], above[0]
-        elif below:  # extrapolate from the two largest
-            (m0, v0), (m1, v1) = below[-2], below[-1]
+            (x0, y0, _), (x1, y1, _) = below[-1], above[0]
+        elif below:  # beyond the largest: the two largest
+            (x0, y0, _), (x1, y1, _) = [p for p in points if p[0] < below[-1][0]][-1], below[-1]
         else:
-            (m0, v0), (m1, v1) = above[0], above[1]
-        return max(1e-9, v0 + (v1 - v0) * (n - m0) / (m1 - m0))
+            (x0, y0, _), (x1, y1, _) = above[0], [p for p in points if p[0] > above[0][0]][0]
+        slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 != x0 else 0.0
+        return max(1e-9, y0 + slope * (x - x0))
 
     def cost(self, b: int, k: int, switching: bool = False) -> float | None:
         """Expected seconds of a round of option k over b rows (None: not measurable yet);
@@ -193,9 +206,9 @@ class RoundPlanner:
         """Expected tokens per second of the options open to choice (0 = plain): the ones
         measured in b's bucket and the next larger one (its cost extrapolated); ``switching``
         (default: the last round was plain) charges the switch cost (:meth:`cost`). Larger
-        options open one at a time, as they are measured: a forward's cost can jump with its
-        size (rows past the native linear kernel's limit go to torch's GEMM), which no
-        interpolation from farther points would see."""
+        options open one at a time, as they are measured: a forward's cost bends with its size
+        (flat while the kernel reads the weights, then growing with the rows), which a line
+        through smaller blocks does not see far ahead."""
         bk = bucket(b)
         measured = [k for k in self.options if (bk, self.block_tokens[k]) in self._round_cost]
         above = [k for k in self.options if k > max(measured, default=0)]
@@ -252,6 +265,7 @@ class RoundPlanner:
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
         self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9), self._round)
+        self._round_rows.setdefault((bk, n), _Recent()).add(float(b), self._round)
         if k == 0:
             return
         typical = self._draft_cost.get(bk)
