@@ -25,9 +25,10 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   once when drafting resumes, not every round, so it stays out of ``R`` (charging it to the
   round that paid it made an option measured only right after plain rounds look slow for
   good: at batch 1 with adaptive K the planner then kept to plain rounds at 1.0x while a
-  fixed chain ran at 1.4x). From a plain round, a speculative option's cost carries ``S(b) / horizon``: the
-  switch is amortised over the ``horizon`` rounds (default 24, the re-probe interval) it
-  is expected to run, so a re-probe that barely wins is not made into a loss.
+  fixed chain ran at 1.4x). From a plain round, a speculative option's cost carries
+  ``S(b) / horizon``: the switch is amortised over the ``horizon`` rounds (default 24, the
+  re-probe interval) it is expected to run, so a re-probe that barely wins is not made into
+  a loss.
 - **acceptance**: for chains, the conditional acceptance rate at each draft depth j,
   alpha_j = P(draft j accepted | drafts 1..j-1 accepted), pooled over rows and rounds; a
   chain of k then emits E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens per row. Depths
@@ -35,17 +36,17 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   tokens emitted per row per tree round.
 
 It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b)
-[+ S(b) / horizon after a plain round]) against 1 / R(b, 1). In a new bucket it first
-measures a plain round and the cheapest speculative option (a chain of one draft with adaptive K, else the configured one). Larger
-options open one at a time: the next one's cost is extrapolated from the measured ones, and
-when it looks better it is tried, and so measured, by being chosen. Probes stay cheap: a
-large option is only tried when the one below it pays. An alternative to the current
-best is run again after ``reprobe`` rounds without it when its expected rate is within
-``margin`` of the best (a lasting change of machine load can turn the choice), one further
-behind after longer (``reprobe_interval``: the interval grows with the gap), so that a
-noisy measurement cannot lock an option out for good (on this shared machine a few slow
-rounds had made the best chain length look 35% slower for the rest of the calls). Each
-cost is judged on its measurements of the 48 rounds before its newest one.
+[+ S(b) / horizon after a plain round]) against 1 / R(b, 1). In a new bucket it first measures
+a plain round and the cheapest speculative option (a chain of one draft with adaptive K,
+else the configured one). Larger options open one at a time: the next one's cost is
+extrapolated from the measured ones, and when it looks better it is tried, and so measured,
+by being chosen. Probes stay cheap: a large option is only tried when the one below it pays.
+An alternative to the current best is run again after ``reprobe`` rounds without it when its
+expected rate is within ``margin`` of the best (a lasting change of machine load can turn
+the choice), one further behind after longer (``reprobe_interval``: the interval grows with
+the gap), so that a noisy measurement cannot lock an option out for good (on this shared
+machine a few slow rounds had made the best chain length look 35% slower for the rest of the
+calls). Each cost is judged on its measurements of the 48 rounds before its newest one.
 
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),
@@ -64,6 +65,7 @@ learns).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from statistics import median
 
 
 def bucket(batch: int) -> int:
@@ -92,9 +94,7 @@ class _Recent:
 
     @property
     def value(self) -> float:
-        xs = sorted(self.fresh())
-        mid = len(xs) // 2
-        return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+        return median(self.fresh())
 
 
 @dataclass
@@ -175,8 +175,7 @@ class RoundPlanner:
         bk = bucket(b)
         points = sorted((self._round_rows[key].value * key[1], e.value, key[1])
                         for key, e in self._round_cost.items() if key[0] == bk)
-        xs = sorted({x for x, *_ in points})
-        if len(xs) < 2:  # no line yet: a measured n stands for itself
+        if len({x for x, *_ in points}) < 2:  # no line yet: a measured n stands for itself
             exact = [y for _, y, m in points if m == n]
             return exact[0] if exact else None
         x = b * n

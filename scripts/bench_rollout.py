@@ -55,6 +55,7 @@ import contextlib  # noqa: E402
 import dataclasses  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
+from statistics import median  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
 
@@ -200,12 +201,6 @@ def run_order(n: int, i: int, order: str) -> list[int]:
     return [*range(start, n), *range(start)]
 
 
-def median(values: list[float]) -> float:
-    values = sorted(values)
-    mid = len(values) // 2
-    return values[mid] if len(values) % 2 else (values[mid - 1] + values[mid]) / 2
-
-
 def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
     """tau x T(1) / (T(n) + steps x T_draft) (see the module docstring); None without one."""
     if spec is None or not spec.speculative or spec.auto or "draft" not in costs:
@@ -276,6 +271,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows
         keys = [(mode, vname) for mode, vname, *_ in configs]
         speeds = {key: tot["tokens"] / tot["seconds"] for key, tot in zip(keys, totals)}
+        # decoding only: without each call's setup (weight packing, prefill), which the bound leaves out
+        decode = {key: t["tokens"] / (t["seconds"] - t["setup_s"]) for key, t in zip(keys, totals) if "setup_s" in t}
         ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
         for (mode, vname, spec, *_), tot in zip(configs, totals):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
@@ -287,8 +284,6 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
             row["bound"] = bound(spec, row["tau"], costs)
             row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
-            # decoding only: without each call's setup (weight packing, prefill), which the bound leaves out
-            decode = {k: t["tokens"] / (t["seconds"] - t["setup_s"]) for k, t in zip(keys, totals) if "setup_s" in t}
             mine = decode.get((mode, vname))
             row["decode_tokens_per_s"] = mine
             row["decode_vs_ar"] = mine / decode[("off", "lossless")] if mine is not None else None
