@@ -24,6 +24,14 @@ bandwidth is about 16-18 ms.)
   sum): the engine's tests check the logits against the torch path and that the emitted
   tokens are the same. Each output's sum runs in a fixed order whatever the number of rows
   in the call or the thread count (deterministic, batch-invariant).
+- **Compact panels**: a weight whose every value is a bfloat16 (an EAGLE-3 head trained and
+  stored in bf16, upcast to fp32 on load; the shipped head is) is packed as bf16, half the
+  bytes to stream. The kernel widens each value back to the same float before the same sums, so
+  the outputs are the same bits as with fp32 panels (tests); the pack itself checks every value
+  and falls back to fp32 panels for any other weight (a dense fp32 weight is refused on its
+  first row, so the check costs the target nothing). A batch-1 draft step reads half the
+  bytes; ``compact = False`` packs everything as fp32 (A/B measurements,
+  ``scripts/bench_rollout.py --fp32-head``).
 - Needs AVX-512 (x86); elsewhere :func:`available` is False and the torch path runs.
 - ``HONEST_ROLLOUTS_NATIVE`` (as for the fused verifier): ``0`` never uses it, ``1`` raises
   when it cannot be built.
@@ -49,6 +57,7 @@ from verifiers import cbuild
 
 SOURCES = [Path(__file__).with_name("csrc") / "linear.cpp", Path(__file__).with_name("csrc") / "attention.cpp"]
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
+compact = True  # switch: pack bf16-valued weights as bf16 panels (False: fp32 panels for all)
 
 _lib: ctypes.CDLL | None = None
 _tried = False
@@ -78,6 +87,10 @@ def _load() -> ctypes.CDLL | None:
         lib.hr_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.hr_linear_packed_size.restype = ctypes.c_int64
         lib.hr_linear_packed_size.argtypes = [ctypes.c_int64] * 2
+        lib.hr_linear16.restype = ctypes.c_int64
+        lib.hr_linear16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.hr_linear_pack16.restype = ctypes.c_int64
+        lib.hr_linear_pack16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
         lib.hr_linear_max_rows.restype = ctypes.c_int64
         lib.hr_linear_vectorised.restype = ctypes.c_int64
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -114,14 +127,15 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
 
+def _buffer(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Tensor:
+    return out if out is not None and out.numel() == size and out.dtype == dtype else torch.empty(size, dtype=dtype)
+
+
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """The packed copy of ``weight [N, K]`` (written into ``out`` when it has the right size)."""
-    n, k = weight.shape
-    size = _lib.hr_linear_packed_size(n, k)
-    if out is None or out.numel() != size:
-        out = torch.empty(size, dtype=torch.float32)
-    _lib.hr_linear_pack(weight.data_ptr(), out.data_ptr(), n, k)
-    return out
+    """The packed copy of ``weight [N, K]`` (written into ``out`` when it has the right size and
+    dtype): bf16 panels when :data:`compact` and every value of the weight is a bfloat16, else
+    fp32 panels (the module docstring)."""
+    return pack_merged([weight], out)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -146,7 +160,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     n, k = weight.shape if shape is None else shape
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    status = _lib.hr_linear(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
+    call = _lib.hr_linear16 if panels.dtype == torch.bfloat16 else _lib.hr_linear
+    status = call(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
                             out.data_ptr(), n, k, xs.numel() // k)
     if status != 0:  # cannot happen after _fits; never return an unwritten tensor
         raise RuntimeError(f"hr_linear refused {xs.numel() // k} rows")
@@ -155,16 +170,20 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 
 def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed copy of ``torch.cat(weights)`` (each ``[N_i, K]``, every ``N_i`` but the last a
-    multiple of the panel width 16), packed from the weights in place (no concatenated copy)."""
+    multiple of the panel width 16), packed from the weights in place (no concatenated copy); bf16
+    panels when :data:`compact` and every value of every weight is a bfloat16, else fp32."""
     k = weights[0].shape[1]
     sizes = [_lib.hr_linear_packed_size(w.shape[0], k) for w in weights]
-    if out is None or out.numel() != sum(sizes):
-        out = torch.empty(sum(sizes), dtype=torch.float32)
-    start = 0
-    for w, size in zip(weights, sizes):
-        _lib.hr_linear_pack(w.data_ptr(), out[start:].data_ptr(), w.shape[0], k)
-        start += size
-    return out
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    if compact and all(_lib.hr_linear_pack16(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights):
+        buf = _buffer(out, sum(sizes), torch.bfloat16)
+        if all(_lib.hr_linear_pack16(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
+               for w, s in zip(weights, starts)):
+            return buf
+    buf = _buffer(out, sum(sizes), torch.float32)
+    for w, s in zip(weights, starts):
+        _lib.hr_linear_pack(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k)
+    return buf
 
 
 def _mergeable(layers: list[nn.Linear]) -> bool:

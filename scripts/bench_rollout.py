@@ -3,7 +3,10 @@ Hugging Face ``generate``, side by side on the same prompts and sampling setting
 The engine's linear layers run on ``rollout.native_linear``'s kernel where it is available
 (its default), with the leaner Llama layer forwards of ``rollout.fused_layers``;
 ``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row, ``--unfused`` the
-autoregressive mode with the modules' own forwards (kernel still on).
+autoregressive mode with the modules' own forwards (kernel still on), ``--fp32-head`` each
+speculative configuration with the draft head's weights packed as fp32 panels (the default
+packs the shipped bf16-valued head as bf16 panels: the same draft logits, half the bytes;
+``native_linear.compact``).
 
     python -m scripts.bench_rollout --batch-sizes 1,8,32 --max-new-tokens 128 --prompts 32 \\
         --verifiers lossless,mars,overshoot --json OUT.json
@@ -61,7 +64,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from rollout import fused_layers  # noqa: E402
+from rollout import fused_layers, native_linear  # noqa: E402
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
@@ -105,6 +108,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unfused", action="store_true",
                     help="add our autoregressive mode with every module's own forward (no "
                          "rollout.fused_layers; the linear kernel still on) as a row")
+    ap.add_argument("--fp32-head", action="store_true",
+                    help="add each speculative configuration with the head packed as fp32 panels "
+                         "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")
     ap.add_argument("--torch-linear", action="store_true",
                     help="add our autoregressive mode on torch's GEMM (Engine(linear='torch')) as a row")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
@@ -230,6 +236,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
         configs += [(describe(spec) + ("" if be is None else f" [{be}]"), v.name, spec, v, be)
                     for spec, v in spec_configs(args) for be in backends]
+        if args.fp32_head:
+            configs += [(describe(spec) + " [fp32 head]", v.name, spec, v, "fp32-head") for spec, v in spec_configs(args)]
         totals: list[dict] = [{} for _ in configs]
         groups = batches(prompts, size)
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
@@ -248,6 +256,12 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                         res = run_ours(engine, group, sampling, spec, verifier, seed)
                     finally:
                         fused_layers.enabled = True
+                elif backend == "fp32-head":  # the head's weights packed as fp32 panels
+                    native_linear.compact = False
+                    try:
+                        res = run_ours(engine, group, sampling, spec, verifier, seed)
+                    finally:
+                        native_linear.compact = True
                 elif backend == "unshared":  # every row prefilled on its own
                     ModelRunner.share_prompts = False
                     try:
@@ -282,7 +296,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
-            row["bound"] = bound(spec, row["tau"], costs)
+            row["bound"] = bound(spec, row["tau"], costs) if not mode.endswith("[fp32 head]") else None
             row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
             mine = decode.get((mode, vname))
             row["decode_tokens_per_s"] = mine

@@ -17,12 +17,21 @@
 // than one sum over all K). Every output's sum runs in this fixed order whatever M, the tiling,
 // the thread count or the row's place in the batch: results are deterministic and
 // batch-invariant, and differ from torch's GEMM only by float32 rounding.
+//
+// Compact panels: a weight whose every value is a bfloat16 (the low 16 bits of each float are
+// zero: an EAGLE-3 head trained and stored in bf16, upcast on load) can be packed as the high
+// halves only (hr_linear_pack16), half the bytes to stream. The kernel widens each value back
+// to the same float (a shift, exact) before the same FMAs in the same order, so the outputs
+// are the bits of the fp32 panels. The pack refuses (returns 1) a weight with any other value.
 
 #include <ATen/Parallel.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
+#include <cstring>
 #include <utility>
+#include <vector>
 
 namespace {
 
@@ -37,20 +46,27 @@ constexpr int64_t kBlock = 64;  // terms summed in order before joining the runn
 #ifdef __AVX512F__
 #include <immintrin.h>
 
+// 16 weights of a panel row as floats: fp32 panels as they are, compact panels widened (exact).
+inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
+inline __m512 load16(const uint16_t* w) {
+  const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+
 // Rows [0, M) of X times panels p .. p + NP - 1: NP x M accumulators of 16 lanes.
-template <int M, int NP>
-inline void tile(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
+template <typename W, int M, int NP>
+inline void tile(const W* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
   __m512 acc[NP][M], part[NP][M];
   for (int j = 0; j < NP; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  const float* w = P + p * K * kLanes;
+  const W* w = P + p * K * kLanes;
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {  // blocks of kBlock terms, then the sum of blocks
     const int64_t k1 = k0 + kBlock < K ? k0 + kBlock : K;
     for (int j = 0; j < NP; ++j)
       for (int m = 0; m < M; ++m) part[j][m] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
       __m512 v[NP];
-      for (int j = 0; j < NP; ++j) v[j] = _mm512_loadu_ps(w + (j * K + k) * kLanes);
+      for (int j = 0; j < NP; ++j) v[j] = load16(w + (j * K + k) * kLanes);
       for (int m = 0; m < M; ++m) {
         const __m512 x = _mm512_set1_ps(X[m * K + k]);
         for (int j = 0; j < NP; ++j) part[j][m] = _mm512_fmadd_ps(x, v[j], part[j][m]);
@@ -71,9 +87,11 @@ inline void tile(const float* P, const float* X, const float* b, float* Y, int64
   }
 }
 // One panel: rows [n0, n0 + 16) of W as K rows of 16 (16 x 16 blocks transposed in registers).
-inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0) {
+// ``cached``: the copy is read right away (keep it in cache: no streaming stores).
+inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0, bool cached = false) {
   const bool full = n0 + kLanes <= N;
-  const bool stream = reinterpret_cast<std::uintptr_t>(dst) % 64 == 0;  // rows of 16 floats stay aligned
+  // rows of 16 floats stay aligned
+  const bool stream = !cached && reinterpret_cast<std::uintptr_t>(dst) % 64 == 0;
   int64_t k = 0;
   for (; full && k + kLanes <= K; k += kLanes) {
     __m512 r[16], t[16];
@@ -109,39 +127,71 @@ inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t
   for (; k < K; ++k)
     for (int64_t j = 0; j < kLanes; ++j) dst[k * kLanes + j] = n0 + j < N ? W[(n0 + j) * K + k] : 0.f;
 }
+// dst[i] = the high half of src[i], i < n (n a multiple of 16); false at the first float with low
+// bits set (a value that is not a bfloat16).
+inline bool narrow16(const float* src, uint16_t* dst, int64_t n) {
+  const __m512i low = _mm512_set1_epi32(0xFFFF);
+  for (int64_t i = 0; i < n; i += kLanes) {
+    const __m512i v = _mm512_loadu_si512(src + i);
+    if (_mm512_test_epi32_mask(v, low)) return false;
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + i), _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)));
+  }
+  return true;
+}
 inline void fence() { _mm_sfence(); }
 constexpr bool kVectorised = true;
 #else
-template <int M, int NP>
-inline void tile(const float* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
+inline float widen(float w) { return w; }
+inline float widen(uint16_t w) {
+  const uint32_t bits = static_cast<uint32_t>(w) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+template <typename W, int M, int NP>
+inline void tile(const W* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
   // Without AVX-512 (the Python side does not use the kernel then; kept so the file builds).
   for (int64_t j = 0; j < NP * kLanes && p * kLanes + j < N; ++j)
     for (int m = 0; m < M; ++m) {
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += X[m * K + k] * P[p * K * kLanes + (j / kLanes * K + k) * kLanes + j % kLanes];
+      for (int64_t k = 0; k < K; ++k) s += X[m * K + k] * widen(P[p * K * kLanes + (j / kLanes * K + k) * kLanes + j % kLanes]);
       Y[m * N + p * kLanes + j] = b != nullptr ? s + b[p * kLanes + j] : s;
     }
 }
-inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0) {
+inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0, bool = false) {
   for (int64_t k = 0; k < K; ++k)
     for (int64_t j = 0; j < kLanes; ++j) dst[k * kLanes + j] = n0 + j < N ? W[(n0 + j) * K + k] : 0.f;
+}
+inline bool narrow16(const float* src, uint16_t* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t bits;
+    std::memcpy(&bits, src + i, sizeof bits);
+    if (bits & 0xFFFFu) return false;
+    dst[i] = static_cast<uint16_t>(bits >> 16);
+  }
+  return true;
 }
 inline void fence() {}
 constexpr bool kVectorised = false;
 #endif
 
-using Tile = void (*)(const float*, const float*, const float*, float*, int64_t, int64_t, int64_t);
+template <typename W>
+using Tile = void (*)(const W*, const float*, const float*, float*, int64_t, int64_t, int64_t);
 
-template <int NP, int... Ms>
-constexpr std::array<Tile, sizeof...(Ms) + 1> tiles(std::integer_sequence<int, Ms...>) {
-  return {nullptr, &tile<Ms + 1, NP>...};
+template <typename W, int NP, int... Ms>
+constexpr std::array<Tile<W>, sizeof...(Ms) + 1> tiles(std::integer_sequence<int, Ms...>) {
+  return {nullptr, &tile<W, Ms + 1, NP>...};
 }
-constexpr auto kTiles1 = tiles<1>(std::make_integer_sequence<int, kGroup1>{});  // [rows] -> tile
-constexpr auto kTilesU = tiles<kUnit>(std::make_integer_sequence<int, kGroupU>{});
+template <typename W>  // [rows] -> tile, for one panel and for a unit of panels
+struct Tiles {
+  static constexpr auto one = tiles<W, 1>(std::make_integer_sequence<int, kGroup1>{});
+  static constexpr auto unit = tiles<W, kUnit>(std::make_integer_sequence<int, kGroupU>{});
+};
 
 // Work units are kUnit panels; each runs the rows in groups that fit the registers (a group
 // rereads the unit's panels from cache, not memory). Panels past the last whole unit run alone.
-void run(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
+template <typename W>
+void run(const W* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
   const int64_t panels = (N + kLanes - 1) / kLanes;
   const int64_t units = panels / kUnit;
   for (int64_t r0 = 0; r0 < M; r0 += kRowBlock) {  // row blocks whose X stays in cache
@@ -153,11 +203,18 @@ void run(const float* P, const float* b, const float* X, float* Y, int64_t N, in
         const int64_t group = whole ? kGroupU : kGroup1;
         for (int64_t m0 = r0; m0 < r1; m0 += group) {
           const int64_t rows = r1 - m0 < group ? r1 - m0 : group;
-          (whole ? kTilesU[rows] : kTiles1[rows])(P, X + m0 * K, b, Y + m0 * N, N, K, p);
+          (whole ? Tiles<W>::unit[rows] : Tiles<W>::one[rows])(P, X + m0 * K, b, Y + m0 * N, N, K, p);
         }
       }
     });
   }
+}
+
+// One compact panel: the panel packed as floats into ``tmp`` (K x 16), then each float's high
+// half. Returns false (the rest of the panel unwritten) at the first float with low bits set.
+bool pack_panel16(const float* W, uint16_t* dst, float* tmp, int64_t N, int64_t K, int64_t n0) {
+  pack_panel(W, tmp, N, K, n0, true);
+  return narrow16(tmp, dst, K * kLanes);
 }
 
 }  // namespace
@@ -183,6 +240,33 @@ void hr_linear_pack(const float* W, float* P, int64_t N, int64_t K) {
 // Y [M, N] = X [M, K] W^T (+ b) from the packed P. Returns 0, or 1 when M is outside
 // [1, kMaxRows] (nothing written; kMaxRows only bounds the call).
 int64_t hr_linear(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
+  if (M < 1 || M > kMaxRows) return 1;
+  run(P, b, X, Y, N, K, M);
+  return 0;
+}
+
+// Pack W [N, K] into compact panels P (hr_linear_packed_size values of 16 bits) when every value
+// of W is a bfloat16 (see the top of the file). Returns 0, or 1 when some value is not (then P
+// holds nothing usable; the first row is looked at before anything else, so a dense fp32 weight
+// is refused at once). With P null only that first row is tested (0: it is all bfloat16s).
+int64_t hr_linear_pack16(const float* W, uint16_t* P, int64_t N, int64_t K) {
+  for (int64_t k = 0; k < K; ++k) {
+    uint32_t bits;
+    std::memcpy(&bits, W + k, sizeof bits);
+    if (bits & 0xFFFFu) return 1;
+  }
+  if (P == nullptr) return 0;
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> tmp(K * kLanes);
+    for (int64_t p = lo; p < hi && ok.load(std::memory_order_relaxed); ++p)
+      if (!pack_panel16(W, P + p * K * kLanes, tmp.data(), N, K, p * kLanes)) ok = false;
+  });
+  return ok ? 0 : 1;
+}
+
+// hr_linear over compact panels (hr_linear_pack16): the same bits as over the fp32 panels.
+int64_t hr_linear16(const uint16_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
   if (M < 1 || M > kMaxRows) return 1;
   run(P, b, X, Y, N, K, M);
   return 0;

@@ -216,9 +216,12 @@ def test_every_routed_block_sees_the_weights_as_they_are():
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", [(16, 16), (32, 48), (48, 35), (17, 16), (5, 3), (64, 576)])
-def test_pack_layout(n, k):
+def test_pack_layout(n, k, monkeypatch):
     """Panel p holds output columns 16p..16p+15 as K rows of 16, zero past N (the 16 x 16
-    register transpose and the scalar edges agree with that layout exactly)."""
+    register transpose and the scalar edges agree with that layout exactly). fp32 panels (small
+    integers are bfloat16 values, which compact panels would hold in the same layout:
+    tests/rollout/test_native_linear_compact.py)."""
+    monkeypatch.setattr(native_linear, "compact", False)
     w = torch.arange(n * k, dtype=torch.float32).reshape(n, k)
     padded = torch.zeros((n + 15) // 16 * 16, k)
     padded[:n] = w
