@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from rollout import fused_layers
 from rollout.config import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -185,11 +186,34 @@ class TargetModel(nn.Module):
             assert position_ids.shape == input_ids.shape, (
                 f"position_ids {tuple(position_ids.shape)} != input_ids {tuple(input_ids.shape)}"
             )
+        lean = self.body(input_ids, position_ids, attention_mask, cache) if use_cache else None
+        if lean is not None:
+            hidden, cap = lean
+            return TargetOutput(logits=self.model.get_output_embeddings()(hidden).float(), features=cap.features(),
+                                cache=cache, final=hidden if final else None)
         with self.capture(final=final) as cap:
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
                              cache=cache, use_cache=use_cache)
         return TargetOutput(logits=out.logits.float(), features=cap.features(), cache=out.cache,
                             final=cap.final())
+
+    def body(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
+             cache: Any) -> tuple[torch.Tensor, FeatureCapture] | None:
+        """The decoder stack alone through ``rollout.fused_layers.stack_forward`` (inside an engine
+        call: the same bits as the model's own forward, with less overhead): the final norm's
+        output ``[B, T, H]`` and the captured features; None where that does not apply (no 4D
+        bool mask, positions or cache given; a model it does not know; hooks; autograd)."""
+        if (position_ids is None or cache is None or attention_mask is None or attention_mask.dim() != 4
+                or attention_mask.dtype != torch.bool):
+            return None
+        run = fused_layers.stack_forward(self.model.base_model)
+        if run is None or self.model.base_model is self.model:
+            return None
+        hidden, inputs = run(input_ids, position_ids, attention_mask, cache, keep=self.aux_layer_ids)
+        cap = FeatureCapture(self.aux_layer_ids)
+        cap.store.update(inputs)
+        cap.store["final"] = hidden
+        return hidden, cap
 
     @contextmanager
     def capture(self, final: bool = False):

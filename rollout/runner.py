@@ -176,9 +176,13 @@ class ModelRunner:
         needs logits at one position per row, not over the whole prompt. Captures the
         EAGLE-3 features (``TargetModel.capture``) when there is a head or a capture."""
         features = self.head is not None or self.capture
-        with (self.target.capture() if features else nullcontext()) as cap, _gqa_attention(self.target):
-            out = self.target.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
-                                               cache=self.cache, use_cache=True)
+        with _gqa_attention(self.target):
+            lean = self.target.body(ids, positions, mask, self.cache)
+            if lean is not None:
+                return lean[0], lean[1].features() if features else None
+            with self.target.capture() if features else nullcontext() as cap:
+                out = self.target.model.base_model(input_ids=ids, position_ids=positions, attention_mask=mask,
+                                                   cache=self.cache, use_cache=True)
         return out.last_hidden_state, cap.features() if features else None
 
     def _record(self, feats: torch.Tensor, final: torch.Tensor, rows, lengths: list[int]) -> None:

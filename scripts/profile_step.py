@@ -3,9 +3,10 @@
     python -m scripts.profile_step [--threads 2] [--reps 20] [--json OUT.json]
 
 Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved), once with the
-linear layers on torch's GEMM (``linear torch``) and twice on the decoding kernel of
+linear layers on torch's GEMM (``linear torch``) and three times on the decoding kernel of
 ``rollout.native_linear`` (where it is available): with the modules' own forwards
-(``linear native unfused``) and with the leaner forwards of ``rollout.fused_layers``
+(``linear native unfused``), with the leaner layer forwards of ``rollout.fused_layers`` inside
+the model's own decoder stack (``linear native own stack``) and with those and the stack loop
 (``linear native``, the engine's default):
 - ``engine_ms``: one token of our autoregressive mode (``Engine.generate``, spec off),
   per token over a 32-token completion;
@@ -73,15 +74,16 @@ def categorise(name: str) -> str:
 
 
 def measure(target, prompt: list[int], reps: int = 20, bandwidth: float | None = None,
-            linear: str = "torch", fused: bool = True) -> dict:
+            linear: str = "torch", fused: bool = True, stack: bool = True) -> dict:
     """The figures of the module docstring for ``target`` on one tokenised ``prompt``, with the
     linear layers computing as ``Engine(linear=...)`` does (``torch`` or ``native``); ``fused``
-    False: the modules' own forwards instead of ``rollout.fused_layers``'."""
-    fused_layers.enabled = fused
+    False: the modules' own forwards instead of ``rollout.fused_layers``'; ``stack`` False: the
+    decoder stack's own forward around them (``fused_layers.stack``)."""
+    fused_layers.enabled, fused_layers.stack = fused, stack
     try:
         return _measure(target, prompt, reps, bandwidth, linear)
     finally:
-        fused_layers.enabled = True
+        fused_layers.enabled = fused_layers.stack = True
 
 
 def _measure(target, prompt: list[int], reps: int, bandwidth: float | None, linear: str) -> dict:
@@ -141,9 +143,9 @@ def main(argv: list[str] | None = None) -> dict:
     target, tok = load_embedded_target()
     prompt = benchmark_prompts(tok, 1, 0)[0]
     bandwidth = bandwidth_gbs()
-    modes = ("torch", "native unfused", "native") if native_linear.available() else ("torch",)
-    res = {mode: measure(target, prompt, args.reps, bandwidth, linear=mode.split()[0], fused=mode != "native unfused")
-           for mode in modes}
+    modes = ("torch", "native unfused", "native own stack", "native") if native_linear.available() else ("torch",)
+    res = {mode: measure(target, prompt, args.reps, bandwidth, linear=mode.split()[0], fused=mode != "native unfused",
+                         stack=mode != "native own stack") for mode in modes}
     for mode, r in res.items():
         print(f"threads {torch.get_num_threads()}, linear {mode}: engine {r['engine_ms']:.1f} ms/token, "
               f"forward {r['forward_ms']:.1f} ms, lm_head {r['lm_head_ms']:.1f} ms; "

@@ -19,6 +19,8 @@ def test_profile_reports_costs_floor_and_op_shares(tiny_policy_dir):
     assert native["ops"].get("matmul", 0) > 0 and native["forward_ms"] > 0
     unfused = measure(target, [1, 20, 300, 7], reps=3, bandwidth=10.0, linear="auto", fused=False)
     assert unfused["forward_ms"] > 0 and fused_layers.enabled  # switched back on
+    own_stack = measure(target, [1, 20, 300, 7], reps=3, bandwidth=10.0, linear="auto", stack=False)
+    assert own_stack["forward_ms"] > 0 and fused_layers.stack  # switched back on
     weights = sum(p.numel() * 4 for p in target.parameters())
     assert res["floor_ms"] == pytest.approx(weights / 10e9 * 1000)
     assert res["engine_ms"] > 0 and res["forward_ms"] > 0 and res["lm_head_ms"] > 0

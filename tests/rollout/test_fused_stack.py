@@ -1,0 +1,133 @@
+"""rollout.fused_layers.stack_forward: inside an engine call the decoder stack runs as one loop
+over the fused layers: the same bits as the model's own forward around the same layers."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import fused_layers, native_linear
+from rollout.engine import Engine
+from rollout.kv_cache import RowKVCache
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.runner import ModelRunner
+from tests.models import copy_head, tiny_target
+
+pytestmark = pytest.mark.skipif(not native_linear.available(),
+                                reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
+
+
+@pytest.fixture
+def stack_runs(monkeypatch):
+    """Counts the stack loop's runs."""
+    runs = []
+    original = fused_layers._run_stack
+
+    def spy(*args, **kwargs):
+        runs.append(args[2].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_layers, "_run_stack", spy)
+    yield runs
+    fused_layers.stack = True
+
+
+def _cached_forward(target, ids, mask, final=True):
+    """A prefill of ``ids [B, T]`` with ``mask [B, 1, T, T]`` into a fresh cache, then a 3-token block
+    after it whose middle token does not see the first (a tree-like mask)."""
+    cfg = target.config
+    b, t = ids.shape
+    cache = RowKVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, cfg.head_dim, 32, target.dtype, "cpu")
+    cache.prepare(t)
+    pos = torch.arange(t)[None].expand(b, t)
+    first = target(ids, position_ids=pos, attention_mask=mask, cache=cache, final=final)
+    cache.commit(torch.full((b,), t), [t] * b)
+    _, length = cache.prepare(3)
+    block = torch.ones(3, length, dtype=torch.bool).tril(t)
+    block[1, t] = False
+    second = target(ids[:, :3], position_ids=pos[:, :3] + t, attention_mask=block.expand(b, 1, 3, length),
+                    cache=cache, final=final)
+    return first, second
+
+
+def test_stack_gives_the_bits_of_the_models_own_forward(stack_runs):
+    target = tiny_target(seed=3)
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(0, 64, (2, 6), generator=g)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6).clone()
+    mask[1, 0, :, 0] = False  # row 1 does not see its first token (padding)
+    mask[1, 0, 0, 0] = True
+    outs = {}
+    with torch.inference_mode(), native_linear.routed(target):
+        for on in (True, False):
+            fused_layers.stack = on
+            outs[on] = _cached_forward(target, ids, mask)
+    assert len(stack_runs) == 2  # the stack ran (twice) with the switch on, never with it off
+    for lean, own in zip(outs[True], outs[False]):
+        assert torch.equal(lean.logits, own.logits)
+        assert torch.equal(lean.features, own.features)
+        assert torch.equal(lean.final, own.final)
+
+
+def test_hooks_autograd_and_the_plain_model_keep_the_models_own_forward(stack_runs):
+    target = tiny_target(seed=4)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril().expand(1, 1, 5, 5)
+    seen = []
+    handle = target.decoder_layers[2].mlp.register_forward_hook(lambda *a: seen.append(1))
+    with torch.inference_mode(), native_linear.routed(target):
+        _cached_forward(target, ids, mask)
+    handle.remove()
+    assert seen == [1, 1] and not stack_runs  # the hook ran: no stack
+    with torch.no_grad():  # outside routed: the modules' own forwards, no stack
+        _cached_forward(target, ids, mask)
+    assert not stack_runs
+    with native_linear.routed(target):  # autograd on
+        _cached_forward(target, ids, mask)
+    assert not stack_runs
+    with torch.inference_mode(), native_linear.routed(target):
+        _cached_forward(target, ids, mask)
+    assert len(stack_runs) == 2
+
+
+@pytest.mark.parametrize("mode", ["off", "chain", "tree"])
+def test_engine_outputs_with_and_without_the_stack(mode, stack_runs):
+    """Every token, kind and log-prob the same, prefill and rounds through the stack."""
+    target = tiny_target()
+    head = copy_head(target, noise=0.3)
+    spec = {"off": SpecConfig(mode="off"), "chain": SpecConfig(mode="chain", num_draft_tokens=3),
+            "tree": SpecConfig(mode="tree")}[mode]
+    kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=30), spec=spec,
+              verifier=VerifierConfig(name="mars", params={"theta": 0.9}), seed=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [1, 2, 3]]
+    engine = Engine(target, head, num_threads=2, linear="native")
+    lean = engine.generate(prompts, **kw)
+    assert len(stack_runs) >= 2
+    fused_layers.stack = False
+    own = engine.generate(prompts, **kw)
+    for a, b in zip(lean.completions, own.completions):
+        assert a.completion_ids == b.completion_ids and a.kinds == b.kinds
+        assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
+
+
+def test_capture_mode_records_the_same_features(stack_runs):
+    """The drafter's data (features and final norm outputs of plain decoding) through the stack."""
+    target = tiny_target(seed=5)
+    prompts = [[1, 2, 3, 4], [5, 6]]
+    got = {}
+    for on in (True, False):
+        fused_layers.stack = on
+        runner = ModelRunner(target, None, capture=True)
+        with torch.inference_mode(), native_linear.routed(target):
+            logits = runner.start(prompts, 16)
+            runner.set_first_tokens(logits.argmax(-1))
+            for _ in range(3):
+                logits, _ = runner.verify_forward(runner.pending[:, None], torch.zeros(1, 1, dtype=torch.long), None)
+                host = [1] * runner.batch
+                runner.commit(torch.ones(runner.batch, dtype=torch.long), host, logits[:, 0].argmax(-1)[:, None],
+                              None, None)
+                runner.pending = logits[:, 0].argmax(-1)
+        got[on] = runner.captures()
+    assert stack_runs
+    for (fa, xa), (fb, xb) in zip(got[True], got[False]):
+        assert torch.equal(fa, fb) and torch.equal(xa, xb)
