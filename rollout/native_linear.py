@@ -55,7 +55,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rollout import fused_layers
 from verifiers import cbuild
 
-SOURCES = [Path(__file__).with_name("csrc") / "linear.cpp", Path(__file__).with_name("csrc") / "attention.cpp"]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp", "norm.cpp")]
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 compact = True  # switch: pack bf16-valued weights as bf16 panels (False: fp32 panels for all)
 
@@ -98,6 +98,8 @@ def _load() -> ctypes.CDLL | None:
         lib.hr_attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr] + [i64] * 6 + [
             ctypes.c_float]
         lib.hr_attend_vectorised.restype = i64
+        lib.hr_rms_norm.restype = None
+        lib.hr_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
         return _lib
 
@@ -221,7 +223,7 @@ def routed(*modules: nn.Module | None):
     for mod in mods if use and fused_layers.enabled else ():
         if "forward" in mod.__dict__:
             continue
-        forward = fused_layers.norm_forward(mod)
+        forward = fused_layers.norm_forward(mod, rms_norm)
         group = fused_layers.merged_groups(mod) if forward is None else None
         if group is not None and _mergeable(group) and not any(id(m) in covered for m in group):
             panels = _merged_buffers[mod] = pack_merged([m.weight for m in group], _merged_buffers.get(mod))
@@ -269,6 +271,20 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
                             ks[2], mask.data_ptr(), ms[0], ms[2], out.data_ptr(), b, t, hq, key.shape[1],
                             key.shape[2], d, scale)
     return out if status == 0 else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
+    """Llama's RMS norm of ``x [..., N]`` with ``weight [N]`` through ``csrc/norm.cpp`` (fp32, CPU,
+    no autograd), or None where it does not fit (then the caller runs torch's)."""
+    n = x.shape[-1]
+    if not (_lib is not None and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type
+            == "cpu" and weight.shape == (n,) and weight.is_contiguous() and x.numel() > 0
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+        return None
+    xs = x.contiguous()
+    out = torch.empty_like(xs)
+    _lib.hr_rms_norm(xs.data_ptr(), weight.data_ptr(), out.data_ptr(), xs.numel() // n, n, eps)
+    return out
 
 
 def _forward(layer: nn.Linear, panels: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -32,10 +32,18 @@ def _forward(target, ids):
         return target(ids, final=True)
 
 
+@pytest.fixture
+def torch_norms():
+    fused_layers.native_norm = False
+    yield
+    fused_layers.native_norm = True
+
+
 @needs_kernel
-def test_fused_forward_gives_the_same_bits(unfused):
-    """Without a mask (attention through torch's causal path), norms, merged q/k/v and gate/up
-    and the rotary embedding give the same bits as the modules' own forwards."""
+def test_fused_forward_gives_the_same_bits(unfused, torch_norms):
+    """Without a mask (attention through torch's causal path) and with torch's rms_norm, norms,
+    merged q/k/v and gate/up and the rotary embedding give the same bits as the modules' own
+    forwards."""
     target = tiny_target(seed=2)
     ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
     with native_linear.routed(target):
@@ -45,6 +53,41 @@ def test_fused_forward_gives_the_same_bits(unfused):
         plain = _forward(target, ids)
     assert torch.equal(fused.logits, plain.logits)
     assert torch.equal(fused.features, plain.features) and torch.equal(fused.final, plain.final)
+
+
+@needs_kernel
+def test_native_norms_match_the_modules_own_up_to_rounding(unfused):
+    """With the norm kernel (the default) the same forward differs only by float32 rounding."""
+    target = tiny_target(seed=2)
+    ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
+    calls = []
+    original = native_linear.rms_norm
+    native_linear.rms_norm = lambda *a: calls.append(a[0].shape) or original(*a)
+    try:
+        with native_linear.routed(target):
+            fused = _forward(target, ids)
+    finally:
+        native_linear.rms_norm = original
+    assert len(calls) == 2 * 4 + 1  # every norm of the 4 layers and the final one
+    unfused(True)
+    with native_linear.routed(target):
+        plain = _forward(target, ids)
+    torch.testing.assert_close(fused.logits, plain.logits, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(fused.final, plain.final, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+@pytest.mark.parametrize("shape", [(1, 1, 576), (1, 4, 576), (16, 1, 576), (3, 5, 577), (2, 9), (300, 256)])
+def test_norm_kernel_against_torch_and_batch_invariant(shape):
+    g = torch.Generator().manual_seed(shape[-1])
+    x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
+    got = native_linear.rms_norm(x, w, 1e-5)
+    torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), w, 1e-5), rtol=2e-6, atol=1e-6)
+    rows = x.reshape(-1, shape[-1])
+    for i in range(0, rows.shape[0], 7):  # a row alone gives the bits it has in the batch
+        assert torch.equal(native_linear.rms_norm(rows[i:i + 1], w, 1e-5), got.reshape(-1, shape[-1])[i:i + 1])
+    assert native_linear.rms_norm(x.double(), w.double(), 1e-5) is None  # not fp32: the caller's torch path
+    assert native_linear.rms_norm(x.requires_grad_(True), w, 1e-5) is None  # autograd
 
 
 @needs_kernel
