@@ -32,6 +32,8 @@ bandwidth is about 16-18 ms.)
   first row, so the check costs the target nothing). A batch-1 draft step reads half the
   bytes; ``compact = False`` packs everything as fp32 (A/B measurements,
   ``scripts/bench_rollout.py --fp32-head``).
+- The same library holds the decoding attention (``csrc/attention.cpp``, :func:`attend`) and
+  RMS norm (``csrc/norm.cpp``, :func:`rms_norm`) that ``rollout.fused_layers`` runs.
 - Needs AVX-512 (x86); elsewhere :func:`available` is False and the torch path runs.
 - ``HONEST_ROLLOUTS_NATIVE`` (as for the fused verifier): ``0`` never uses it, ``1`` raises
   when it cannot be built.
@@ -212,7 +214,9 @@ def routed(*modules: nn.Module | None):
     """Inside the block, every ``nn.Linear`` of ``modules`` (None entries skipped) computes through
     :func:`linear` (the kernel when a call fits, else torch), and Llama-style norms, attention
     and MLPs run the leaner forwards of :mod:`rollout.fused_layers` (q/k/v and gate/up from one
-    kernel call each). Weights are packed on entry, so the block sees them as they are then,
+    kernel call each; norms through :func:`rms_norm`, attention through :func:`attend`; a
+    decoder stack of such layers as one loop, ``fused_layers.stack_forward``). Weights are
+    packed on entry (bf16-valued ones as compact panels, see the module docstring), so the block sees them as they are then,
     however they were changed before (an optimizer step through ``.data`` does not move a
     tensor's version counter, so nothing cheaper can tell); they must not change inside the
     block. The modules are restored on exit."""
