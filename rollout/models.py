@@ -204,10 +204,10 @@ class TargetModel(nn.Module):
         output ``[B, T, H]`` and the captured features; None where that does not apply (no 4D
         bool mask, positions or cache given; a model it does not know; hooks; autograd)."""
         if (position_ids is None or cache is None or attention_mask is None or attention_mask.dim() != 4
-                or attention_mask.dtype != torch.bool):
+                or attention_mask.dtype != torch.bool or self.model.base_model is self.model):
             return None
         run = fused_layers.stack_forward(self.model.base_model)
-        if run is None or self.model.base_model is self.model:
+        if run is None:
             return None
         hidden, inputs = run(input_ids, position_ids, attention_mask, cache, keep=self.aux_layer_ids)
         cap = FeatureCapture(self.aux_layer_ids)

@@ -165,8 +165,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     call = _lib.hr_linear16 if panels.dtype == torch.bfloat16 else _lib.hr_linear
-    status = call(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(),
-                            out.data_ptr(), n, k, xs.numel() // k)
+    status = call(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(), out.data_ptr(), n, k,
+                  xs.numel() // k)
     if status != 0:  # cannot happen after _fits; never return an unwritten tensor
         raise RuntimeError(f"hr_linear refused {xs.numel() // k} rows")
     return out
@@ -216,8 +216,8 @@ def routed(*modules: nn.Module | None):
     and MLPs run the leaner forwards of :mod:`rollout.fused_layers` (q/k/v and gate/up from one
     kernel call each; norms through :func:`rms_norm`, attention through :func:`attend`; a
     decoder stack of such layers as one loop, ``fused_layers.stack_forward``). Weights are
-    packed on entry (bf16-valued ones as compact panels, see the module docstring), so the block sees them as they are then,
-    however they were changed before (an optimizer step through ``.data`` does not move a
+    packed on entry (bf16-valued ones as compact panels, see the module docstring), so the
+    block sees them as they are then, however they were changed before (an optimizer step through ``.data`` does not move a
     tensor's version counter, so nothing cheaper can tell); they must not change inside the
     block. The modules are restored on exit."""
     mods = [m for mod in modules if mod is not None for m in mod.modules()]

@@ -201,6 +201,24 @@ def describe(spec: SpecConfig) -> str:
     return "off"
 
 
+# rows run on the default engine with one switch off: (owner, attribute)
+SWITCHES = {
+    "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
+    "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
+    "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
+}
+
+
+@contextlib.contextmanager
+def switched_off(owner, name: str):
+    """``owner.name`` is False inside the block, True after it."""
+    setattr(owner, name, False)
+    try:
+        yield
+    finally:
+        setattr(owner, name, True)
+
+
 def run_order(n: int, i: int, order: str) -> list[int]:
     """The order of the ``n`` configurations on batch ``i`` of prompts: rotated by ``i`` or as listed."""
     start = i % n if order == "rotate" else 0
@@ -250,24 +268,9 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     res = run_hf(target.model, group, sampling, pad_id, seed)
                 elif isinstance(backend, Engine):  # a row on another engine
                     res = run_ours(backend, group, sampling, spec, verifier, seed)
-                elif backend == "unfused":  # every module's own forward (the kernel still on)
-                    fused_layers.enabled = False
-                    try:
+                elif backend in SWITCHES:  # the default engine with one of its switches off
+                    with switched_off(*SWITCHES[backend]):
                         res = run_ours(engine, group, sampling, spec, verifier, seed)
-                    finally:
-                        fused_layers.enabled = True
-                elif backend == "fp32-head":  # the head's weights packed as fp32 panels
-                    native_linear.compact = False
-                    try:
-                        res = run_ours(engine, group, sampling, spec, verifier, seed)
-                    finally:
-                        native_linear.compact = True
-                elif backend == "unshared":  # every row prefilled on its own
-                    ModelRunner.share_prompts = False
-                    try:
-                        res = run_ours(engine, group, sampling, spec, verifier, seed)
-                    finally:
-                        ModelRunner.share_prompts = True
                 else:
                     res = run_ours(engine, group, sampling, spec, verifier, seed, backend)
                 for key, value in res.items():
@@ -288,7 +291,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         # decoding only: without each call's setup (weight packing, prefill), which the bound leaves out
         decode = {key: t["tokens"] / (t["seconds"] - t["setup_s"]) for key, t in zip(keys, totals) if "setup_s" in t}
         ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
-        for (mode, vname, spec, *_), tot in zip(configs, totals):
+        for (mode, vname, spec, _, backend), tot in zip(configs, totals):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
@@ -296,7 +299,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
-            row["bound"] = bound(spec, row["tau"], costs) if not mode.endswith("[fp32 head]") else None
+            row["bound"] = bound(spec, row["tau"], costs) if backend != "fp32-head" else None
             row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
             mine = decode.get((mode, vname))
             row["decode_tokens_per_s"] = mine

@@ -130,6 +130,28 @@ def test_unfused_row_runs_the_modules_own_forwards(tiny, monkeypatch):
     assert rows[0]["tokens"] == rows[1]["tokens"] == 10
 
 
+def test_fp32_head_rows_pack_the_head_as_fp32_and_have_no_bound(tiny, monkeypatch):
+    """--fp32-head: each speculative configuration again with native_linear.compact off (back on
+    after), without a bound (the step costs are timed with compact panels)."""
+    from rollout import native_linear
+    from rollout.params import SamplingParams
+    from scripts import bench_rollout
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    seen = []
+    run = bench_rollout.run_ours
+    monkeypatch.setattr(bench_rollout, "run_ours",
+                        lambda *a, **kw: seen.append(native_linear.compact) or run(*a, **kw))
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "5", "--modes", "chain", "--no-hf",
+                       "--verifiers", "lossless", "--fp32-head", "--order", "fixed"])
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)],
+                   SamplingParams(max_new_tokens=5))
+    assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled [fp32 head]"]
+    assert seen == [True, True, False] and native_linear.compact
+    assert rows[1]["bound"] is not None and rows[2]["bound"] is None and rows[2]["of_bound"] is None
+
+
 def test_configurations_rotate_and_step_costs_span_the_run(tiny, monkeypatch):
     """--order rotate (default): batch i of prompts starts at configuration i, so none always
     runs first or last; the step costs are timed on every batch of prompts, after its runs."""
