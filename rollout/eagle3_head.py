@@ -284,12 +284,14 @@ class Eagle3Head(nn.Module):
                 f"got {tuple(hidden.shape)}"
             )
         h, kv = self.midlayer(emb, hidden, self.rotary, position_ids, attn_mask, past)
-        logits = None
-        if compute_logits:  # [B, T, Vd]
-            logits = self.logits_from_hidden(h)
-            if self.cfg.logit_scale != 1:
-                logits = logits * self.cfg.logit_scale
+        logits = self.draft_logits(h) if compute_logits else None  # [B, T, Vd]
         return DraftOutput(logits=logits, hidden=h, kv=kv)
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The inference draft logits (float32, scaled by ``cfg.logit_scale``) of output hidden
+        states ``[..., H]``: what :meth:`forward` returns, for selected positions only."""
+        logits = self.logits_from_hidden(hidden)
+        return logits * self.cfg.logit_scale if self.cfg.logit_scale != 1 else logits
 
     def logits_from_hidden(self, hidden: torch.Tensor) -> torch.Tensor:
         """Draft-vocabulary logits (float32) of output hidden states ``[..., H]``."""

@@ -19,7 +19,8 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   plain at batch 16, where it loses. With one point (one n measured), R is that point for
   its n and unknown for the others.
 - **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
-  are not counted: their step 0 is longer).
+  are not counted: their step 0 is longer). A bucket without its own measurement uses the
+  nearest bucket's (as for ``S``).
 - **switch cost** ``S(b)``: what a catch-up costs beyond a typical draft (the draft runs over
   the pairs of the rounds it skipped, or over the prompt in a call's first draft). It is paid
   once when drafting resumes, not every round, so it stays out of ``R`` (charging it to the
@@ -36,7 +37,11 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   tokens emitted per row per tree round.
 
 It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b)
-[+ S(b) / horizon after a plain round]) against 1 / R(b, 1). In a new bucket it first measures
+[+ S(b) / horizon after a plain round]) against 1 / R(b, 1); after a plain round a speculative
+option must beat plain by ``hold`` (default 8%): on this shared machine the median of 5 plain
+rounds wanders by +-15% from second to second, and near-ties had flipped the choice back and
+forth, each flip paying a catch-up (at batch 16, where a chain loses, ``auto`` ran at 0.83-0.90x
+plain decoding). In a new bucket it first measures
 a plain round and the cheapest speculative option (a chain of one draft with adaptive K,
 else the configured one). Larger options open one at a time: the next one's cost is
 extrapolated from the measured ones, and when it looks better it is tried, and so measured,
@@ -46,7 +51,11 @@ expected rate is within ``margin`` of the best (a lasting change of machine load
 the choice), one further behind after longer (``reprobe_interval``: the interval grows with
 the gap), so that a noisy measurement cannot lock an option out for good (on this shared
 machine a few slow rounds had made the best chain length look 35% slower for the rest of the
-calls). Each cost is judged on its measurements of the 48 rounds before its newest one.
+calls). A probe's loss is its gap plus, for a speculative probe from plain rounds, its catch-up
+(``S(b)`` in rounds of the best option): a costly catch-up spaces the probes further. Intervals
+count the bucket's own rounds: rows finish during a call, so the small buckets see a few rounds
+per call, and counted in all rounds every option there was due again at each visit. Each cost is
+judged on its measurements of the 48 rounds before its newest one.
 
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),
@@ -114,6 +123,7 @@ class RoundPlanner:
     prior_weight: float = 4.0
     carry: float = 0.5
     horizon: int = 24
+    hold: float = 0.08
     _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
     _round_rows: dict[tuple[int, int], _Recent] = field(default_factory=dict)  # live rows of those rounds
     _draft_cost: dict[int, _Recent] = field(default_factory=dict)
@@ -122,7 +132,8 @@ class RoundPlanner:
     _attempts: list[float] = field(default_factory=list)  # per depth (decayed counts across calls)
     _accepts: list[float] = field(default_factory=list)
     _tree: list[float] = field(default_factory=lambda: [0.0, 0.0])  # tokens, row-rounds
-    _last_run: dict[tuple[int, int], int] = field(default_factory=dict)
+    _last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, k) -> the bucket's round
+    _bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds run per bucket
     _round: int = 0
 
     def __post_init__(self) -> None:
@@ -196,7 +207,7 @@ class RoundPlanner:
         r = self.round_cost(b, self.block_tokens[k] if k else 1)
         if r is None or not k:
             return r
-        d, sw = self._draft_cost.get(bucket(b)), self._switch_cost.get(bucket(b))
+        d, sw = self._nearest(self._draft_cost, bucket(b)), self._nearest(self._switch_cost, bucket(b))
         extra = sw.value / self.horizon if switching and sw is not None else 0.0
         return r + (self.draft_steps[k] * d.value if d is not None else 0.0) + extra
 
@@ -223,23 +234,34 @@ class RoundPlanner:
         """Draft length of the next round over ``b`` live rows (0 = plain)."""
         self._round += 1
         bk = bucket(b)
+        self._bucket_rounds[bk] = self._bucket_rounds.get(bk, 0) + 1
         for k in (0, min(self.options)):  # in a new bucket: a plain round, then the cheapest draft
             if (bk, k) not in self._last_run:
                 return self._mark(bk, k)
         rates = self.rates(b)
         best = max(rates, key=lambda k: rates[k])
-        due = [k for k in rates if k != best and self._due(bk, k, rates[k] / rates[best])]
+        if best and not self._drafting and 0 in rates and rates[best] < (1 + self.hold) * rates[0]:
+            best = 0  # leave plain rounds only for a clear gain (measurement noise must not flip it)
+        due = [k for k in rates if k != best and self._due(b, k, rates[k] / rates[best], best)]
         if due:  # keep the alternatives' measurements fresh (the nearest first)
             return self._mark(bk, max(due, key=lambda k: rates[k]))
         return self._mark(bk, best)
 
-    def _due(self, bk: int, k: int, ratio: float) -> bool:
+    def _due(self, b: int, k: int, ratio: float, best: int) -> bool:
         """Whether option k (expected rate ``ratio`` times the best's) is to be run again; one
-        never run in the bucket (its cost extrapolated) only when within ``margin``."""
+        never run in the bucket (its cost extrapolated) only when within ``margin``. Intervals
+        count the bucket's own rounds (a bucket visited for a few rounds per call, as rows
+        finish, is not re-probed at each visit), and a speculative probe from plain rounds also
+        loses its catch-up (the switch cost, in rounds of the best option)."""
+        bk = bucket(b)
         last = self._last_run.get((bk, k))
         if last is None:
             return ratio >= self.margin
-        return self._round - last > self.reprobe_interval(ratio)
+        loss = 1.0 - ratio
+        switch = self._nearest(self._switch_cost, bk)
+        if k and not self._drafting and switch is not None:
+            loss += switch.value / max(1e-9, self.cost(b, best) or 0.0)
+        return self._bucket_rounds[bk] - last > self.reprobe_interval(1.0 - loss)
 
     def reprobe_interval(self, ratio: float) -> float:
         """Rounds between re-runs of an option whose expected rate is ``ratio`` times the best's:
@@ -250,8 +272,19 @@ class RoundPlanner:
         tolerated = 1.0 - self.margin
         return self.reprobe * max(1.0, (1.0 - ratio) / tolerated)
 
+    @staticmethod
+    def _nearest(table: dict[int, _Recent], bk: int) -> _Recent | None:
+        """The bucket's own entry, else the nearest measured bucket's (the smaller one on a tie):
+        a draft step or a catch-up measured at a neighbouring batch size is a better guess than
+        none (probes that are always single rounds after plain ones never measure a typical draft
+        in their bucket)."""
+        if bk in table:
+            return table[bk]
+        near = min(table, key=lambda x: (abs(x - bk), x), default=None)
+        return table[near] if near is not None else None
+
     def _mark(self, bk: int, k: int) -> int:
-        self._last_run[(bk, k)] = self._round
+        self._last_run[(bk, k)] = self._bucket_rounds[bk]
         self._drafting = k > 0
         return k
 
@@ -267,11 +300,11 @@ class RoundPlanner:
         self._round_rows.setdefault((bk, n), _Recent()).add(float(b), self._round)
         if k == 0:
             return
-        typical = self._draft_cost.get(bk)
+        typical = self._nearest(self._draft_cost, bk)
         if not catch_up:
             self._draft_cost.setdefault(bk, _Recent()).add(draft_s / self.draft_steps[k], self._round)
-        elif typical is not None:  # (before a typical draft is measured the split is unknown)
-            extra = max(0.0, draft_s - self.draft_steps[k] * typical.value)
+        else:  # (before any typical draft is measured, the whole draft counts: an upper bound)
+            extra = max(0.0, draft_s - (self.draft_steps[k] * typical.value if typical is not None else 0.0))
             self._switch_cost.setdefault(bk, _Recent()).add(extra, self._round)
         if not self.chain:
             self._tree[0] += sum(emitted)

@@ -299,18 +299,20 @@ class ModelRunner:
         kv, counts = self.draft_kv, self._wait_counts
         b, t = self.batch, max(self._wait_host)
         lc = max(kv.host_lengths)
-        logits_out, hidden_out = [], []
+        hidden_out = []
         rows_per_chunk = max(1, self.prefill_tokens // t)
         for r0 in range(0, b, rows_per_chunk):
             rows = slice(r0, min(b, r0 + rows_per_chunk))
-            logits, hidden = self._draft_root_chunk(rows, t, lc)
+            hidden = self._draft_root_chunk(rows, t, lc)
             last = (counts[rows] - 1)[:, None, None]
-            logits_out.append(logits.gather(1, last.expand(-1, 1, logits.shape[-1]))[:, 0])
             hidden_out.append(hidden.gather(1, last.expand(-1, 1, hidden.shape[-1]))[:, 0])
         kv.commit(counts, self._wait_host)
         self._wait_consumed = True
         self.drop_speculation()
-        return DraftOutput(torch.cat(logits_out), torch.cat(hidden_out))
+        hidden = torch.cat(hidden_out)
+        # the lm_head at each row's last pair only: a catch-up over the prompt or many skipped
+        # rounds had paid the draft vocabulary's logits at every pair it consumed
+        return DraftOutput(self.head.draft_logits(hidden), hidden)
 
     def _draft_root_chunk(self, rows: slice, t: int, lc: int):
         kv, counts = self.draft_kv, self._wait_counts[rows]
@@ -323,12 +325,12 @@ class ModelRunner:
                                                       | torch.eye(t, dtype=torch.bool, device=self.device))
         mask = torch.cat([past_ok[:, None, :].expand(b, t, lc), new_ok], dim=2)  # [b, t, lc + t]
         past = (kv.keys[0][rows, :, :lc], kv.values[0][rows, :, :lc]) if lc else None
-        d = self.head(self._wait_tokens[rows, :t], self._wait_feats[rows, :t], pos, mask, past)
+        d = self.head(self._wait_tokens[rows, :t], self._wait_feats[rows, :t], pos, mask, past, compute_logits=False)
         slots = d_len[:, None] + ar  # [b, t]; slots past the count are scratch, overwritten later
         idx = slots[:, None, :, None].expand(b, d.kv[0].shape[1], t, d.kv[0].shape[3])
         kv.keys[0][rows].scatter_(2, idx, d.kv[0][:, :, lc:])
         kv.values[0][rows].scatter_(2, idx, d.kv[1][:, :, lc:])
-        return d.logits, d.hidden
+        return d.hidden
 
     def drop_speculation(self) -> None:
         """Forget this round's speculative draft entries (the next step is the round's first)."""

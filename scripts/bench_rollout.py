@@ -41,6 +41,10 @@ n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft 
 counted as single-token steps, so its bound is optimistic). ``of bound`` = achieved
 speedup / bound shows how far the engine (verifier, bookkeeping, Python) is from its own
 cost model. Rows whose draft length varies per round (``max_batch: auto``) have no bound.
+An ``auto`` row's planner is kept by the engine across calls (and batch sizes): by default the
+row includes its first calls' probes; ``--plan-warmup N`` first runs each ``auto``
+configuration N times, untimed, on the first batch of prompts with other seeds (a training
+run's later calls).
 The bound leaves out what every call pays before its first round (packing the weights for
 the linear kernel, the prefill: ``Timings.setup_s``), a larger share of a faster call, so
 ``dec AR`` / ``dec bd`` repeat the speedup and its share of the bound over the decoding
@@ -90,6 +94,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "decide per round from measured costs): draft only while at most this many rows "
                          "are unfinished")
     ap.add_argument("--adaptive-k", action="store_true", help="with max_batch auto: chain length per round")
+    ap.add_argument("--plan-warmup", type=int, default=0,
+                    help="untimed calls of each max_batch auto configuration on the first batch of prompts "
+                         "(other seeds) before each batch size's timed ones: the planner's steady state, as "
+                         "in a training run's later calls (default 0: timed from the engine's first call, "
+                         "probes included)")
     ap.add_argument("--cost-reps", type=int, default=3,
                     help="timed repetitions of each step cost per batch of prompts (0: no bound)")
     ap.add_argument("--order", default="rotate", choices=("rotate", "fixed"),
@@ -167,6 +176,20 @@ def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, s
         t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
     return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
             "draft_s": t.draft_s, "verify_s": t.verify_s, "other_s": t.other_s, "setup_s": t.setup_s}
+
+
+def run_config(config: tuple, target, engine: Engine, group: list[list[int]], sampling, pad_id: int,
+               seed: int) -> dict:
+    """One call of a configuration row ``(mode, verifier name, spec, verifier, backend)``."""
+    _, _, spec, verifier, backend = config
+    if spec is None:
+        return run_hf(target.model, group, sampling, pad_id, seed)
+    if isinstance(backend, Engine):  # a row on another engine
+        return run_ours(backend, group, sampling, spec, verifier, seed)
+    if backend in SWITCHES:  # the default engine with one of its switches off
+        with switched_off(*SWITCHES[backend]):
+            return run_ours(engine, group, sampling, spec, verifier, seed)
+    return run_ours(engine, group, sampling, spec, verifier, seed, backend)
 
 
 def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
@@ -260,19 +283,14 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         groups = batches(prompts, size)
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
         samples: dict = {}  # step -> seconds, over every batch of prompts
+        for w in range(args.plan_warmup):  # the planners learn their costs (kept by the engine)
+            for c in configs:
+                if c[2] is not None and c[2].auto:
+                    run_config(c, target, engine, groups[0], sampling, pad_id, args.seed + 10_000 + w)
         for i, group in enumerate(groups):
             for c in run_order(len(configs), i, args.order):
-                (mode, _, spec, verifier, backend), tot = configs[c], totals[c]
-                seed = args.seed + i
-                if spec is None:
-                    res = run_hf(target.model, group, sampling, pad_id, seed)
-                elif isinstance(backend, Engine):  # a row on another engine
-                    res = run_ours(backend, group, sampling, spec, verifier, seed)
-                elif backend in SWITCHES:  # the default engine with one of its switches off
-                    with switched_off(*SWITCHES[backend]):
-                        res = run_ours(engine, group, sampling, spec, verifier, seed)
-                else:
-                    res = run_ours(engine, group, sampling, spec, verifier, seed, backend)
+                tot = totals[c]
+                res = run_config(configs[c], target, engine, group, sampling, pad_id, args.seed + i)
                 for key, value in res.items():
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())

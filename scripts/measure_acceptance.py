@@ -41,12 +41,16 @@ class RepeatLastDraft(nn.Module):
         self.fc = nn.Linear(1, 1)  # the runner sizes the draft cache with this dtype
         self.register_buffer("target_ids", torch.arange(vocab_size))
 
-    def forward(self, token_ids, hidden, position_ids, attn_mask, past=None) -> DraftOutput:
+    def forward(self, token_ids, hidden, position_ids, attn_mask, past=None, *, compute_logits=True) -> DraftOutput:
         b, t = token_ids.shape
-        logits = torch.full((b, t, self.cfg.vocab_size), float("-inf"), device=token_ids.device)
-        logits.scatter_(2, token_ids[..., None], 0.0)
+        out = token_ids.float()[..., None]  # the "hidden" state carries the token it proposes
         kv = torch.zeros(b, 1, (0 if past is None else past[0].shape[2]) + t, 1, device=token_ids.device)
-        return DraftOutput(logits, torch.zeros(b, t, 1, device=token_ids.device), (kv, kv))
+        return DraftOutput(self.draft_logits(out) if compute_logits else None, out, (kv, kv))
+
+    def draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """One-hot logits (0 at the carried token, -inf elsewhere) of output states ``[..., 1]``."""
+        logits = torch.full((*hidden.shape[:-1], self.cfg.vocab_size), float("-inf"), device=hidden.device)
+        return logits.scatter_(-1, hidden.long(), 0.0)
 
     def to_target_logits(self, draft_logits: torch.Tensor) -> torch.Tensor:
         return draft_logits

@@ -186,3 +186,28 @@ def test_median_of_the_costs():
 
     assert median([3.0, 1.0, 2.0]) == 2.0 and median([4.0, 1.0, 2.0, 3.0]) == 2.5
     assert run_order(4, 5, "rotate") == [1, 2, 3, 0] and run_order(4, 5, "fixed") == [0, 1, 2, 3]
+
+
+def test_plan_warmup_runs_auto_configs_untimed_first(tiny, monkeypatch):
+    """--plan-warmup N: each max_batch auto configuration runs N untimed calls (other seeds) on
+    the first batch of prompts before the timed ones; other rows run only their timed calls."""
+    from rollout.params import SamplingParams
+    import scripts.bench_rollout as bench
+
+    target, tok, engine = tiny
+    calls = []
+    real = bench.run_ours
+
+    def spy(engine, group, sampling, spec, verifier, seed, backend=None):
+        calls.append((str(spec.max_batch) if spec.speculative else "off", seed))
+        return real(engine, group, sampling, spec, verifier, seed, backend)
+
+    monkeypatch.setattr(bench, "run_ours", spy)
+    args = bench.parse_args(["--batch-sizes", "2", "--max-new-tokens", "4", "--modes", "chain", "--no-hf",
+                             "--verifiers", "lossless", "--max-batch", "none,auto", "--plan-warmup", "2",
+                             "--cost-reps", "0"])
+    rows = bench.measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(4)],
+                         SamplingParams(max_new_tokens=4))
+    assert calls[:2] == [("auto", 10_000), ("auto", 10_001)]
+    assert sorted(calls[2:]) == sorted([(mb, i) for mb in ("off", "None", "auto") for i in (0, 1)])
+    assert all(r["tokens"] == 16 for r in rows)  # the timed calls only: 2 batches x 2 rows x 4 tokens

@@ -214,3 +214,37 @@ def test_auto_validation():
         SpecConfig(adaptive_k=True)  # without max_batch auto
     with pytest.raises(ConfigError, match="'adaptive_k'"):
         SpecConfig(mode="tree", max_batch="auto", adaptive_k=True)
+
+
+def test_a_catch_up_computes_draft_logits_at_each_rows_last_pair_only(models):
+    """draft_root runs the draft's lm_head at each row's last waiting pair only (a catch-up over
+    a prompt or many skipped rounds had computed the draft vocabulary's logits at every pair);
+    its logits and hidden equal the head's own forward over each row's pairs, from scratch."""
+    from rollout.eagle3_head import causal_mask
+    from rollout.runner import DRAFT_POSITION_OFFSET
+
+    target, head = models
+    runner = ModelRunner(target, head)
+    runner.set_first_tokens(runner.start(PROMPTS, capacity=64).argmax(-1))
+    for _ in range(3):
+        _plain_round(runner)  # skipped rounds: the next draft_root consumes prompt + 3 pairs
+    runner._merge_waiting()
+    tokens, feats, counts = runner._wait_tokens.clone(), runner._wait_feats.clone(), runner._wait_host
+    calls = []
+    real_forward = type(head).forward
+
+    def spy(self, *args, **kwargs):
+        calls.append(kwargs.get("compute_logits", True))
+        return real_forward(self, *args, **kwargs)
+
+    type(head).forward = spy
+    try:
+        root = runner.draft_root()
+    finally:
+        type(head).forward = real_forward
+    assert calls == [False], calls  # the catch-up forward skipped the lm_head
+    for i, n in enumerate(counts):
+        pos = torch.arange(n)[None] + DRAFT_POSITION_OFFSET
+        ref = head(tokens[i:i + 1, :n], feats[i:i + 1, :n], pos, causal_mask(1, n))
+        torch.testing.assert_close(root.logits[i], ref.logits[0, -1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(root.hidden[i], ref.hidden[0, -1], atol=1e-5, rtol=1e-5)
