@@ -41,7 +41,10 @@ n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft 
 counted as single-token steps, so its bound is optimistic). ``of bound`` = achieved
 speedup / bound shows how far the engine (verifier, bookkeeping, Python) is from its own
 cost model. Rows whose draft length varies per round (``max_batch: auto``) have no bound.
-An ``auto`` row's planner is kept by the engine across calls (and batch sizes): by default the
+``paired vs AR``: the median (and range) over the batches of prompts of a row's tokens/s against
+the autoregressive mode's on the same prompts, run next to it (``--passes N`` runs over the
+prompts N times with other seeds: more pairs, against this machine's noise; rows that decode
+alike still differ by up to a tenth in one pass). An ``auto`` row's planner is kept by the engine across calls (and batch sizes): by default the
 row includes its first calls' probes; ``--plan-warmup N`` first runs each ``auto``
 configuration N times, untimed, on the first batch of prompts with other seeds (a training
 run's later calls).
@@ -94,6 +97,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "decide per round from measured costs): draft only while at most this many rows "
                          "are unfinished")
     ap.add_argument("--adaptive-k", action="store_true", help="with max_batch auto: chain length per round")
+    ap.add_argument("--passes", type=int, default=1,
+                    help="run over the batches of prompts this many times (other seeds each pass): more calls "
+                         "per configuration, against this machine's noise")
     ap.add_argument("--plan-warmup", type=int, default=0,
                     help="untimed calls of each max_batch auto configuration on the first batch of prompts "
                          "(other seeds) before each batch size's timed ones: the planner's steady state, as "
@@ -280,24 +286,28 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         if args.fp32_head:
             configs += [(describe(spec) + " [fp32 head]", v.name, spec, v, "fp32-head") for spec, v in spec_configs(args)]
         totals: list[dict] = [{} for _ in configs]
+        calls: list[list[float]] = [[] for _ in configs]  # tokens/s of each call, in order
         groups = batches(prompts, size)
+        if args.passes < 1:
+            raise SystemExit(f"--passes must be >= 1, got {args.passes}")
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
         samples: dict = {}  # step -> seconds, over every batch of prompts
         for w in range(args.plan_warmup):  # the planners learn their costs (kept by the engine)
             for c in configs:
                 if c[2] is not None and c[2].auto:
                     run_config(c, target, engine, groups[0], sampling, pad_id, args.seed + 10_000 + w)
-        for i, group in enumerate(groups):
+        for i, group in ((p * len(groups) + g, group) for p in range(args.passes) for g, group in enumerate(groups)):
             for c in run_order(len(configs), i, args.order):
                 tot = totals[c]
                 res = run_config(configs[c], target, engine, group, sampling, pad_id, args.seed + i)
+                calls[c].append(res["tokens"] / res["seconds"])
                 for key, value in res.items():
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
             if args.cost_reps > 0:
                 for step, values in step_costs(engine, group, blocks, args.cost_reps, raw=True).items():
                     samples.setdefault(step, []).extend(values)
-            print(f"  batch {size}: {i + 1}/{len(groups)} batches done", file=sys.stderr, flush=True)
+            print(f"  batch {size}: {i + 1}/{len(groups) * args.passes} batches done", file=sys.stderr, flush=True)
         costs = {step: median(values) for step, values in samples.items()}
         if costs:
             print(f"  batch {size} step costs (ms, median of {len(samples[1])} over the run): " + ", ".join(
@@ -309,12 +319,17 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         # decoding only: without each call's setup (weight packing, prefill), which the bound leaves out
         decode = {key: t["tokens"] / (t["seconds"] - t["setup_s"]) for key, t in zip(keys, totals) if "setup_s" in t}
         ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
-        for (mode, vname, spec, _, backend), tot in zip(configs, totals):
+        ar_calls = calls[keys.index(("off", "lossless"))]
+        for (mode, vname, spec, _, backend), tot, mine_calls in zip(configs, totals, calls):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
             row["tokens_per_s"] = speeds[(mode, vname)]
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar
+            # per batch of prompts, this row's call against the autoregressive call on the same
+            # prompts, run next to it: the median and range of those paired ratios
+            pairs = sorted(x / y for x, y in zip(mine_calls, ar_calls))
+            row["paired_vs_ar"] = {"median": median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
             row["bound"] = bound(spec, row["tau"], costs) if backend != "fp32-head" else None
@@ -329,14 +344,17 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
 
 
 HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'bound':>6} "
-          f"{'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'vs HF':>6} {'RSS MB':>7}")
+          f"{'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'vs HF':>6} {'RSS MB':>7}  {'paired vs AR':<20}")
 
 
 def print_row(row: dict) -> None:
     ar, bd, of, dar, dof, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in (
         "speedup_vs_ar", "bound", "of_bound", "decode_vs_ar", "decode_of_bound", "speedup_vs_hf"))
+    p = row.get("paired_vs_ar")
+    paired = f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] n={p['n']}" if p else "-"
     print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {hf:>6} {row['rss_mb']:>7.0f}", flush=True)
+          f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {hf:>6} {row['rss_mb']:>7.0f}  {paired}",
+          flush=True)
 
 
 def memory_check(args, engine, prompts, sampling) -> dict:

@@ -211,3 +211,35 @@ def test_plan_warmup_runs_auto_configs_untimed_first(tiny, monkeypatch):
     assert calls[:2] == [("auto", 10_000), ("auto", 10_001)]
     assert sorted(calls[2:]) == sorted([(mb, i) for mb in ("off", "None", "auto") for i in (0, 1)])
     assert all(r["tokens"] == 16 for r in rows)  # the timed calls only: 2 batches x 2 rows x 4 tokens
+
+
+def test_passes_and_paired_ratios(tiny, monkeypatch):
+    """--passes 2 runs over the batches of prompts twice (new seeds); each row's paired ratio is
+    the median of its calls' tokens/s over the autoregressive call's on the same prompts."""
+    from rollout.params import SamplingParams
+    import scripts.bench_rollout as bench
+
+    target, tok, engine = tiny
+    seen = []
+    real = bench.run_ours
+
+    def spy(engine, group, sampling, spec, verifier, seed, backend=None):
+        res = real(engine, group, sampling, spec, verifier, seed, backend)
+        res["seconds"] = {"off": 1.0}.get(spec.mode, 0.5 + 0.1 * seed)  # chain: 2.0, 1.67, 1.43, 1.25x
+        seen.append((spec.mode, seed, tuple(map(tuple, group))))
+        return res
+
+    monkeypatch.setattr(bench, "run_ours", spy)
+    args = bench.parse_args(["--batch-sizes", "2", "--max-new-tokens", "4", "--modes", "chain", "--no-hf",
+                             "--verifiers", "lossless", "--passes", "2", "--cost-reps", "0"])
+    prompts = [[1, 20 + i, 300 + i] for i in range(4)]
+    rows = bench.measure(args, target, tok, engine, prompts, SamplingParams(max_new_tokens=4))
+    assert sorted((m, s) for m, s, _ in seen) == sorted((m, s) for m in ("off", "chain") for s in range(4))
+    assert {g for m, s, g in seen if s in (0, 2)} == {((1, 20, 300), (1, 21, 301))}  # pass 2: same prompts
+    chain = next(r for r in rows if r["mode"] != "off")
+    assert chain["paired_vs_ar"]["n"] == 4
+    assert chain["paired_vs_ar"]["median"] == pytest.approx((1 / 0.6 + 1 / 0.7) / 2)
+    assert chain["paired_vs_ar"]["min"] == pytest.approx(1 / 0.8) and chain["paired_vs_ar"]["max"] == pytest.approx(2.0)
+    with pytest.raises(SystemExit, match="--passes"):
+        bench.measure(bench.parse_args(["--batch-sizes", "2", "--passes", "0"]), target, tok, engine, prompts,
+                      SamplingParams(max_new_tokens=4))
