@@ -45,7 +45,10 @@ plain decoding). In a new bucket it first measures
 a plain round and the cheapest speculative option (a chain of one draft with adaptive K,
 else the configured one). Larger options open one at a time: the next one's cost is
 extrapolated from the measured ones, and when it looks better it is tried, and so measured,
-by being chosen. Probes stay cheap: a large option is only tried when the one below it pays.
+by being chosen. A new bucket's first speculative probe waits (as a re-probe would) when the
+nearest smaller bucket found that option more than ``margin`` behind plain: the block only gets
+dearer with more rows, and at 32 rows a probe with its catch-up over the prompts costs several
+plain rounds. Probes stay cheap: a large option is only tried when the one below it pays.
 An alternative to the current best is run again after ``reprobe`` rounds without it when its
 expected rate is within ``margin`` of the best (a lasting change of machine load can turn
 the choice), one further behind after longer (``reprobe_interval``: the interval grows with
@@ -236,7 +239,7 @@ class RoundPlanner:
         bk = bucket(b)
         self._bucket_rounds[bk] = self._bucket_rounds.get(bk, 0) + 1
         for k in (0, min(self.options)):  # in a new bucket: a plain round, then the cheapest draft
-            if (bk, k) not in self._last_run:
+            if (bk, k) not in self._last_run and not (k and self._deferred(bk, k)):
                 return self._mark(bk, k)
         rates = self.rates(b)
         best = max(rates, key=lambda k: rates[k])
@@ -246,6 +249,23 @@ class RoundPlanner:
         if due:  # keep the alternatives' measurements fresh (the nearest first)
             return self._mark(bk, max(due, key=lambda k: rates[k]))
         return self._mark(bk, best)
+
+    def _deferred(self, bk: int, k: int) -> bool:
+        """Whether the first probe of option k in bucket ``bk`` waits: when the nearest smaller
+        bucket measured both, k was further than ``margin`` behind plain there, and a larger
+        batch only makes a block dearer against a plain round (on a CPU a forward's cost grows
+        with its rows), the probe (a catch-up over every row's prompt and a block of k + 1
+        tokens per row) waits ``reprobe_interval`` of the bucket's rounds, as a re-probe would."""
+        n = self.block_tokens[k]
+        for small in range(bk - 1, -1, -1):
+            if (small, 1) in self._round_cost and (small, n) in self._round_cost:
+                b = max(1, round(self._round_rows[(small, 1)].value))
+                rates = self.rates(b, switching=True)
+                if 0 not in rates or k not in rates:
+                    return False
+                ratio = rates[k] / rates[0]
+                return ratio < self.margin and self._bucket_rounds[bk] <= self.reprobe_interval(ratio)
+        return False
 
     def _due(self, b: int, k: int, ratio: float, best: int) -> bool:
         """Whether option k (expected rate ``ratio`` times the best's) is to be run again; one

@@ -324,3 +324,22 @@ def test_a_probe_from_plain_rounds_counts_its_catch_up():
         chosen = simulate(planner, 16, 400, cost, accept=0.6, switch=switch)
         probes[switch] = sum(1 for prev, k in zip(chosen[2:], chosen[3:]) if k and not prev)
     assert probes[0.0] >= 10 and probes[3.0] <= probes[0.0] / 3, probes
+
+
+def test_a_new_larger_bucket_defers_a_probe_that_lost_at_a_smaller_batch():
+    """At 16 rows the chain is far behind plain (kernel_like: a block of 4 tokens per row costs
+    about 4 plain rounds); entering 32 rows, the planner does not open with a probe of it but
+    waits reprobe_interval of that bucket's rounds. Where the chain wins at the smaller batch
+    (4 rows), the new bucket (8 rows) probes it at once."""
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto")
+    planner = RoundPlanner.for_spec(spec)
+    simulate(planner, 16, 30, kernel_like, accept=0.6)
+    large = simulate(planner, 32, 120, kernel_like, accept=0.6)
+    first = large.index(3)
+    rates = planner.rates(16, switching=True)
+    assert first >= planner.reprobe_interval(rates[3] / rates[0]) - 1, large
+    assert large.count(3) <= 3, large
+    small = RoundPlanner.for_spec(spec)
+    simulate(small, 4, 30, cpu_like, accept=0.8)
+    assert small.rates(4, switching=True)[3] > small.rates(4, switching=True)[0]
+    assert simulate(small, 8, 2, cpu_like, accept=0.8) == [0, 3]
