@@ -112,7 +112,8 @@ def test_adaptive_k_picks_the_best_chain_length():
 
     best = max(range(8), key=rate)
     assert 1 < best < 7
-    assert chosen[-20:].count(best) >= 15, (best, chosen)
+    last = chosen[-20:]  # the nearest lengths are re-run often (cheap: they nearly tie)
+    assert max(set(last), key=last.count) == best and last.count(best) >= 12, (best, chosen)
     alphas = planner.acceptance()
     assert alphas[0] == pytest.approx(0.6, abs=0.05)
 
@@ -242,8 +243,12 @@ def test_a_burst_of_slow_rounds_does_not_lock_the_best_option_out():
 
 def test_reprobe_interval_grows_with_the_gap():
     planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"))
-    assert planner.reprobe_interval(0.99) == planner.reprobe_interval(planner.margin) == planner.reprobe
+    """Proportional to the loss (each re-probe costs the same share of the time), reprobe
+    rounds at the margin, never under reprobe_floor."""
+    assert planner.reprobe_interval(planner.margin) == pytest.approx(planner.reprobe)
     assert planner.reprobe_interval(1 - 2 * (1 - planner.margin)) == pytest.approx(2 * planner.reprobe)
+    assert planner.reprobe_interval(0.95) == pytest.approx(planner.reprobe / 3)
+    assert planner.reprobe_interval(0.99) == planner.reprobe_interval(1.0) == planner.reprobe_floor
     assert planner.reprobe_interval(0.2) > planner.reprobe_interval(0.5)
 
 
