@@ -53,12 +53,13 @@ An alternative to the current best is run again after an interval proportional t
 expected loss against the best (``reprobe`` rounds at a gap of ``margin``, at least
 ``reprobe_floor``; ``reprobe_interval``): a lasting change of machine load can turn the choice,
 and every re-probe then costs the same small share of the time, so that a noisy measurement
-cannot lock an option out for good (on this shared machine a few slow rounds had made the best chain length look 35% slower for the rest of the
-calls). A probe's loss is its gap plus, for a speculative probe from plain rounds, its catch-up
-(``S(b)`` in rounds of the best option): a costly catch-up spaces the probes further. Intervals
-count the bucket's own rounds: rows finish during a call, so the small buckets see a few rounds
-per call, and counted in all rounds every option there was due again at each visit. Each cost is
-judged on its measurements of the 48 rounds before its newest one.
+cannot lock an option out for good (on this shared machine a few slow rounds had made the best
+chain length look 35% slower for the rest of the calls). A probe's loss is its gap plus, for a
+speculative probe from plain rounds, its catch-up (``S(b)`` in rounds of the best option): a
+costly catch-up spaces the probes further. Intervals count the bucket's own rounds: rows finish
+during a call, so the small buckets see a few rounds per call, and counted in all rounds every
+option there was due again at each visit. Each cost is judged on its measurements of the 48
+rounds before its newest one.
 
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),

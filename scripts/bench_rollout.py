@@ -44,10 +44,10 @@ cost model. Rows whose draft length varies per round (``max_batch: auto``) have 
 ``paired vs AR``: the median (and range) over the batches of prompts of a row's tokens/s against
 the autoregressive mode's on the same prompts, run next to it (``--passes N`` runs over the
 prompts N times with other seeds: more pairs, against this machine's noise; rows that decode
-alike still differ by up to a tenth in one pass). An ``auto`` row's planner is kept by the engine across calls (and batch sizes): by default the
-row includes its first calls' probes; ``--plan-warmup N`` first runs each ``auto``
-configuration N times, untimed, on the first batch of prompts with other seeds (a training
-run's later calls).
+alike still differ by up to a tenth in one pass). An ``auto`` row's planner is kept by the
+engine across calls (and batch sizes): by default the row includes its first calls' probes;
+``--plan-warmup N`` first runs each ``auto`` configuration N times, untimed, on the first
+batch of prompts with other seeds (a training run's later calls).
 The bound leaves out what every call pays before its first round (packing the weights for
 the linear kernel, the prefill: ``Timings.setup_s``), a larger share of a faster call, so
 ``dec AR`` / ``dec bd`` repeat the speedup and its share of the bound over the decoding
