@@ -34,7 +34,7 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   alpha_j = P(draft j accepted | drafts 1..j-1 accepted), pooled over rows and rounds; a
   chain of k then emits E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens per row. Depths
   not yet tried borrow the mean of the tried ones (pseudo-counts). For trees, the mean
-  tokens emitted per row per tree round.
+  tokens emitted per row per tree round (prior: a chain as deep as the tree).
 
 It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b)
 [+ S(b) / horizon after a plain round]) against 1 / R(b, 1); after a plain round a speculative
@@ -55,8 +55,9 @@ expected loss against the best (``reprobe`` rounds at a gap of ``margin``, at le
 and every re-probe then costs the same small share of the time, so that a noisy measurement
 cannot lock an option out for good (on this shared machine a few slow rounds had made the best
 chain length look 35% slower for the rest of the calls). A probe's loss is its gap plus, for a
-speculative probe from plain rounds, its catch-up (``S(b)`` in rounds of the best option): a
-costly catch-up spaces the probes further. Intervals count the bucket's own rounds: rows finish
+speculative probe from plain rounds, its catch-up (``S(b)`` in rounds of the best option), once
+the acceptance rests on ``explore`` row-rounds of drafting: a costly catch-up spaces the probes
+further. Intervals count the bucket's own rounds: rows finish
 during a call, so the small buckets see a few rounds per call, and counted in all rounds every
 option there was due again at each visit. Each cost is judged on its measurements of the 48
 rounds before its newest one.
@@ -129,6 +130,7 @@ class RoundPlanner:
     carry: float = 0.5
     horizon: int = 24
     hold: float = 0.08
+    explore: float = 8.0
     _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
     _round_rows: dict[tuple[int, int], _Recent] = field(default_factory=dict)  # live rows of those rounds
     _draft_cost: dict[int, _Recent] = field(default_factory=dict)
@@ -175,10 +177,11 @@ class RoundPlanner:
         """Expected tokens per row of option k (1 for a plain round)."""
         if k == 0:
             return 1.0
-        if not self.chain:
+        if not self.chain:  # prior: a chain as deep as the tree, each draft accepted at prior_accept
             tokens, rounds = self._tree
             w = self.prior_weight
-            return (tokens + w * (1 + self.prior_accept)) / (rounds + w)
+            prior = sum(self.prior_accept ** i for i in range(self.draft_steps[k] + 1))
+            return (tokens + w * prior) / (rounds + w)
         out, run = 1.0, 1.0
         for a in self.acceptance()[:k]:
             run *= a
@@ -281,7 +284,7 @@ class RoundPlanner:
             return ratio >= self.margin
         loss = 1.0 - ratio
         switch = self._nearest(self._switch_cost, bk)
-        if k and not self._drafting and switch is not None:
+        if k and not self._drafting and switch is not None and self._established():
             loss += switch.value / max(1e-9, self.cost(b, best) or 0.0)
         return self._bucket_rounds[bk] - last > self.reprobe_interval(1.0 - loss)
 
@@ -296,6 +299,15 @@ class RoundPlanner:
         out for 24 rounds, and adaptive K at batch 1 ran at 1.33x our autoregressive mode
         against fixed K = 3's 1.45x (lossless; 1.46x with these intervals, one sitting)."""
         return max(self.reprobe_floor, self.reprobe * (1.0 - ratio) / (1.0 - self.margin))
+
+    def _established(self) -> bool:
+        """Whether the acceptance rests on ``explore`` row-rounds of drafting (decayed counts):
+        before that a probe's catch-up is not charged, as the estimate may be one unlucky round
+        (a fresh planner whose first tree emitted one token on a hard prompt, then charged the
+        prompt's catch-up to every probe, had kept to plain rounds for 80 of a call's 90 rounds
+        at batch 1, where the tree runs at 1.7x)."""
+        seen = self._tree[1] if not self.chain else self._attempts[1]
+        return seen >= self.explore
 
     @staticmethod
     def _nearest(table: dict[int, _Recent], bk: int) -> _Recent | None:

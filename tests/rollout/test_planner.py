@@ -348,3 +348,35 @@ def test_a_new_larger_bucket_defers_a_probe_that_lost_at_a_smaller_batch():
     simulate(small, 4, 30, cpu_like, accept=0.8)
     assert small.rates(4, switching=True)[3] > small.rates(4, switching=True)[0]
     assert simulate(small, 8, 2, cpu_like, accept=0.8) == [0, 3]
+
+
+def test_one_unlucky_first_tree_round_does_not_keep_it_plain():
+    """Regression: a fresh planner at batch 1 whose first tree round (its probe, with the prompt's
+    catch-up) emitted one token had kept to plain rounds for 80 of a call's 90 rounds: every
+    re-probe was charged that catch-up on an acceptance estimate from one round, and a tree's
+    prior was one token plus prior_accept. Now a tree's prior is a chain as deep as the tree,
+    and the catch-up is charged once ``explore`` row-rounds have drafted; either alone brings the
+    tree (3 tokens a round for 1.6 plain rounds) back within a re-probe interval."""
+    spec = SpecConfig(mode="tree", depth=3, top_k=4, total_tokens=8, max_batch="auto")
+    assert RoundPlanner.for_spec(spec).expected_tokens(1) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+
+    def run(planner):
+        chosen, last = [], 0
+        for _ in range(90):
+            k = planner.choose(1)
+            catch_up = k > 0 and last == 0
+            emitted = [1] if k == 0 or not any(chosen) else [3]
+            planner.observe(1, k, 1.0 if k == 0 else 1.45, 0.15 + (0.6 if catch_up else 0.0), emitted,
+                            catch_up=catch_up)
+            chosen.append(k)
+            last = k
+        return chosen
+
+    old_prior = RoundPlanner.for_spec(spec)
+    old_prior.expected_tokens = lambda k: 1.0 if k == 0 else (  # the former prior: 1 + prior_accept
+        (old_prior._tree[0] + old_prior.prior_weight * 1.5) / (old_prior._tree[1] + old_prior.prior_weight))
+    for planner in (RoundPlanner.for_spec(spec), old_prior):
+        chosen = run(planner)
+        assert chosen[:2] == [0, 1], chosen
+        assert 1 in chosen[2:2 + planner.reprobe + 1], chosen
+        assert chosen.count(1) >= 70, chosen
