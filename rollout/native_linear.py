@@ -217,9 +217,9 @@ def routed(*modules: nn.Module | None):
     kernel call each; norms through :func:`rms_norm`, attention through :func:`attend`; a
     decoder stack of such layers as one loop, ``fused_layers.stack_forward``). Weights are
     packed on entry (bf16-valued ones as compact panels, see the module docstring), so the
-    block sees them as they are then, however they were changed before (an optimizer step through ``.data`` does not move a
-    tensor's version counter, so nothing cheaper can tell); they must not change inside the
-    block. The modules are restored on exit."""
+    block sees them as they are then, however they were changed before (an optimizer step
+    through ``.data`` does not move a tensor's version counter, so nothing cheaper can tell);
+    they must not change inside the block. The modules are restored on exit."""
     mods = [m for mod in modules if mod is not None for m in mod.modules()]
     use = any(isinstance(m, nn.Linear) for m in mods) and available()
     patched: list[nn.Module] = []

@@ -41,9 +41,8 @@ It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) 
 option must beat plain by ``hold`` (default 8%): on this shared machine the median of 5 plain
 rounds wanders by +-15% from second to second, and near-ties had flipped the choice back and
 forth, each flip paying a catch-up (at batch 16, where a chain loses, ``auto`` ran at 0.83-0.90x
-plain decoding). In a new bucket it first measures
-a plain round and the cheapest speculative option (a chain of one draft with adaptive K,
-else the configured one). Larger options open one at a time: the next one's cost is
+plain decoding). In a new bucket it first measures a plain round and the cheapest speculative
+option (a chain of one draft with adaptive K, else the configured one). Larger options open one at a time: the next one's cost is
 extrapolated from the measured ones, and when it looks better it is tried, and so measured,
 by being chosen. A new bucket's first speculative probe waits (as a re-probe would) when the
 nearest smaller bucket found that option more than ``margin`` behind plain: the block only gets
@@ -57,10 +56,9 @@ cannot lock an option out for good (on this shared machine a few slow rounds had
 chain length look 35% slower for the rest of the calls). A probe's loss is its gap plus, for a
 speculative probe from plain rounds, its catch-up (``S(b)`` in rounds of the best option), once
 the acceptance rests on ``explore`` row-rounds of drafting: a costly catch-up spaces the probes
-further. Intervals count the bucket's own rounds: rows finish
-during a call, so the small buckets see a few rounds per call, and counted in all rounds every
-option there was due again at each visit. Each cost is judged on its measurements of the 48
-rounds before its newest one.
+further. Intervals count the bucket's own rounds: rows finish during a call, so the small
+buckets see a few rounds per call, and counted in all rounds every option there was due again
+at each visit. Each cost is judged on its measurements of the 48 rounds before its newest one.
 
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),

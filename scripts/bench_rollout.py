@@ -266,6 +266,8 @@ def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
 def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     """Per batch size, every configuration on every batch of prompts, interleaved batch by
     batch (so a change of machine load during the run hits all configurations alike)."""
+    if args.passes < 1:
+        raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     rows = []
     pad_id = tok.pad_token_id or 0
     for size in (int(b) for b in args.batch_sizes.split(",")):
@@ -288,8 +290,6 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         totals: list[dict] = [{} for _ in configs]
         calls: list[list[float]] = [[] for _ in configs]  # tokens/s of each call, in order
         groups = batches(prompts, size)
-        if args.passes < 1:
-            raise SystemExit(f"--passes must be >= 1, got {args.passes}")
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
         samples: dict = {}  # step -> seconds, over every batch of prompts
         for w in range(args.plan_warmup):  # the planners learn their costs (kept by the engine)

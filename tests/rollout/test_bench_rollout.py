@@ -109,9 +109,9 @@ def test_bound_is_tau_times_measured_step_costs(tiny):
         assert by_mode[mode]["bound"] is None and by_mode[mode]["of_bound"] is None
 
 
-def test_unfused_row_runs_the_modules_own_forwards(tiny, monkeypatch):
-    """--unfused: a row of our autoregressive mode with rollout.fused_layers off, then back on."""
-    from rollout import fused_layers
+def _rows_with_switch_seen(tiny, monkeypatch, owner, name: str, flags: list[str]):
+    """Run the bench with ``flags`` on 2 prompts of 5 tokens, recording ``owner.name`` as each
+    call of ours starts: (rows, the values seen)."""
     from rollout.params import SamplingParams
     from scripts import bench_rollout
     from scripts.bench_rollout import measure, parse_args
@@ -119,12 +119,19 @@ def test_unfused_row_runs_the_modules_own_forwards(tiny, monkeypatch):
     target, tok, engine = tiny
     seen = []
     run = bench_rollout.run_ours
-    monkeypatch.setattr(bench_rollout, "run_ours",
-                        lambda *a, **kw: seen.append(fused_layers.enabled) or run(*a, **kw))
+    monkeypatch.setattr(bench_rollout, "run_ours", lambda *a, **kw: seen.append(getattr(owner, name)) or run(*a, **kw))
     args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "5", "--modes", "chain", "--no-hf",
-                       "--verifiers", "lossless", "--unfused"])
+                       "--verifiers", "lossless", *flags])
     rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)],
                    SamplingParams(max_new_tokens=5))
+    return rows, seen
+
+
+def test_unfused_row_runs_the_modules_own_forwards(tiny, monkeypatch):
+    """--unfused: a row of our autoregressive mode with rollout.fused_layers off, then back on."""
+    from rollout import fused_layers
+
+    rows, seen = _rows_with_switch_seen(tiny, monkeypatch, fused_layers, "enabled", ["--unfused"])
     assert [r["mode"] for r in rows] == ["off", "off [unfused layers]", "chain K=3 sampled"]
     assert seen == [True, False, True] and fused_layers.enabled
     assert rows[0]["tokens"] == rows[1]["tokens"] == 10
@@ -134,19 +141,9 @@ def test_fp32_head_rows_pack_the_head_as_fp32_and_have_no_bound(tiny, monkeypatc
     """--fp32-head: each speculative configuration again with native_linear.compact off (back on
     after), without a bound (the step costs are timed with compact panels)."""
     from rollout import native_linear
-    from rollout.params import SamplingParams
-    from scripts import bench_rollout
-    from scripts.bench_rollout import measure, parse_args
 
-    target, tok, engine = tiny
-    seen = []
-    run = bench_rollout.run_ours
-    monkeypatch.setattr(bench_rollout, "run_ours",
-                        lambda *a, **kw: seen.append(native_linear.compact) or run(*a, **kw))
-    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "5", "--modes", "chain", "--no-hf",
-                       "--verifiers", "lossless", "--fp32-head", "--order", "fixed"])
-    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)],
-                   SamplingParams(max_new_tokens=5))
+    rows, seen = _rows_with_switch_seen(tiny, monkeypatch, native_linear, "compact",
+                                        ["--fp32-head", "--order", "fixed"])
     assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled [fp32 head]"]
     assert seen == [True, True, False] and native_linear.compact
     assert rows[1]["bound"] is not None and rows[2]["bound"] is None and rows[2]["of_bound"] is None
