@@ -34,6 +34,7 @@ import torch
 
 from rollout import native_linear
 from rollout.allocator import tune_malloc
+from rollout.kv_cache import fill_from_tail
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.planner import RoundPlanner
@@ -291,7 +292,7 @@ class Engine:
                           kinds=res.kinds.cpu().numpy(), relaxed=res.relaxed.cpu().numpy())
         done = table.append(out, first=first)
         if any(done):
-            rows = [r for r, d in enumerate(done) if not d]
+            rows = fill_from_tail(done)  # (only the rows that move are copied in the caches)
             if rows:
                 call.runner.keep(rows)
             table.keep(rows)

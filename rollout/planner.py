@@ -11,13 +11,19 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   with ``n`` block tokens per row (1 for a plain round, k + 1 for a chain of k). Rounds are
   grouped by batch bucket (1, 2, 3-4, 5-8, ...). Per bucket and n the planner keeps the
   median of the last 5 measurements and of the live rows they ran over, a point (b x n
-  rows, seconds); ``R(b, n)`` is linear in rows between the points nearest to b x n rows
-  (from the two nearest on one side beyond them; never decreasing). Within a bucket the
-  rows change (from 16 to 9 as rows of a batch of 16 finish), and from about 16 rows a
-  forward's cost grows with them: comparing a plain round measured at 16 rows with a chain
-  measured at 10 as if both ran at the same batch had made drafting look 1.5x better than
-  plain at batch 16, where it loses. With one point (one n measured), R is that point for
-  its n and unknown for the others.
+  block rows, seconds). A round's cost follows its block rows, whatever the bucket (a plain
+  round over 32 rows and a chain of one over 16 run forwards of 32 rows), so the points of
+  every bucket make one cost curve, made non-decreasing by pooling adjacent points that
+  disagree (a forward never gets cheaper with more rows); ``R(b, n)`` is that curve read at
+  b x n rows, linear between its points (beyond them: along the nearest segment). Within a
+  bucket the rows change (from 16 to 9 as rows of a batch of 16 finish), and from about 16
+  rows a forward's cost grows with them: comparing a plain round measured at 16 rows with a
+  chain measured at 10 as if both ran at the same batch had made drafting look 1.5x better
+  than plain at batch 16, where it loses. And a line through one bucket's two points, one
+  measured in a busy second and one in a quiet one, had read a chain of one over 20 rows
+  (40 block rows) as cheaper than a plain round over the same 20 rows (batch 32, lossless:
+  the planner drafted at 0.8-0.9x plain decoding). With one block size measured, R is that
+  point for its n and unknown for the others.
 - **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
   are not counted: their step 0 is longer). A bucket without its own measurement uses the
   nearest bucket's (as for ``S``).
@@ -37,12 +43,23 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   tokens emitted per row per tree round (prior: a chain as deep as the tree).
 
 It picks the option with the most expected tokens per second, E(k) / (R(b, k+1) + k D(b)
-[+ S(b) / horizon after a plain round]) against 1 / R(b, 1); after a plain round a speculative
-option must beat plain by ``hold`` (default 8%): on this shared machine the median of 5 plain
-rounds wanders by +-15% from second to second, and near-ties had flipped the choice back and
-forth, each flip paying a catch-up (at batch 16, where a chain loses, ``auto`` ran at 0.83-0.90x
-plain decoding). In a new bucket it first measures a plain round and the cheapest speculative
-option (a chain of one draft with adaptive K, else the configured one). Larger options open one at a time: the next one's cost is
+[+ S(b) / horizon after a plain round]) against 1 / R(b, 1), but drafts only for a clear gain:
+after a plain round a speculative option must beat plain by ``hold`` (default 8%), and while
+drafting it keeps drafting only while the best option beats plain by ``stay`` (4%). On this
+shared machine the median of 5 plain rounds wanders by +-15% from second to second, and
+near-ties had flipped the choice back and forth, each flip paying a catch-up (at batch 16,
+where a chain loses, ``auto`` ran at 0.83-0.90x plain decoding); a chain that only ties plain
+gains nothing and costs its catch-ups, so a near-tie goes to plain rounds, the choice that is
+never slower than plain decoding. Plain rounds are that anchor, so their cost is confirmed: a
+bucket's plain round is run again (every ``reprobe_floor`` rounds) until it has ``confirm``
+(3) measurements, whatever the gap (a call's first round measured 64 ms at 32 rows where
+plain rounds take 45-50, and one such measurement had kept plain rounds out of a whole call).
+In a new bucket it first measures a plain round and the cheapest speculative option (a chain
+of one draft with adaptive K, else the configured one), unless the cost curve already has
+measured points on both sides of that option's block rows: as rows finish, a call moves down
+to smaller buckets whose forwards the larger bucket's rounds have measured, and a probe there
+pays a catch-up over every row's skipped pairs (an option the curve covers counts as measured
+when the bucket began, for its re-probes). Larger options open one at a time: the next one's cost is
 extrapolated from the measured ones, and when it looks better it is tried, and so measured,
 by being chosen. A new bucket's first speculative probe waits (as a re-probe would) when the
 nearest smaller bucket found that option more than ``margin`` behind plain: the block only gets
@@ -128,6 +145,8 @@ class RoundPlanner:
     carry: float = 0.5
     horizon: int = 24
     hold: float = 0.08
+    stay: float = 0.04
+    confirm: int = 3
     explore: float = 8.0
     _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
     _round_rows: dict[tuple[int, int], _Recent] = field(default_factory=dict)  # live rows of those rounds
@@ -140,6 +159,8 @@ class RoundPlanner:
     _last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, k) -> the bucket's round
     _bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds run per bucket
     _round: int = 0
+    _observed: int = 0  # rounds observed (the cost curve changes only then)
+    _curve_memo: tuple | None = None  # (_curve(), _observed when it was made)
 
     def __post_init__(self) -> None:
         assert self.options and min(self.options) >= 1, self.options
@@ -187,24 +208,43 @@ class RoundPlanner:
         return out
 
     def round_cost(self, b: int, n: int) -> float | None:
-        """R(b, n): linear in rows between the bucket's points nearest to rows = b x n (see the
-        module docstring)."""
-        bk = bucket(b)
-        points = sorted((self._round_rows[key].value * key[1], e.value, key[1])
-                        for key, e in self._round_cost.items() if key[0] == bk)
-        if len({x for x, *_ in points}) < 2:  # no line yet: a measured n stands for itself
-            exact = [y for _, y, m in points if m == n]
-            return exact[0] if exact else None
+        """R(b, n): the cost curve of a round over its block rows (:meth:`_curve`) read at b x n,
+        linear between its points (beyond them: along the nearest segment); before two block
+        sizes are measured, a measured (bucket, n) stands for itself."""
+        curve = self._curve()
+        if curve is None:
+            e = self._round_cost.get((bucket(b), n))
+            return e.value if e is not None else None
         x = b * n
-        below, above = [p for p in points if p[0] <= x], [p for p in points if p[0] > x]
-        if below and above:
-            (x0, y0, _), (x1, y1, _) = below[-1], above[0]
-        elif below:  # beyond the largest: the two largest
-            (x0, y0, _), (x1, y1, _) = [p for p in points if p[0] < below[-1][0]][-1], below[-1]
-        else:
-            (x0, y0, _), (x1, y1, _) = above[0], [p for p in points if p[0] > above[0][0]][0]
-        slope = max(0.0, (y1 - y0) / (x1 - x0)) if x1 != x0 else 0.0
-        return max(1e-9, y0 + slope * (x - x0))
+        xs = [p[0] for p in curve]
+        if len(curve) == 1:  # every point pooled: flat
+            return curve[0][1]
+        i = next((i for i, xi in enumerate(xs) if xi >= x), len(xs) - 1)  # beyond: the nearest segment
+        i = max(1, i)
+        (x0, y0), (x1, y1) = curve[i - 1], curve[i]
+        return max(1e-9, y0 + (y1 - y0) / (x1 - x0) * (x - x0))
+
+    def _curve(self) -> list[tuple[float, float]] | None:
+        """The measured points (block rows, seconds) of every bucket and block size, made
+        non-decreasing in rows by pooling adjacent violators (each point the median of its
+        recent rounds): a forward never gets cheaper with more rows, and a point measured in a
+        quiet second next to one measured in a busy one is averaged with it rather than read as
+        a block that costs less than a plain round over fewer rows."""
+        if self._curve_memo is not None and self._curve_memo[1] == self._observed:
+            return self._curve_memo[0]
+        raw = sorted((self._round_rows[key].value * key[1], e.value) for key, e in self._round_cost.items())
+        if len({x for x, _ in raw}) < 2:
+            self._curve_memo = (None, self._observed)
+            return None
+        blocks: list[list[float]] = []  # [x sum, y sum, count] of pooled points
+        for x, y in raw:
+            blocks.append([x, y, 1.0])
+            while len(blocks) > 1 and (blocks[-2][1] / blocks[-2][2] >= blocks[-1][1] / blocks[-1][2]
+                                       or blocks[-2][0] / blocks[-2][2] == blocks[-1][0] / blocks[-1][2]):
+                last = blocks.pop()
+                blocks[-1] = [a + c for a, c in zip(blocks[-1], last)]
+        self._curve_memo = ([(xs / c, ys / c) for xs, ys, c in blocks], self._observed)
+        return self._curve_memo[0]
 
     def cost(self, b: int, k: int, switching: bool = False) -> float | None:
         """Expected seconds of a round of option k over b rows (None: not measurable yet);
@@ -226,7 +266,7 @@ class RoundPlanner:
         (flat while the kernel reads the weights, then growing with the rows), which a line
         through smaller blocks does not see far ahead."""
         bk = bucket(b)
-        measured = [k for k in self.options if (bk, self.block_tokens[k]) in self._round_cost]
+        measured = [k for k in self.options if (bk, self.block_tokens[k]) in self._round_cost or self._covered(b, k)]
         above = [k for k in self.options if k > max(measured, default=0)]
         switching = not self._drafting if switching is None else switching
         out = {}
@@ -242,16 +282,25 @@ class RoundPlanner:
         bk = bucket(b)
         self._bucket_rounds[bk] = self._bucket_rounds.get(bk, 0) + 1
         for k in (0, min(self.options)):  # in a new bucket: a plain round, then the cheapest draft
-            if (bk, k) not in self._last_run and not (k and self._deferred(bk, k)):
+            if (bk, k) not in self._last_run and not (k and (self._covered(b, k) or self._deferred(bk, k))):
                 return self._mark(bk, k)
         rates = self.rates(b)
         best = max(rates, key=lambda k: rates[k])
-        if best and not self._drafting and 0 in rates and rates[best] < (1 + self.hold) * rates[0]:
-            best = 0  # leave plain rounds only for a clear gain (measurement noise must not flip it)
+        if best and 0 in rates and rates[best] < (1 + (self.stay if self._drafting else self.hold)) * rates[0]:
+            best = 0  # draft only for a clear gain (measurement noise must not flip it, nor cost)
         due = [k for k in rates if k != best and self._due(b, k, rates[k] / rates[best], best)]
         if due:  # keep the alternatives' measurements fresh (the nearest first)
             return self._mark(bk, max(due, key=lambda k: rates[k]))
         return self._mark(bk, best)
+
+    def _covered(self, b: int, k: int) -> bool:
+        """Whether the cost curve has measured points on both sides of option k's block rows at
+        b rows (its cost is read between them, not extrapolated): then other buckets' rounds
+        have measured it, and a new bucket need not probe it (a probe from plain rounds pays a
+        catch-up over every row's skipped pairs)."""
+        curve = self._curve()
+        x = b * (self.block_tokens[k] if k else 1)
+        return curve is not None and len(curve) > 1 and curve[0][0] <= x <= curve[-1][0]
 
     def _deferred(self, bk: int, k: int) -> bool:
         """Whether the first probe of option k in bucket ``bk`` waits: when the nearest smaller
@@ -278,8 +327,12 @@ class RoundPlanner:
         loses its catch-up (the switch cost, in rounds of the best option)."""
         bk = bucket(b)
         last = self._last_run.get((bk, k))
-        if last is None:
+        if last is None and not self._covered(b, k):
             return ratio >= self.margin
+        last = last or 0  # an option the cost curve covers counts as measured when the bucket began
+        plain = self._round_cost.get((bk, 1))
+        if not k and plain is not None and len(plain.values) < self.confirm:
+            return self._bucket_rounds[bk] - last > self.reprobe_floor  # plain, the anchor: confirmed
         loss = 1.0 - ratio
         switch = self._nearest(self._switch_cost, bk)
         if k and not self._drafting and switch is not None and self._established():
@@ -331,6 +384,7 @@ class RoundPlanner:
         not typical: what it costs beyond a typical draft is the switch cost)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
+        self._observed += 1
         self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9), self._round)
         self._round_rows.setdefault((bk, n), _Recent()).add(float(b), self._round)
         if k == 0:

@@ -280,7 +280,8 @@ class ModelRunner:
             self._wait_consumed = False
 
     def keep(self, rows: list[int]) -> None:
-        """Drop finished rows: keep ``rows`` (increasing) of every row-indexed tensor."""
+        """Drop finished rows: keep ``rows`` (distinct, any order: row rows[i] becomes row i) of every
+        row-indexed tensor."""
         idx = torch.tensor(rows, dtype=torch.long, device=self.device)
         self._rows = [self._rows[r] for r in rows]
         self.cache.keep(rows)
