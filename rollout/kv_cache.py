@@ -15,8 +15,9 @@ Vocabulary:
   place (only the rows that move, and only their used slots, are copied) and the batch
   dimension shrinks. The engine fills each finished row's place with a live row from the end
   (:func:`fill_from_tail`): one row copied per finished row. The rows had been kept in
-  order, every kept row copied twice (to a temporary and back) each time a row finished: at batch 64 (plain
-  decoding, 64 tokens) 300 ms of a call's 4.2 s of decoding went to copying the cache, now 45.
+  order, every kept row copied twice (to a temporary and back) each time a row finished: at
+  batch 64 (plain decoding, 64 tokens) 300 ms of a call's 4.2 s of decoding went to copying
+  the cache, now 45.
 
 :class:`RowKVCache` implements the transformers ``Cache`` interface that Hugging Face
 attention layers call (``update``), so the target's own attention code writes into it.

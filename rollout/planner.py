@@ -23,7 +23,8 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   measured in a busy second and one in a quiet one, had read a chain of one over 20 rows
   (40 block rows) as cheaper than a plain round over the same 20 rows (batch 32, lossless:
   the planner drafted at 0.8-0.9x plain decoding). With one block size measured, R is that
-  point for its n and unknown for the others.
+  point for its n and unknown for the others. (The recent values and the curve are pure
+  functions in :mod:`rollout.planner_costs`.)
 - **draft cost** ``D(b)``: seconds per draft step (rounds that catch up on skipped pairs
   are not counted: their step 0 is longer). A bucket without its own measurement uses the
   nearest bucket's (as for ``S``).
@@ -94,36 +95,14 @@ learns).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from statistics import median
+
+from rollout.planner_costs import Recent, covers, pooled_curve, read_curve
 
 
 def bucket(batch: int) -> int:
     """Batch bucket: 1 -> 0, 2 -> 1, 3-4 -> 2, 5-8 -> 3, ..."""
     assert batch >= 1, batch
     return (batch - 1).bit_length()
-
-
-@dataclass
-class _Recent:
-    """The median of the last ``keep`` measurements taken within ``window`` rounds of the newest
-    one: one round slowed by another process does not move it, a lasting change of cost does
-    within a few rounds, and an option measured only now and then is judged on its latest
-    measurements, not on ones from a time when the machine was busier (or idler)."""
-
-    keep: int = 5
-    window: int = 48
-    values: list[tuple[int, float]] = field(default_factory=list)  # (planner round, seconds)
-
-    def add(self, x: float, now: int = 0) -> None:
-        self.values = (self.values + [(now, x)])[-self.keep:]
-
-    def fresh(self) -> list[float]:
-        newest = self.values[-1][0]
-        return [v for t, v in self.values if newest - t <= self.window]
-
-    @property
-    def value(self) -> float:
-        return median(self.fresh())
 
 
 @dataclass
@@ -148,10 +127,10 @@ class RoundPlanner:
     stay: float = 0.04
     confirm: int = 3
     explore: float = 8.0
-    _round_cost: dict[tuple[int, int], _Recent] = field(default_factory=dict)
-    _round_rows: dict[tuple[int, int], _Recent] = field(default_factory=dict)  # live rows of those rounds
-    _draft_cost: dict[int, _Recent] = field(default_factory=dict)
-    _switch_cost: dict[int, _Recent] = field(default_factory=dict)  # per bucket: a catch-up beyond a draft
+    _round_cost: dict[tuple[int, int], Recent] = field(default_factory=dict)
+    _round_rows: dict[tuple[int, int], Recent] = field(default_factory=dict)  # live rows of those rounds
+    _draft_cost: dict[int, Recent] = field(default_factory=dict)
+    _switch_cost: dict[int, Recent] = field(default_factory=dict)  # per bucket: a catch-up beyond a draft
     _drafting: bool = False  # the last round drafted (else the next draft catches up)
     _attempts: list[float] = field(default_factory=list)  # per depth (decayed counts across calls)
     _accepts: list[float] = field(default_factory=list)
@@ -159,8 +138,7 @@ class RoundPlanner:
     _last_run: dict[tuple[int, int], int] = field(default_factory=dict)  # (bucket, k) -> the bucket's round
     _bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds run per bucket
     _round: int = 0
-    _observed: int = 0  # rounds observed (the cost curve changes only then)
-    _curve_memo: tuple | None = None  # (_curve(), _observed when it was made)
+    _curve_memo: tuple | None = None  # (_curve(),) until the next observed round
 
     def __post_init__(self) -> None:
         assert self.options and min(self.options) >= 1, self.options
@@ -215,35 +193,14 @@ class RoundPlanner:
         if curve is None:
             e = self._round_cost.get((bucket(b), n))
             return e.value if e is not None else None
-        x = b * n
-        xs = [p[0] for p in curve]
-        if len(curve) == 1:  # every point pooled: flat
-            return curve[0][1]
-        i = next((i for i, xi in enumerate(xs) if xi >= x), len(xs) - 1)  # beyond: the nearest segment
-        i = max(1, i)
-        (x0, y0), (x1, y1) = curve[i - 1], curve[i]
-        return max(1e-9, y0 + (y1 - y0) / (x1 - x0) * (x - x0))
+        return read_curve(curve, b * n)
 
     def _curve(self) -> list[tuple[float, float]] | None:
-        """The measured points (block rows, seconds) of every bucket and block size, made
-        non-decreasing in rows by pooling adjacent violators (each point the median of its
-        recent rounds): a forward never gets cheaper with more rows, and a point measured in a
-        quiet second next to one measured in a busy one is averaged with it rather than read as
-        a block that costs less than a plain round over fewer rows."""
-        if self._curve_memo is not None and self._curve_memo[1] == self._observed:
-            return self._curve_memo[0]
-        raw = sorted((self._round_rows[key].value * key[1], e.value) for key, e in self._round_cost.items())
-        if len({x for x, _ in raw}) < 2:
-            self._curve_memo = (None, self._observed)
-            return None
-        blocks: list[list[float]] = []  # [x sum, y sum, count] of pooled points
-        for x, y in raw:
-            blocks.append([x, y, 1.0])
-            while len(blocks) > 1 and (blocks[-2][1] / blocks[-2][2] >= blocks[-1][1] / blocks[-1][2]
-                                       or blocks[-2][0] / blocks[-2][2] == blocks[-1][0] / blocks[-1][2]):
-                last = blocks.pop()
-                blocks[-1] = [a + c for a, c in zip(blocks[-1], last)]
-        self._curve_memo = ([(xs / c, ys / c) for xs, ys, c in blocks], self._observed)
+        """The points (median block rows, median seconds) of every bucket and block size as one
+        non-decreasing curve (``planner_costs.pooled_curve``); kept until the next observed round."""
+        if self._curve_memo is None:
+            self._curve_memo = (pooled_curve([(self._round_rows[key].value * key[1], e.value)
+                                              for key, e in self._round_cost.items()]),)
         return self._curve_memo[0]
 
     def cost(self, b: int, k: int, switching: bool = False) -> float | None:
@@ -298,9 +255,7 @@ class RoundPlanner:
         b rows (its cost is read between them, not extrapolated): then other buckets' rounds
         have measured it, and a new bucket need not probe it (a probe from plain rounds pays a
         catch-up over every row's skipped pairs)."""
-        curve = self._curve()
-        x = b * (self.block_tokens[k] if k else 1)
-        return curve is not None and len(curve) > 1 and curve[0][0] <= x <= curve[-1][0]
+        return covers(self._curve(), b * (self.block_tokens[k] if k else 1))
 
     def _deferred(self, bk: int, k: int) -> bool:
         """Whether the first probe of option k in bucket ``bk`` waits: when the nearest smaller
@@ -330,9 +285,9 @@ class RoundPlanner:
         if last is None and not self._covered(b, k):
             return ratio >= self.margin
         last = last or 0  # an option the cost curve covers counts as measured when the bucket began
-        plain = self._round_cost.get((bk, 1))
-        if not k and plain is not None and len(plain.values) < self.confirm:
-            return self._bucket_rounds[bk] - last > self.reprobe_floor  # plain, the anchor: confirmed
+        plain = None if k else self._round_cost.get((bk, 1))
+        if plain is not None and len(plain.values) < self.confirm:  # plain, the anchor: confirmed
+            return self._bucket_rounds[bk] - last > self.reprobe_floor
         loss = 1.0 - ratio
         switch = self._nearest(self._switch_cost, bk)
         if k and not self._drafting and switch is not None and self._established():
@@ -361,7 +316,7 @@ class RoundPlanner:
         return seen >= self.explore
 
     @staticmethod
-    def _nearest(table: dict[int, _Recent], bk: int) -> _Recent | None:
+    def _nearest(table: dict[int, Recent], bk: int) -> Recent | None:
         """The bucket's own entry, else the nearest measured bucket's (the smaller one on a tie):
         a draft step or a catch-up measured at a neighbouring batch size is a better guess than
         none (probes that are always single rounds after plain ones never measure a typical draft
@@ -384,17 +339,17 @@ class RoundPlanner:
         not typical: what it costs beyond a typical draft is the switch cost)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
-        self._observed += 1
-        self._round_cost.setdefault((bk, n), _Recent()).add(max(round_s, 1e-9), self._round)
-        self._round_rows.setdefault((bk, n), _Recent()).add(float(b), self._round)
+        self._curve_memo = None
+        self._round_cost.setdefault((bk, n), Recent()).add(max(round_s, 1e-9), self._round)
+        self._round_rows.setdefault((bk, n), Recent()).add(float(b), self._round)
         if k == 0:
             return
         typical = self._nearest(self._draft_cost, bk)
         if not catch_up:
-            self._draft_cost.setdefault(bk, _Recent()).add(draft_s / self.draft_steps[k], self._round)
+            self._draft_cost.setdefault(bk, Recent()).add(draft_s / self.draft_steps[k], self._round)
         else:  # (before any typical draft is measured, the whole draft counts: an upper bound)
             extra = max(0.0, draft_s - (self.draft_steps[k] * typical.value if typical is not None else 0.0))
-            self._switch_cost.setdefault(bk, _Recent()).add(extra, self._round)
+            self._switch_cost.setdefault(bk, Recent()).add(extra, self._round)
         if not self.chain:
             self._tree[0] += sum(emitted)
             self._tree[1] += len(emitted)

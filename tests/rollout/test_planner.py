@@ -126,27 +126,6 @@ def test_acceptance_counts_depths_reached_only():
     assert planner.expected_tokens(2) == pytest.approx(1 + 0.75 + 0.75 * 2 / 3)
 
 
-def test_round_cost_interpolates_between_measured_blocks():
-    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=5, max_batch="auto"), adaptive_k=True)
-    planner.observe(2, 0, 1.0, 0.0, [1, 1])
-    assert planner.round_cost(2, 3) is None
-    planner.observe(2, 5, 2.0, 0.5, [1, 1])
-    assert planner.round_cost(2, 1) == 1.0 and planner.round_cost(2, 6) == 2.0
-    assert planner.round_cost(2, 4) == pytest.approx(1.6)
-    assert planner.cost(2, 3) == pytest.approx(1.6 + 3 * 0.1)  # + 3 draft steps of 0.5 / 5 s
-    assert planner.round_cost(8, 1) == planner.round_cost(2, 4)  # the same block rows, in any bucket
-
-
-def test_one_slow_round_does_not_move_the_cost():
-    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"))
-    for s in (1.0, 1.1, 0.9, 10.0, 1.0):  # one round hit by another process
-        planner.observe(1, 0, s, 0.0, [1])
-    assert planner.round_cost(1, 1) == 1.0
-    for _ in range(3):  # a lasting change is followed
-        planner.observe(1, 0, 3.0, 0.0, [1])
-    assert planner.round_cost(1, 1) == 3.0
-
-
 def test_a_catch_up_is_a_switch_cost_not_a_round_cost():
     """Drafting after plain rounds first runs the draft over every skipped pair: what that costs
     beyond a typical draft is the switch cost S, kept out of the option's round cost; after a
@@ -252,40 +231,6 @@ def test_reprobe_interval_grows_with_the_gap():
     assert planner.reprobe_interval(0.2) > planner.reprobe_interval(0.5)
 
 
-def test_costs_are_judged_on_recent_measurements():
-    from rollout.planner import _Recent
-
-    r = _Recent()
-    for t in range(4):
-        r.add(3.0, now=t)  # busy, long ago
-    r.add(1.0, now=200)
-    assert r.value == 1.0  # the only one within the window of the newest
-    r.add(1.2, now=201)
-    assert r.value == pytest.approx(1.1)
-    fresh = _Recent()
-    for t, x in enumerate((1.0, 1.1, 0.9, 10.0, 1.0)):
-        fresh.add(x, now=t)
-    assert fresh.value == 1.0
-
-
-def test_costs_follow_the_rows_within_a_bucket():
-    """Regression: rows finish within a call, so a bucket's options get measured at different
-    batch sizes. A plain round measured at 16 rows (1.8 s) and a chain of one measured at 10
-    rows (2.2 s, 20 block rows) on a machine where a forward costs 0.2 + 0.1 s per row: at
-    10 rows plain costs 1.2 s and wins (0.83 against 0.73 tokens/s per row); taken at face
-    value, the chain looked better."""
-    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=1, max_batch="auto"))
-    planner.prior_weight = 0.0
-    planner.observe(16, 0, 1.8, 0.0, [1] * 16)
-    planner.observe(10, 1, 2.2, 0.0, [2, 2, 2, 2, 2, 2, 1, 1, 1, 1], catch_up=False)  # E(1) = 1.6
-    assert planner.round_cost(10, 1) == pytest.approx(1.2) and planner.round_cost(10, 2) == pytest.approx(2.2)
-    assert planner.round_cost(16, 1) == pytest.approx(1.8) and planner.round_cost(16, 2) == pytest.approx(3.4)
-    rates = planner.rates(10, switching=False)
-    assert rates[0] == pytest.approx(1 / 1.2) and rates[1] == pytest.approx(1.6 / 2.2)
-    planner._last_run = {(bucket(10), 0): 0, (bucket(10), 1): 0}  # both measured: it chooses by rate
-    assert [planner.choose(10) for _ in range(3)] == [0, 0, 0]
-
-
 def test_it_leaves_plain_rounds_only_for_a_clear_gain():
     """From plain rounds, a chain whose expected rate is within ``hold`` of plain's is not taken
     (on a noisy machine such near-ties flipped the choice back and forth, each switch paying a
@@ -380,26 +325,6 @@ def test_one_unlucky_first_tree_round_does_not_keep_it_plain():
         assert chosen[:2] == [0, 1], chosen
         assert 1 in chosen[2:2 + planner.reprobe + 1], chosen
         assert chosen.count(1) >= 70, chosen
-
-
-def test_the_cost_curve_pools_buckets_and_never_decreases():
-    """Regression (batch 32, lossless): a plain round measured over 32 rows in a busy second and
-    a chain of one over 20 rows (40 block rows) in a quiet one; a line through the two read the
-    chain's block as cheaper than a plain round over the same 20 rows, and the planner drafted
-    at 0.8-0.9x plain decoding. The points are pooled instead; and a point of another bucket
-    over the same block rows counts."""
-    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=1, max_batch="auto"))
-    planner.observe(32, 0, 1.0, 0.0, [1] * 32)
-    planner.observe(20, 1, 0.9, 0.1, [2] * 20)
-    assert planner.round_cost(20, 2) >= planner.round_cost(20, 1)
-    assert planner.round_cost(20, 2) == pytest.approx(0.95)
-    planner.observe(16, 0, 0.6, 0.0, [1] * 16)  # bucket 16: a plain round over 16 rows
-    planner.observe(8, 1, 0.6, 0.05, [2] * 8)  # bucket 8: a chain of one over 8 rows, 16 block rows
-    assert planner.round_cost(16, 1) == planner.round_cost(8, 2) == pytest.approx(0.6)
-    assert planner.round_cost(24, 1) == pytest.approx(0.6 + (24 - 16) * (0.95 - 0.6) / (36 - 16))
-    xs = [x for x, _ in planner._curve()]
-    ys = [y for _, y in planner._curve()]
-    assert xs == sorted(xs) and ys == sorted(ys)
 
 
 def test_a_slow_first_plain_round_is_measured_again():
