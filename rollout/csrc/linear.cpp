@@ -42,6 +42,12 @@ constexpr int kUnit = 2;  // panels per work unit
 constexpr int kGroupU = 12;  // rows per group with a unit of panels
 constexpr int64_t kLanes = 16;
 constexpr int64_t kBlock = 64;  // terms summed in order before joining the running sum (rounding error)
+// Panel rows (64-byte lines) requested ahead of the one being read. A panel is one stream of K
+// lines across several 4 KiB pages; on the Intel Xeon this was measured on, whose hardware
+// prefetcher does not follow a stream into the next page, the explicit requests made a
+// batch-1 forward of SmolLM2-135M 5-7% faster, a 4-token verify block 12-15% and batch 16 10-13%
+// (the same bits: a prefetch changes no arithmetic).
+constexpr int64_t kAhead = 32;
 
 #ifdef __AVX512F__
 #include <immintrin.h>
@@ -65,6 +71,8 @@ inline void tile(const W* P, const float* X, const float* b, float* Y, int64_t N
     for (int j = 0; j < NP; ++j)
       for (int m = 0; m < M; ++m) part[j][m] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
+      for (int j = 0; j < NP; ++j)  // (a hint: past a panel's end it touches the next one, never faults)
+        _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k + kAhead) * kLanes), _MM_HINT_T0);
       __m512 v[NP];
       for (int j = 0; j < NP; ++j) v[j] = load16(w + (j * K + k) * kLanes);
       for (int m = 0; m < M; ++m) {
