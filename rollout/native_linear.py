@@ -57,7 +57,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rollout import fused_layers
 from verifiers import cbuild
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp", "norm.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp", "norm.cpp", "layer.cpp")]
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 compact = True  # switch: pack bf16-valued weights as bf16 panels (False: fp32 panels for all)
 
@@ -66,6 +66,7 @@ _tried = False
 _lock = threading.Lock()
 _buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (refilled by every ``routed``)
 _merged_buffers = WeakIdKeyDictionary()  # fused module -> its merged layers' packed buffer (likewise)
+epoch = 0  # counts ``routed`` entries: what was derived from the packed buffers is stale when it moves
 
 
 def _load() -> ctypes.CDLL | None:
@@ -102,6 +103,12 @@ def _load() -> ctypes.CDLL | None:
         lib.hr_attend_vectorised.restype = i64
         lib.hr_rms_norm.restype = None
         lib.hr_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+        f32 = ctypes.c_float
+        lib.hr_decoder_layer.restype = i64
+        lib.hr_decoder_layer.argtypes = ([ptr, i64, i64, i64, ptr, ptr, f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
+                                         + [i64] * 3 + [ptr, ptr, i64, i64, i64, f32, ptr])
+        lib.hr_decoder_layer_scratch.restype = i64
+        lib.hr_decoder_layer_scratch.argtypes = [i64] * 6
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
         return _lib
 
@@ -220,6 +227,8 @@ def routed(*modules: nn.Module | None):
     block sees them as they are then, however they were changed before (an optimizer step
     through ``.data`` does not move a tensor's version counter, so nothing cheaper can tell);
     they must not change inside the block. The modules are restored on exit."""
+    global epoch
+    epoch += 1
     mods = [m for mod in modules if mod is not None for m in mod.modules()]
     use = any(isinstance(m, nn.Linear) for m in mods) and available()
     patched: list[nn.Module] = []
@@ -275,6 +284,14 @@ def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: to
                             ks[2], mask.data_ptr(), ms[0], ms[2], out.data_ptr(), b, t, hq, key.shape[1],
                             key.shape[2], d, scale)
     return out if status == 0 else None
+
+
+def panels_of(module: nn.Module) -> torch.Tensor | None:
+    """The packed panels ``routed`` made for a fused module's merged layers, or for a linear
+    layer's weight (None: none this block)."""
+    if isinstance(module, nn.Linear):
+        return _buffers.get(module.weight)
+    return _merged_buffers.get(module)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

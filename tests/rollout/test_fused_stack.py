@@ -131,3 +131,108 @@ def test_capture_mode_records_the_same_features(stack_runs):
     assert stack_runs
     for (fa, xa), (fb, xb) in zip(got[True], got[False]):
         assert torch.equal(fa, fb) and torch.equal(xa, xb)
+
+
+# -- the whole layer in one C++ call (csrc/layer.cpp) ------------------------------------------
+@pytest.fixture
+def native_layer_runs(monkeypatch):
+    """Counts the forwards whose layers ran in ``hr_decoder_layer``; restores the switch."""
+    runs = []
+    original = fused_layers._run_native_layers
+
+    def spy(*args, **kwargs):
+        runs.append(args[2].shape)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(fused_layers, "_run_native_layers", spy)
+    yield runs
+    fused_layers.native_layer = True
+
+
+def _bf16_valued(target):
+    """The target with every weight rounded to a bfloat16 value (packed as compact panels)."""
+    with torch.no_grad():
+        for p in target.model.parameters():
+            p.copy_(p.to(torch.bfloat16).float())
+    return target
+
+
+@pytest.mark.parametrize("weights", ["fp32", "bf16-valued"])
+def test_native_layers_give_the_bits_of_the_python_layers(weights, native_layer_runs):
+    """Prefill and a tree-like block, two rows (one padded): logits, features, final norm outputs
+    and the cache's keys and values equal bit for bit with the layers run from Python."""
+    target = tiny_target(seed=6)
+    if weights == "bf16-valued":
+        _bf16_valued(target)
+    g = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, 64, (2, 6), generator=g)
+    mask = torch.ones(6, 6, dtype=torch.bool).tril().expand(2, 1, 6, 6).clone()
+    mask[1, 0, 1:, 0] = False  # row 1 does not see its first token (padding)
+    outs, caches = {}, {}
+    with torch.inference_mode(), native_linear.routed(target):
+        if weights == "bf16-valued":
+            assert native_linear.panels_of(target.decoder_layers[0].mlp).dtype == torch.bfloat16
+        for on in (True, False):
+            fused_layers.native_layer = on
+            calls = len(native_layer_runs)
+            cfg = target.config
+            cache = RowKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, 32, target.dtype, "cpu")
+            cache.prepare(6)
+            pos = torch.arange(6)[None].expand(2, 6)
+            first = target(ids, position_ids=pos, attention_mask=mask, cache=cache, final=True)
+            cache.commit(torch.tensor([6, 5]), [6, 5])  # rows of different lengths
+            _, length = cache.prepare(3)
+            block = torch.zeros(2, 3, length, dtype=torch.bool)
+            block[0, :, :6], block[1, :, :5] = True, True
+            for row, start in ((0, 6), (1, 5)):
+                block[row, :, start:start + 3] = torch.ones(3, 3, dtype=torch.bool).tril()
+                block[row, 2, start + 1] = False  # the third token does not see the second (a tree)
+            second = target(ids[:, :3], position_ids=torch.tensor([[6, 7, 7], [5, 6, 6]]),
+                            attention_mask=block[:, None], cache=cache, final=True)
+            outs[on], caches[on] = (first, second), cache
+            assert len(native_layer_runs) == calls + (2 if on else 0)
+    for native, python in zip(outs[True], outs[False]):
+        assert torch.equal(native.logits, python.logits)
+        assert torch.equal(native.features, python.features)
+        assert torch.equal(native.final, python.final)
+    for a, b in zip(caches[True].keys + caches[True].values, caches[False].keys + caches[False].values):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("mode", ["off", "chain", "tree"])
+def test_engine_outputs_with_and_without_native_layers(mode, native_layer_runs):
+    """Every token, kind and log-prob the same through a whole call (prefill, rounds, rows
+    finishing at different times and moving in the cache)."""
+    target = tiny_target(seed=7)
+    head = copy_head(target, noise=0.3)
+    spec = {"off": SpecConfig(mode="off"), "chain": SpecConfig(mode="chain", num_draft_tokens=3),
+            "tree": SpecConfig(mode="tree")}[mode]
+    kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=30, stop_token_ids=(5,)), spec=spec,
+              verifier=VerifierConfig(name="overshoot", params={"lenience": 0.5}), seed=2)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [1, 2, 3], [7, 7]]
+    engine = Engine(target, head, num_threads=2, linear="native")
+    native = engine.generate(prompts, **kw)
+    assert len(native_layer_runs) >= 2
+    assert len({c.num_tokens for c in native.completions}) > 1  # rows finished at different rounds
+    fused_layers.native_layer = False
+    runs = len(native_layer_runs)
+    python = engine.generate(prompts, **kw)
+    assert len(native_layer_runs) == runs
+    for a, b in zip(native.completions, python.completions):
+        assert a.completion_ids == b.completion_ids and a.kinds == b.kinds
+        assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
+
+
+def test_native_layers_need_the_native_norm_and_the_engines_cache(native_layer_runs):
+    target = tiny_target(seed=8)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril().expand(1, 1, 5, 5)
+    with torch.inference_mode(), native_linear.routed(target):
+        fused_layers.native_norm = False  # the layer calls the norm kernel: torch's norms keep Python
+        try:
+            lean, _ = _cached_forward(target, ids, mask)
+        finally:
+            fused_layers.native_norm = True
+        assert not native_layer_runs
+        _cached_forward(target, ids, mask)
+        assert len(native_layer_runs) == 2

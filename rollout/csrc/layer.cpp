@@ -1,0 +1,137 @@
+// One Llama-style decoder layer of a decoding forward on the CPU, in one call from Python.
+//
+// Why: at batch 1 a forward of SmolLM2-135M spends about 15 ms of its ~40 ms outside the linear
+// kernel on the Intel Xeon this was measured on (about 40 torch ops and the Python between them
+// per layer: the rotary embedding, the cache write, the residual adds, the activation, and the
+// calls into the kernels). This file runs a layer's whole sequence from C++, with the same
+// arithmetic in the same order as ``rollout.fused_layers``' Python forwards (the same bits):
+//
+//   x = rms_norm(h, w_in)                     hr_rms_norm (csrc/norm.cpp)
+//   qkv = x [Wq; Wk; Wv]^T                    hr_linear / hr_linear16 (csrc/linear.cpp)
+//   q, k = rotate(q), rotate(k)               x * cos + swap_halves(x) * sin', sin' = sin with
+//                                             its first half negated (two products, one sum)
+//   cache[b, g, slot[b, t]] = k, v            the block's keys and values at each row's slots
+//   a = attention(q, cache, mask)             hr_attend (csrc/attention.cpp)
+//   h = h + a Wo^T
+//   x = rms_norm(h, w_post)
+//   g, u = x [Wg; Wu]^T
+//   h = h + (silu(g) * u) Wd^T                silu: ATen's own kernel (at::silu_out on the same
+//                                             strided view the Python forward hands it)
+//
+// With -ffp-contract=off (verifiers/cbuild.py) each product and sum rounds as torch's
+// elementwise ops do, so the layer's output equals the Python forward's bit for bit (the tests
+// compare them with torch.equal).
+
+#include <ATen/Parallel.h>
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/from_blob.h>
+#include <ATen/ops/silu.h>
+
+#include <cstdint>
+#include <cstring>
+
+extern "C" {
+int64_t hr_linear(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
+int64_t hr_linear16(const uint16_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
+int64_t hr_attend(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, const float* k, const float* v,
+                  int64_t ks_b, int64_t ks_h, int64_t ks_l, const uint8_t* mask, int64_t ms_b, int64_t ms_t,
+                  float* out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, float scale);
+void hr_rms_norm(const float* x, const float* w, float* out, int64_t M, int64_t N, float eps);
+}
+
+namespace {
+
+// A linear layer without bias from its packed panels (compact: bf16 panels).
+int64_t linear(const void* P, bool compact, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
+  return compact ? hr_linear16(static_cast<const uint16_t*>(P), nullptr, X, Y, N, K, M)
+                 : hr_linear(static_cast<const float*>(P), nullptr, X, Y, N, K, M);
+}
+
+// Rows [lo, hi) in parallel when there are many (a prefill chunk), else on this thread.
+template <typename F>
+void rows(int64_t R, int64_t grain, const F& f) {
+  if (R <= grain) {
+    f(0, R);
+    return;
+  }
+  at::parallel_for(0, R, grain, f);
+}
+
+}  // namespace
+
+extern "C" {
+
+// h [R, H] (R = B x T rows, row-major) is updated in place to the layer's output.
+// panels: q/k/v side by side, o, gate/up side by side, down; bit i of ``compact`` set: panel i
+// holds bf16 values (hr_linear_pack16). cos, sin: [R, D] (the rotary tables of each row's
+// position). kc, vc: this layer's key and value cache of the B rows, [B, Hkv, >= L, D] with
+// strides (ks_b, ks_h, ks_l, 1); slots [R]: the slot each row's token is written to. mask:
+// bytes [B, T, L] with strides (ms_b, ms_t, 1). scratch: at least
+// hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I) floats. Returns 0, or the status of the first
+// kernel that refused (nothing after it ran: the caller must not use h then).
+int64_t hr_decoder_layer(float* h, int64_t B, int64_t T, int64_t H, const float* w_in, const float* w_post,
+                         float eps, const void* p_qkv, const void* p_o, const void* p_gu, const void* p_down,
+                         int64_t compact, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, const float* cos,
+                         const float* sin, float* kc, float* vc, int64_t ks_b, int64_t ks_h, int64_t ks_l,
+                         const int64_t* slots, const uint8_t* mask, int64_t ms_b, int64_t ms_t, int64_t L,
+                         float scale, float* scratch) {
+  const int64_t R = B * T, nqk = (Hq + Hkv) * D, nqkv = nqk + Hkv * D, half = D / 2;
+  float* x = scratch;            // [R, H]: the norms' outputs, then the o and down outputs
+  float* qkv = x + R * H;        // [R, nqkv]
+  float* qk = qkv + R * nqkv;    // [R, nqk]: q and k rotated
+  float* att = qk + R * nqk;     // [R, Hq D]
+  float* gu = att + R * Hq * D;  // [R, 2I]
+  float* act = gu + R * 2 * I;   // [R, I]: silu(g), then silu(g) * u
+  int64_t status;
+
+  hr_rms_norm(h, w_in, x, R, H, eps);
+  if ((status = linear(p_qkv, compact & 1, x, qkv, nqkv, H, R)) != 0) return status;
+  rows(R, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r) {
+      const float* c = cos + r * D;
+      const float* s = sin + r * D;
+      for (int64_t j = 0; j < Hq + Hkv; ++j) {
+        const float* src = qkv + r * nqkv + j * D;
+        float* dst = qk + r * nqk + j * D;
+        for (int64_t i = 0; i < half; ++i) dst[i] = src[i] * c[i] + src[i + half] * (-s[i]);
+        for (int64_t i = half; i < D; ++i) dst[i] = src[i] * c[i] + src[i - half] * s[i];
+      }
+      const int64_t b = r / T, slot = slots[r];
+      for (int64_t g = 0; g < Hkv; ++g) {
+        std::memcpy(kc + b * ks_b + g * ks_h + slot * ks_l, qk + r * nqk + (Hq + g) * D, D * sizeof(float));
+        std::memcpy(vc + b * ks_b + g * ks_h + slot * ks_l, qkv + r * nqkv + nqk + g * D, D * sizeof(float));
+      }
+    }
+  });
+  if ((status = hr_attend(qk, T * nqk, D, nqk, kc, vc, ks_b, ks_h, ks_l, mask, ms_b, ms_t, att, B, T, Hq, Hkv, L,
+                          D, scale)) != 0)
+    return status;
+  if ((status = linear(p_o, compact & 2, att, x, H, Hq * D, R)) != 0) return status;
+  rows(R, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo * H; i < hi * H; ++i) h[i] = h[i] + x[i];
+  });
+
+  hr_rms_norm(h, w_post, x, R, H, eps);
+  if ((status = linear(p_gu, compact & 4, x, gu, 2 * I, H, R)) != 0) return status;
+  {  // silu over the gate half ([R, I] with row stride 2I), as F.silu(gate_up[..., :I]) runs it
+    const at::Tensor gate = at::from_blob(gu, {R, I}, {2 * I, 1}, at::TensorOptions().dtype(at::kFloat));
+    at::Tensor out = at::from_blob(act, {R, I}, at::TensorOptions().dtype(at::kFloat));
+    at::silu_out(out, gate);
+  }
+  rows(R, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t r = lo; r < hi; ++r)
+      for (int64_t i = 0; i < I; ++i) act[r * I + i] = act[r * I + i] * gu[r * 2 * I + I + i];
+  });
+  if ((status = linear(p_down, compact & 8, act, x, H, I, R)) != 0) return status;
+  rows(R, 64, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo * H; i < hi * H; ++i) h[i] = h[i] + x[i];
+  });
+  return 0;
+}
+
+// Floats of scratch hr_decoder_layer needs.
+int64_t hr_decoder_layer_scratch(int64_t R, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
+  return R * (H + (Hq + 2 * Hkv) * D + (Hq + Hkv) * D + Hq * D + 3 * I);
+}
+
+}  // extern "C"
