@@ -2,7 +2,8 @@
 Hugging Face ``generate``, side by side on the same prompts and sampling settings.
 The engine's linear layers run on ``rollout.native_linear``'s kernel where it is available
 (its default), with the leaner Llama layer forwards of ``rollout.fused_layers``;
-``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row, ``--unfused`` the
+``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row, ``--python-layers`` each
+configuration with the decoder layers run from Python instead of ``csrc/layer.cpp``, ``--unfused`` the
 autoregressive mode with the modules' own forwards (kernel still on), ``--fp32-head`` each
 speculative configuration with the draft head's weights packed as fp32 panels (the default
 packs the shipped bf16-valued head as bf16 panels: the same draft logits, half the bytes;
@@ -123,6 +124,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--unfused", action="store_true",
                     help="add our autoregressive mode with every module's own forward (no "
                          "rollout.fused_layers; the linear kernel still on) as a row")
+    ap.add_argument("--python-layers", action="store_true",
+                    help="add our autoregressive mode and each speculative configuration with the decoder "
+                         "layers run one by one from Python (fused_layers.native_layer off, not csrc/layer.cpp) "
+                         "as rows (no bound: the step costs use the C++ layers)")
     ap.add_argument("--fp32-head", action="store_true",
                     help="add each speculative configuration with the head packed as fp32 panels "
                          "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")
@@ -234,6 +239,7 @@ def describe(spec: SpecConfig) -> str:
 SWITCHES = {
     "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
     "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
+    "python-layers": (fused_layers, "native_layer"),  # the layers from Python, not csrc/layer.cpp
     "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
 }
 
@@ -285,6 +291,10 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
         configs += [(describe(spec) + ("" if be is None else f" [{be}]"), v.name, spec, v, be)
                     for spec, v in spec_configs(args) for be in backends]
+        if args.python_layers:
+            configs.append(("off [python layers]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "python-layers"))
+            configs += [(describe(spec) + " [python layers]", v.name, spec, v, "python-layers")
+                        for spec, v in spec_configs(args)]
         if args.fp32_head:
             configs += [(describe(spec) + " [fp32 head]", v.name, spec, v, "fp32-head") for spec, v in spec_configs(args)]
         totals: list[dict] = [{} for _ in configs]
@@ -332,7 +342,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["paired_vs_ar"] = {"median": median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
-            row["bound"] = bound(spec, row["tau"], costs) if backend != "fp32-head" else None
+            row["bound"] = bound(spec, row["tau"], costs) if backend not in ("fp32-head", "python-layers") else None
             row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
             mine = decode.get((mode, vname))
             row["decode_tokens_per_s"] = mine
