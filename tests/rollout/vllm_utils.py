@@ -97,10 +97,10 @@ def induced_at(rule, rec: dict, b: int, j: int) -> torch.Tensor:
     (one deterministic candidate), and the bonus position (no candidate: P = p) likewise."""
     s = rec["setting"]
     kw = {"temperature": s.temperature, "top_k": s.top_k, "top_p": s.top_p}
-    logits = rec["target_logits"][b, j:j + 1]
+    logits = rec["target_logits"][b, j:j + 1].double()  # float64: the closed form, not another float32 rounding
     k = rec["draft_tokens"].shape[1]
     if rec["draft_probs"] is not None and j < k:
-        return induced_chain(rule, logits, rec["draft_probs"][b, j:j + 1].log() * s.temperature, **kw)[0]
+        return induced_chain(rule, logits, rec["draft_probs"][b, j:j + 1].double().log() * s.temperature, **kw)[0]
     cand = rec["draft_tokens"][b, j:j + 1, None].long() if j < k else torch.full((1, 1), -1, dtype=torch.long)
     return induced_candidates(rule, logits, cand, **kw)[0]
 

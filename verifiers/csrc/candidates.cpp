@@ -38,12 +38,12 @@ struct NodeKernel {
     for (int64_t i = 1; i < m; ++i)
       for (int64_t j = i; j > 0 && sorted[j - 1] > sorted[j]; --j) std::swap(sorted[j - 1], sorted[j]);
     // sum exp(z - zmax) over the non-candidates, segment by segment (no cancellation later)
-    float rest_e = 0, h = 0;
+    double rest_e = 0, h = 0;  // float64 sums (see common.h's row_stats)
     const float t = temperature;
     int64_t lo = 0;
     for (int64_t k = 0; k <= m; ++k) {
       const int64_t hi = k < m ? sorted[k] : V;
-      float s = 0, hh = 0;
+      double s = 0, hh = 0;
 #pragma omp simd reduction(+ : s, hh)
       for (int64_t i = lo; i < hi; ++i) {
         const float d = (t == 1.0f ? rv.data[i] : rv.data[i] / t) - zmax;
@@ -56,16 +56,16 @@ struct NodeKernel {
       lo = hi + 1;
     }
     std::vector<float> e_c(m);
-    float cand_e = 0;
+    double cand_e = 0;
     for (int64_t i = 0; i < m; ++i) {
       const float d = rv.z(c[i]) - zmax;
       e_c[i] = exp_nonpos(d);
       cand_e += e_c[i];
       if (typical && e_c[i] > 0) h += e_c[i] * d;
     }
-    st.inv_sum = 1.0f / (rest_e + cand_e);
-    st.zsum_term = h;
-    const float inv = st.inv_sum, rest = rest_e * inv;
+    st.inv_sum = static_cast<float>(1.0 / (rest_e + cand_e));
+    st.zsum_term = static_cast<float>(h);
+    const float inv = st.inv_sum, rest = static_cast<float>(rest_e) * inv;
     bool relax;
     float thr;
     rule_context(prm, st, relax, thr);

@@ -147,7 +147,7 @@ static RowStats row_stats(const RowView& rv, bool top2, bool entropy) {
   float raw_max, raw_second;
   if (!row_top(rv, top2, st, raw_max, raw_second)) return st;
   const float zmax = st.zmax;
-  float s = 0, h = 0;
+  double s = 0, h = 0;  // float64 sums of float32 terms: a float32 lane of ~3000 terms lost up to 1e-4
   if (rv.temperature == 1.0f && !entropy) {
 #pragma omp simd reduction(+ : s)
     for (int64_t i = 0; i < rv.n; ++i) s += exp_nonpos(rv.data[i] - zmax);
@@ -161,8 +161,8 @@ static RowStats row_stats(const RowView& rv, bool top2, bool entropy) {
       h += e > 0 ? e * d : 0.0f;
     }
   }
-  st.inv_sum = 1.0f / s;
-  st.zsum_term = h;
+  st.inv_sum = static_cast<float>(1.0 / s);
+  st.zsum_term = static_cast<float>(h);
   if (top2) top2_tokens(rv, raw_max, raw_second, st);
   return st;
 }

@@ -119,7 +119,7 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
   const float tm = ts.zmax, ti = ts.inv_sum, qm = qs.zmax, qi = qs.inv_sum, thr = rs.thr;
   const float t = tr.temperature;
   const int64_t V = tr.n;
-  float s1 = 0, s2 = 0;
+  double s1 = 0, s2 = 0;  // float64 sums (see row_stats)
   if (prm.rule == kOvershoot) {
     const double lenience = prm.arg[0], min_p = prm.arg[1];
     const float inv_l = static_cast<float>(1.0 / lenience);
@@ -133,8 +133,8 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
       s1 += (over > 0 && !(gate && p >= thr)) ? over : 0.0f;
       s2 += p > q ? p - q : 0.0f;
     }
-    rs.rejected = s1;
-    rs.tv = s2;
+    rs.rejected = static_cast<float>(s1);
+    rs.tv = static_cast<float>(s2);
   } else {  // typical, min_p: sum over p < thr of q / (1 - p)
 #pragma omp simd reduction(+ : s1)
     for (int64_t i = 0; i < V; ++i) {
@@ -144,7 +144,7 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
       const float denom = 1.0f - p > 1e-30f ? 1.0f - p : 1e-30f;
       s1 += p < thr ? q / denom : 0.0f;
     }
-    rs.feed = s1;
+    rs.feed = static_cast<float>(s1);
   }
 }
 
