@@ -119,6 +119,10 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
   const float tm = ts.zmax, ti = ts.inv_sum, qm = qs.zmax, qi = qs.inv_sum, thr = rs.thr;
   const float t = tr.temperature;
   const int64_t V = tr.n;
+  // the rows' pointers in locals: read through the views inside the loops they kept gcc from
+  // vectorising them (a scalar loop, ~13 ns a token: 24 ms of a batch-16 overshoot verification)
+  const float* __restrict td = tr.data;
+  const float* __restrict dd = dr.data;
   double s1 = 0, s2 = 0;  // float64 sums (see row_stats)
   if (prm.rule == kOvershoot) {
     const double lenience = prm.arg[0], min_p = prm.arg[1];
@@ -126,8 +130,8 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
     const bool gate = min_p > 0;
 #pragma omp simd reduction(+ : s1, s2)
     for (int64_t i = 0; i < V; ++i) {
-      const float zt = t == 1.0f ? tr.data[i] : tr.data[i] / t;
-      const float zq = t == 1.0f ? dr.data[i] : dr.data[i] / t;
+      const float zt = t == 1.0f ? td[i] : td[i] / t;
+      const float zq = t == 1.0f ? dd[i] : dd[i] / t;
       const float p = exp_nonpos(zt - tm) * ti, q = exp_nonpos(zq - qm) * qi;
       const float over = q - p * inv_l;
       s1 += (over > 0 && !(gate && p >= thr)) ? over : 0.0f;
@@ -138,8 +142,8 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
   } else {  // typical, min_p: sum over p < thr of q / (1 - p)
 #pragma omp simd reduction(+ : s1)
     for (int64_t i = 0; i < V; ++i) {
-      const float zt = t == 1.0f ? tr.data[i] : tr.data[i] / t;
-      const float zq = t == 1.0f ? dr.data[i] : dr.data[i] / t;
+      const float zt = t == 1.0f ? td[i] : td[i] / t;
+      const float zq = t == 1.0f ? dd[i] : dd[i] / t;
       const float p = exp_nonpos(zt - tm) * ti, q = exp_nonpos(zq - qm) * qi;
       const float denom = 1.0f - p > 1e-30f ? 1.0f - p : 1e-30f;
       s1 += p < thr ? q / denom : 0.0f;
