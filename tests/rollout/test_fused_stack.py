@@ -17,18 +17,23 @@ pytestmark = pytest.mark.skipif(not native_linear.available(),
                                 reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
 
 
-@pytest.fixture
-def stack_runs(monkeypatch):
-    """Counts the stack loop's runs."""
+def _spy_runs(monkeypatch, name: str) -> list:
+    """The shapes of the hidden states (or input ids) each call of ``fused_layers.<name>`` got."""
     runs = []
-    original = fused_layers._run_stack
+    original = getattr(fused_layers, name)
 
     def spy(*args, **kwargs):
         runs.append(args[2].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_layers, "_run_stack", spy)
-    yield runs
+    monkeypatch.setattr(fused_layers, name, spy)
+    return runs
+
+
+@pytest.fixture
+def stack_runs(monkeypatch):
+    """Counts the stack loop's runs."""
+    yield _spy_runs(monkeypatch, "_run_stack")
     fused_layers.stack = True
 
 
@@ -137,15 +142,7 @@ def test_capture_mode_records_the_same_features(stack_runs):
 @pytest.fixture
 def native_layer_runs(monkeypatch):
     """Counts the forwards whose layers ran in ``hr_decoder_layer``; restores the switch."""
-    runs = []
-    original = fused_layers._run_native_layers
-
-    def spy(*args, **kwargs):
-        runs.append(args[2].shape)
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(fused_layers, "_run_native_layers", spy)
-    yield runs
+    yield _spy_runs(monkeypatch, "_run_native_layers")
     fused_layers.native_layer = True
 
 
@@ -223,14 +220,14 @@ def test_engine_outputs_with_and_without_native_layers(mode, native_layer_runs):
         assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
 
 
-def test_native_layers_need_the_native_norm_and_the_engines_cache(native_layer_runs):
+def test_native_layers_need_the_native_norm(native_layer_runs):
     target = tiny_target(seed=8)
     ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
     mask = torch.ones(5, 5, dtype=torch.bool).tril().expand(1, 1, 5, 5)
     with torch.inference_mode(), native_linear.routed(target):
         fused_layers.native_norm = False  # the layer calls the norm kernel: torch's norms keep Python
         try:
-            lean, _ = _cached_forward(target, ids, mask)
+            _cached_forward(target, ids, mask)
         finally:
             fused_layers.native_norm = True
         assert not native_layer_runs
