@@ -51,6 +51,7 @@ The tests compare the logits, log-probs and tokens of this path with the torch p
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 import torch.nn.functional as F
@@ -260,7 +261,7 @@ def _run_stack(base: nn.Module, layers, input_ids: torch.Tensor, position_ids: t
 
 
 # -- the whole layer in one C++ call (csrc/layer.cpp) ------------------------------------------
-_plans: dict = {}  # id(base) -> (native_linear.epoch, the layers' constant arguments)
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, layer arguments)
 
 
 def _layer_plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tensor) -> list[tuple] | None:
@@ -280,7 +281,7 @@ def _layer_plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torc
             and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and rows <= native_linear.max_rows()
             and mask.shape[-1] == cache._kv_len and mask.stride(-1) == 1):
         return None
-    cached = _plans.get(id(base))
+    cached = _plans.get(base)
     if cached is not None and cached[0] == native_linear.epoch:
         return cached[1]
     plan = []
@@ -299,7 +300,7 @@ def _layer_plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torc
         plan.append((attn.layer_idx, norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), eps[0],
                      *(p.data_ptr() for p in panels), compact, n_q, n_kv, d, mlp.gate_proj.out_features,
                      float(attn.scaling), panels))
-    _plans[id(base)] = (native_linear.epoch, plan)
+    _plans[base] = (native_linear.epoch, plan)
     return plan
 
 

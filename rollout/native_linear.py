@@ -109,6 +109,11 @@ def _load() -> ctypes.CDLL | None:
                                          + [i64] * 3 + [ptr, ptr, i64, i64, i64, f32, ptr])
         lib.hr_decoder_layer_scratch.restype = i64
         lib.hr_decoder_layer_scratch.argtypes = [i64] * 6
+        lib.hr_draft_layer.restype = i64
+        lib.hr_draft_layer.argtypes = ([ptr] * 3 + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
+                                       + [i64] * 3 + [ptr] * 2 + [i64] * 3 + [f32, ptr, ptr, i64, f32, ptr, ptr])
+        lib.hr_draft_layer_scratch.restype = i64
+        lib.hr_draft_layer_scratch.argtypes = [i64] * 6
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
         return _lib
 

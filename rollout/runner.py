@@ -20,7 +20,9 @@ Vocabulary:
   draft (``spec.max_batch``) queue their pairs; the next ``draft_root`` consumes the queue
   in the same forward, exactly as if it had run every round.
 - **speculation**: draft forwards beyond step 0 within one round; their KV entries live
-  only in ``self._spec_past`` and are dropped when the next round starts.
+  only in ``self._spec_past``, or (native draft steps, ``rollout.native_draft``) in the draft
+  cache's slots right after the longest committed row, and are dropped when the next round
+  starts.
 - **capture** (plain decoding only): every target forward also keeps, per row, the
   features and final-norm outputs of the positions it ran (``captures``); the drafter's
   training data is made of them.
@@ -35,6 +37,7 @@ from contextlib import contextmanager, nullcontext
 import torch
 import torch.nn.functional as F
 
+from rollout import native_draft
 from rollout.eagle3_head import DraftOutput
 from rollout.kv_cache import RowKVCache
 from verifiers.processing import draft_logits as scale_draft_logits
@@ -91,6 +94,7 @@ class ModelRunner:
             self.draft_ids = head.target_ids.to(self.device)  # [Vd] target id of each draft id
         self.cache: RowKVCache | None = None
         self.draft_kv: RowKVCache | None = None
+        self.drop_speculation()
 
     @property
     def batch(self) -> int:
@@ -336,6 +340,7 @@ class ModelRunner:
     def drop_speculation(self) -> None:
         """Forget this round's speculative draft entries (the next step is the round's first)."""
         self._spec_past = None
+        self._spec_cached = 0  # speculative entries in the cache's slots after the longest row
 
     def draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, level: int,
                    spec_visible: torch.Tensor | None) -> DraftOutput:
@@ -344,12 +349,13 @@ class ModelRunner:
 
         spec_visible [B, T, S]: which of the S earlier speculative slots of this round each
         query sees (None when S = 0). Every query also sees the committed draft cache and
-        itself. Returns logits ``[B, T, Vd]``, output hidden ``[B, T, H]`` and the kv.
+        itself. Returns logits ``[B, T, Vd]``, output hidden ``[B, T, H]`` and the kv (None where
+        the step ran in one C++ call, ``rollout.native_draft``: its entries are in the cache).
         """
         kv = self.draft_kv
         b, t = tokens.shape
         lc = max(kv.host_lengths)
-        past = self._spec_past if self._spec_past is not None else kv.kv(0, lc)
+        past = self._spec_past if self._spec_past is not None else kv.kv(0, lc + self._spec_cached)
         committed = (torch.arange(lc, device=self.device)[None, :] < kv.lengths[:, None])[:, None, :]
         parts = [committed.expand(b, t, lc)]
         if spec_visible is not None:
@@ -357,6 +363,11 @@ class ModelRunner:
         parts.append(torch.eye(t, dtype=torch.bool, device=self.device)[None].expand(b, t, t))
         mask = torch.cat(parts, dim=2)
         pos = (kv.lengths - 1 + level + DRAFT_POSITION_OFFSET)[:, None].expand(b, t)
+        if self._spec_past is None:  # the earlier entries (if any) sit in the cache: one C++ call
+            out = native_draft.step(self.head, tokens, hidden, pos, mask, kv, lc + self._spec_cached)
+            if out is not None:
+                self._spec_cached += t
+                return DraftOutput(*out)
         d = self.head(tokens, hidden, pos, mask, past)
         self._spec_past = d.kv
         return d

@@ -57,26 +57,17 @@ void rows(int64_t R, int64_t grain, const F& f) {
   at::parallel_for(0, R, grain, f);
 }
 
-}  // namespace
-
-extern "C" {
-
-// h [R, H] (R = B x T rows, row-major) is updated in place to the layer's output.
-// panels: q/k/v side by side, o, gate/up side by side, down; bit i of ``compact`` set: panel i
-// holds bf16 values (hr_linear_pack16). cos, sin: [R, D] (the rotary tables of each row's
-// position). kc, vc: this layer's key and value cache of the B rows, [B, Hkv, >= L, D] with
-// strides (ks_b, ks_h, ks_l, 1); slots [R]: the slot each row's token is written to. mask:
-// bytes [B, T, L] with strides (ms_b, ms_t, 1). scratch: at least
-// hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I) floats. Returns 0, or the status of the first
-// kernel that refused (nothing after it ran: the caller must not use h then).
-int64_t hr_decoder_layer(float* h, int64_t B, int64_t T, int64_t H, const float* w_in, const float* w_post,
-                         float eps, const void* p_qkv, const void* p_o, const void* p_gu, const void* p_down,
-                         int64_t compact, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, const float* cos,
-                         const float* sin, float* kc, float* vc, int64_t ks_b, int64_t ks_h, int64_t ks_l,
-                         const int64_t* slots, const uint8_t* mask, int64_t ms_b, int64_t ms_t, int64_t L,
-                         float scale, float* scratch) {
+// The layer after its input norm: x [R, K] (the normed input; may be scratch's first buffer
+// when K == H), res [R, H] the residual input, h [R, H] the output (may be res). See
+// hr_decoder_layer for the other arguments.
+int64_t layer_body(const float* xin, int64_t K, const float* res, float* h, int64_t B, int64_t T, int64_t H,
+                   const float* w_post, float eps, const void* p_qkv, const void* p_o, const void* p_gu,
+                   const void* p_down, int64_t compact, int64_t Hq, int64_t Hkv, int64_t D, int64_t I,
+                   const float* cos, const float* sin, float* kc, float* vc, int64_t ks_b, int64_t ks_h,
+                   int64_t ks_l, const int64_t* slots, const uint8_t* mask, int64_t ms_b, int64_t ms_t, int64_t L,
+                   float scale, float* scratch) {
   const int64_t R = B * T, nqk = (Hq + Hkv) * D, nqkv = nqk + Hkv * D, half = D / 2;
-  float* x = scratch;            // [R, H]: the norms' outputs, then the o and down outputs
+  float* x = scratch;            // [R, H]: the o and down outputs, the post-attention norm's output
   float* qkv = x + R * H;        // [R, nqkv]
   float* qk = qkv + R * nqkv;    // [R, nqk]: q and k rotated
   float* att = qk + R * nqk;     // [R, Hq D]
@@ -84,8 +75,7 @@ int64_t hr_decoder_layer(float* h, int64_t B, int64_t T, int64_t H, const float*
   float* act = gu + R * 2 * I;   // [R, I]: silu(g), then silu(g) * u
   int64_t status;
 
-  hr_rms_norm(h, w_in, x, R, H, eps);
-  if ((status = linear(p_qkv, compact & 1, x, qkv, nqkv, H, R)) != 0) return status;
+  if ((status = linear(p_qkv, compact & 1, xin, qkv, nqkv, K, R)) != 0) return status;
   rows(R, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* c = cos + r * D;
@@ -108,7 +98,7 @@ int64_t hr_decoder_layer(float* h, int64_t B, int64_t T, int64_t H, const float*
     return status;
   if ((status = linear(p_o, compact & 2, att, x, H, Hq * D, R)) != 0) return status;
   rows(R, 64, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo * H; i < hi * H; ++i) h[i] = h[i] + x[i];
+    for (int64_t i = lo * H; i < hi * H; ++i) h[i] = res[i] + x[i];
   });
 
   hr_rms_norm(h, w_post, x, R, H, eps);
@@ -129,9 +119,74 @@ int64_t hr_decoder_layer(float* h, int64_t B, int64_t T, int64_t H, const float*
   return 0;
 }
 
+}  // namespace
+
+extern "C" {
+
+// h [R, H] (R = B x T rows, row-major) is updated in place to the layer's output.
+// panels: q/k/v side by side, o, gate/up side by side, down; bit i of ``compact`` set: panel i
+// holds bf16 values (hr_linear_pack16). cos, sin: [R, D] (the rotary tables of each row's
+// position). kc, vc: this layer's key and value cache of the B rows, [B, Hkv, >= L, D] with
+// strides (ks_b, ks_h, ks_l, 1); slots [R]: the slot each row's token is written to. mask:
+// bytes [B, T, L] with strides (ms_b, ms_t, 1). scratch: at least
+// hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I) floats. Returns 0, or the status of the first
+// kernel that refused (nothing after it ran: the caller must not use h then).
+int64_t hr_decoder_layer(float* h, int64_t B, int64_t T, int64_t H, const float* w_in, const float* w_post,
+                         float eps, const void* p_qkv, const void* p_o, const void* p_gu, const void* p_down,
+                         int64_t compact, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, const float* cos,
+                         const float* sin, float* kc, float* vc, int64_t ks_b, int64_t ks_h, int64_t ks_l,
+                         const int64_t* slots, const uint8_t* mask, int64_t ms_b, int64_t ms_t, int64_t L,
+                         float scale, float* scratch) {
+  hr_rms_norm(h, w_in, scratch, B * T, H, eps);
+  return layer_body(scratch, H, h, h, B, T, H, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, Hq, Hkv, D, I, cos,
+                    sin, kc, vc, ks_b, ks_h, ks_l, slots, mask, ms_b, ms_t, L, scale, scratch);
+}
+
 // Floats of scratch hr_decoder_layer needs.
 int64_t hr_decoder_layer_scratch(int64_t R, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
   return R * (H + (Hq + 2 * Hkv) * D + (Hq + Hkv) * D + Hq * D + 3 * I);
+}
+
+// One speculative step of the EAGLE-3 head's layer (rollout.eagle3_head.DraftLayer) and, when
+// p_lm is given, its logits, with the arithmetic of the head's forward inside
+// native_linear.routed (rollout.fused_layers' draft attention and MLP):
+//
+//   x = [rms_norm(emb, w_in), rms_norm(hid, w_hid)]      [R, 2H]
+//   h = hid + attention(x) Wo^T                           q/k/v, rotation, cache write, hr_attend
+//   h = h + mlp(rms_norm(h, w_post))                      as hr_decoder_layer
+//   logits = (rms_norm(h, w_norm) Wlm^T) * logit_scale    (only when p_lm; bit 4 of compact: bf16)
+//
+// emb, hid: [R, H] (the step's token embeddings and input hidden states); out: [R, H]; logits:
+// [R, V]. The keys and values go to the draft cache at ``slots`` (scratch slots past every
+// row's committed length: the caller's mask says which slots each query sees). scratch: at
+// least hr_draft_layer_scratch(R, H, Hq, Hkv, D, I) floats.
+int64_t hr_draft_layer(const float* emb, const float* hid, float* out, int64_t B, int64_t T, int64_t H,
+                       const float* w_in, const float* w_hid, const float* w_post, float eps, const void* p_qkv,
+                       const void* p_o, const void* p_gu, const void* p_down, int64_t compact, int64_t Hq,
+                       int64_t Hkv, int64_t D, int64_t I, const float* cos, const float* sin, float* kc, float* vc,
+                       int64_t ks_b, int64_t ks_h, int64_t ks_l, const int64_t* slots, const uint8_t* mask,
+                       int64_t ms_b, int64_t ms_t, int64_t L, float scale, const float* w_norm, const void* p_lm,
+                       int64_t V, float logit_scale, float* logits, float* scratch) {
+  const int64_t R = B * T;
+  float* xin = scratch + hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I);  // [R, 2H]
+  for (int64_t r = 0; r < R; ++r) {
+    hr_rms_norm(emb + r * H, w_in, xin + r * 2 * H, 1, H, eps);
+    hr_rms_norm(hid + r * H, w_hid, xin + r * 2 * H + H, 1, H, eps);
+  }
+  int64_t status = layer_body(xin, 2 * H, hid, out, B, T, H, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, Hq,
+                              Hkv, D, I, cos, sin, kc, vc, ks_b, ks_h, ks_l, slots, mask, ms_b, ms_t, L, scale,
+                              scratch);
+  if (status != 0 || p_lm == nullptr) return status;
+  hr_rms_norm(out, w_norm, xin, R, H, eps);
+  if ((status = linear(p_lm, compact & 16, xin, logits, V, H, R)) != 0) return status;
+  if (logit_scale != 1.0f)
+    for (int64_t i = 0; i < R * V; ++i) logits[i] = logits[i] * logit_scale;
+  return 0;
+}
+
+// Floats of scratch hr_draft_layer needs.
+int64_t hr_draft_layer_scratch(int64_t R, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
+  return hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I) + R * 2 * H;
 }
 
 }  // extern "C"

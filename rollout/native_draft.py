@@ -1,0 +1,111 @@
+"""The EAGLE-3 head's speculative draft step in one C++ call (``csrc/layer.cpp``: ``hr_draft_layer``).
+
+A speculative draft step (``ModelRunner.draft_step``: the head over the tokens it just drafted)
+runs about 60 small ops besides its five linear layers: two norms and their concatenation, the
+rotary tables, q/k/v, the rotation, the concatenation of the draft cache with the step's keys and
+values, the attention, the residual adds, the MLP, the final norm and the lm_head. On a 2-core
+Intel Xeon they cost about as much as the layers' weights take to read at batch 1. Inside
+``native_linear.routed`` (the head's weights packed, its norms, attention and MLP on the fused
+forwards of :mod:`rollout.fused_layers`), :func:`step` runs the same arithmetic in the same order
+from one call: the same bits as the head's forward (tests compare them with ``torch.equal``).
+
+One difference of layout: the step's keys and values are written into the draft cache at the
+slots right after the longest committed row (``slot0``; the Python forward concatenates them to
+the cache instead), slots past every row's committed length that the next ``draft_root``
+overwrites. The caller's mask says which slots each query sees, as before; a later Python step of
+the same round reads them from the cache (``ModelRunner.draft_step``).
+
+Where a call does not fit (no native library, ``enabled`` off, the fused forwards not in place,
+autograd, other dtypes, too many rows for the kernel, head sizes other than 16/32/64/128),
+:func:`step` returns None and the caller runs the head's forward.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from rollout import fused_layers, native_linear
+from rollout.eagle3_head import DraftLayer, Eagle3Head
+
+enabled = True  # switch: False runs every draft step through the head's forward (A/B measurements)
+
+_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> (native_linear.epoch, its arguments)
+
+
+def _plan(head) -> tuple | None:
+    """The head's constant arguments of ``hr_draft_layer`` (norm weights, packed panels, sizes), or
+    None where the head does not fit (see the module docstring)."""
+    cached = _plans.get(head)
+    if cached is not None and cached[0] == native_linear.epoch:
+        return cached[1]
+    if type(head) is not Eagle3Head or type(head.midlayer) is not DraftLayer:  # (whose forwards are known)
+        _plans[head] = (native_linear.epoch, None)
+        return None
+    layer = head.midlayer
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.hidden_norm, layer.post_attention_layernorm, head.norm)
+    eps = [fused_layers._norm_eps(n) for n in norms]
+    panels = [native_linear.panels_of(m) for m in (attn, attn.o_proj, mlp, mlp.down_proj, head.lm_head)]
+    plan = None
+    if (None not in eps and len(set(eps)) == 1 and not any(p is None for p in panels)
+            and all(n.weight.dtype == torch.float32 and n.weight.is_contiguous() for n in norms)
+            and attn.d in (16, 32, 64, 128) and "forward" in attn.__dict__ and "forward" in mlp.__dict__
+            and fused_layers.merged_groups(mlp) is not None
+            and not any(fused_layers._hooked(m) for m in head.modules())):
+        compact = sum(1 << i for i, p in enumerate(panels) if p.dtype == torch.bfloat16)
+        plan = (norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[2].weight.data_ptr(), eps[0],
+                *(p.data_ptr() for p in panels[:4]), compact, attn.nh, attn.nkv, attn.d, mlp.gate_proj.out_features,
+                norms[3].weight.data_ptr(), panels[4].data_ptr(), head.lm_head.out_features,
+                float(head.cfg.logit_scale), panels)
+    _plans[head] = (native_linear.epoch, plan)
+    return plan
+
+
+def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv,
+         slot0: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """One speculative draft step: ``tokens [B, T]`` (target ids), ``hidden [B, T, H]`` (the head's
+    output hidden states they follow), ``positions [B, T]`` (RoPE positions), ``mask [B, T, L]``
+    bool over the draft cache's slots with ``L = slot0 + T``; ``kv``: the draft cache
+    (``rollout.kv_cache.RowKVCache``, one layer), whose slots ``slot0 .. slot0 + T - 1`` take the
+    step's keys and values. Returns the draft logits ``[B, T, Vd]`` (float32, scaled as
+    ``Eagle3Head.draft_logits``) and output hidden states ``[B, T, H]``, or None where the step
+    does not fit (nothing was written then)."""
+    lib = native_linear._lib
+    if not (enabled and fused_layers.enabled and fused_layers.native_norm and lib is not None):
+        return None
+    plan = _plan(head)
+    if plan is None:
+        return None
+    b, t = tokens.shape
+    keys, values = kv.keys[0], kv.values[0]
+    length = slot0 + t
+    h = head.cfg.hidden_size
+    if not (hidden.shape == (b, t, h) and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+            and not torch.is_grad_enabled() and b * t <= native_linear.max_rows()
+            and keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
+            and keys.shape[0] == b and length <= keys.shape[2] and mask.shape == (b, t, length)
+            and mask.dtype == torch.bool and mask.stride(-1) == 1
+            and head.embed_tokens.weight.dtype == torch.float32):
+        return None
+    (w_in, w_hid, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, w_norm, p_lm, vocab,
+     logit_scale, _) = plan
+    emb = head.embed_tokens(tokens).contiguous()  # [B, T, H]
+    hidden = hidden.contiguous()
+    freqs = positions.float()[..., None] * head.rotary.inv_freq  # [B, T, d/2], as Rotary computes them
+    angles = torch.cat((freqs, freqs), dim=-1)
+    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    slots = (slot0 + torch.arange(t)).expand(b, t).contiguous()
+    out = torch.empty(b, t, h)
+    logits = torch.empty(b, t, vocab)
+    scratch = torch.empty(lib.hr_draft_layer_scratch(b * t, h, n_q, n_kv, d, inter))
+    ks, ms = keys.stride(), mask.stride()
+    status = lib.hr_draft_layer(emb.data_ptr(), hidden.data_ptr(), out.data_ptr(), b, t, h, w_in, w_hid, w_post, eps,
+                                p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, cos.data_ptr(),
+                                sin.data_ptr(), keys.data_ptr(), values.data_ptr(), ks[0], ks[1], ks[2],
+                                slots.data_ptr(), mask.data_ptr(), ms[0], ms[1], length, d ** -0.5, w_norm, p_lm,
+                                vocab, logit_scale, logits.data_ptr(), scratch.data_ptr())
+    if status != 0:  # the conditions above are the kernels' own: cannot happen
+        raise RuntimeError(f"hr_draft_layer refused the draft step (status {status})")
+    return logits, out

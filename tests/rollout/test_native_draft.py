@@ -1,0 +1,128 @@
+"""rollout.native_draft: a speculative draft step in one C++ call gives the bits of the head's own
+(fused) forward: the same logits and hidden states, and the same engine outputs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from rollout import native_draft, native_linear
+from rollout.engine import Engine
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.runner import ModelRunner
+from tests.models import copy_head, tiny_target
+
+pytestmark = pytest.mark.skipif(not native_linear.available(),
+                                reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
+
+
+@pytest.fixture
+def native_steps(monkeypatch):
+    """The number of draft steps the C++ call ran (its ``step`` returned outputs); the switch is
+    restored afterwards."""
+    runs = []
+    original = native_draft.step
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_draft, "step", spy)
+    yield runs
+    native_draft.enabled = True
+
+
+def _head(target, bf16: bool):
+    head = copy_head(target, noise=0.3)
+    if bf16:  # bf16-valued weights: packed as bf16 panels (native_linear.compact), as the shipped head
+        with torch.no_grad():
+            for p in head.parameters():
+                p.copy_(p.bfloat16().float())
+    return head
+
+
+def _draft_steps(target, head, native: list[bool], tree: bool = False):
+    """A prefill, a draft root and one draft step per entry of ``native`` (whether the C++ call
+    may run it); returns each step's logits and hidden states."""
+    prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
+    out = []
+    with torch.inference_mode(), native_linear.routed(target, head):
+        runner = ModelRunner(target, head)
+        logits = runner.start(prompts, 40)
+        runner.set_first_tokens(logits.argmax(-1))
+        root = runner.draft_root()
+        hidden = root.hidden[:, None]  # [B, 1, H]
+        ids = root.logits.argmax(-1)[:, None]  # [B, 1]
+        seen = 0
+        for level, allowed in enumerate(native, start=1):
+            native_draft.enabled = allowed
+            t = 2 if tree else 1
+            tokens = runner.draft_ids[ids].expand(-1, t)
+            h = hidden.expand(-1, t, -1)
+            visible = None
+            if seen:
+                visible = torch.ones(len(prompts), t, seen, dtype=torch.bool)
+                visible[0, -1, 0] = False  # a query that does not see an earlier slot (a tree branch)
+            step = runner.draft_step(tokens, h, level, visible)
+            seen += t
+            out.append((step.logits.clone(), step.hidden.clone()))
+            ids, hidden = step.logits[:, -1:].argmax(-1), step.hidden[:, -1:]
+    native_draft.enabled = True
+    return out
+
+
+@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("tree", [False, True])
+def test_draft_steps_give_the_bits_of_the_heads_forward(native_steps, bf16, tree):
+    target = tiny_target(seed=2)
+    head = _head(target, bf16)
+    own = _draft_steps(target, head, [False] * 3, tree)
+    assert not any(native_steps)  # (switched off; after a Python step the round stays in Python)
+    native_steps.clear()
+    fast = _draft_steps(target, head, [True] * 3, tree)
+    assert native_steps == [True] * 3
+    for (la, ha), (lb, hb) in zip(fast, own):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+def test_a_python_step_after_native_ones_reads_their_entries_from_the_cache(native_steps):
+    """The round's first steps in C++ (their keys and values in the cache), a later one from
+    Python (they are read back from the cache slots): the bits of an all-Python round."""
+    target = tiny_target(seed=4)
+    head = _head(target, bf16=True)
+    own = _draft_steps(target, head, [False] * 4)
+    mixed = _draft_steps(target, head, [True, True, False, False])
+    for (la, ha), (lb, hb) in zip(mixed, own):
+        assert torch.equal(la, lb) and torch.equal(ha, hb)
+
+
+def test_a_hooked_head_runs_its_own_forward(native_steps):
+    target = tiny_target(seed=4)
+    head = _head(target, bf16=False)
+    calls = []
+    handle = head.midlayer.register_forward_hook(lambda *a: calls.append(1))
+    try:
+        _draft_steps(target, head, [True] * 2)
+    finally:
+        handle.remove()
+    assert not any(native_steps) and len(calls) == 3  # the root and both steps
+
+
+@pytest.mark.parametrize("mode", ["chain", "tree"])
+def test_engine_outputs_with_and_without_the_native_draft(native_steps, mode):
+    """Every token, kind and log-prob the same (the draft's samples follow its logits)."""
+    target = tiny_target()
+    head = _head(target, bf16=True)
+    spec = SpecConfig(mode="chain", num_draft_tokens=3) if mode == "chain" else SpecConfig(mode="tree")
+    kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=30), spec=spec,
+              verifier=VerifierConfig(name="mars", params={"theta": 0.9}), seed=4)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [1, 2, 3]]
+    engine = Engine(target, head, num_threads=2, linear="native")
+    fast = engine.generate(prompts, **kw)
+    assert native_steps and all(native_steps)
+    native_draft.enabled = False
+    own = engine.generate(prompts, **kw)
+    for a, b in zip(fast.completions, own.completions):
+        assert a.completion_ids == b.completion_ids and a.kinds == b.kinds and a.step_emitted == b.step_emitted
+        assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
