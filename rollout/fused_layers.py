@@ -206,6 +206,8 @@ def _draft_attention(module: nn.Module, merged, attend, x: torch.Tensor, rotary,
     v = qkv[..., (nh + nkv) * d:].view(b, t, nkv, d).transpose(1, 2)
     if past is not None:
         k, v = torch.cat([past[0], k], dim=2), torch.cat([past[1], v], dim=2)  # [B, nkv, L, d]
+    else:  # one layout for both (the kernel's condition), as the concatenation gives them
+        k, v = k.contiguous(), v.contiguous()
     out = attend(q, k, v, attn_mask[:, None], d ** -0.5) if not module.training else None
     if out is None:  # does not fit the kernel: the module's own arithmetic
         out = module.attend(q, k, v, attn_mask)

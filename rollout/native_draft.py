@@ -1,23 +1,27 @@
-"""The EAGLE-3 head's speculative draft step in one C++ call (``csrc/layer.cpp``: ``hr_draft_layer``).
+"""The EAGLE-3 head's draft forwards in one C++ call each (``csrc/layer.cpp``: ``hr_draft_layer``).
 
-A speculative draft step (``ModelRunner.draft_step``: the head over the tokens it just drafted)
-runs about 60 small ops besides its five linear layers: two norms and their concatenation, the
-rotary tables, q/k/v, the rotation, the concatenation of the draft cache with the step's keys and
-values, the attention, the residual adds, the MLP, the final norm and the lm_head. On a 2-core
-Intel Xeon they cost about as much as the layers' weights take to read at batch 1. Inside
-``native_linear.routed`` (the head's weights packed, its norms, attention and MLP on the fused
-forwards of :mod:`rollout.fused_layers`), :func:`step` runs the same arithmetic in the same order
-from one call: the same bits as the head's forward (tests compare them with ``torch.equal``).
+A draft forward (``ModelRunner.draft_root``, the head over the pairs the target's round left;
+``ModelRunner.draft_step``, over the tokens it just drafted) runs about 60 small ops besides its
+linear layers: two norms and their concatenation, the rotary tables, q/k/v, the rotation, the
+concatenation of the draft cache with the new keys and values, the attention, the residual adds,
+the MLP, the final norm and the lm_head. On a 2-core Intel Xeon they cost about as much as the
+layers' weights take to read at batch 1. Inside ``native_linear.routed`` (the head's weights
+packed, its norms, attention and MLP on the fused forwards of :mod:`rollout.fused_layers`),
+:func:`step` runs the same arithmetic in the same order from one call (the ``fc`` over target
+features stays a kernel call of its own): the same bits as the head's forward (tests compare
+them with ``torch.equal``).
 
-One difference of layout: the step's keys and values are written into the draft cache at the
-slots right after the longest committed row (``slot0``; the Python forward concatenates them to
-the cache instead), slots past every row's committed length that the next ``draft_root``
-overwrites. The caller's mask says which slots each query sees, as before; a later Python step of
-the same round reads them from the cache (``ModelRunner.draft_step``).
+One difference of layout: the new keys and values are written into the draft cache at the slots
+right after the longest committed row (``slot0``; the Python forward concatenates them to the
+cache instead, which puts them at the same places), slots past every row's committed length.
+A speculative step leaves them there (the next ``draft_root`` overwrites them; a later Python step
+of the same round reads them from the cache); ``draft_root`` moves them to each row's own slots,
+as it does with the forward's.
 
 Where a call does not fit (no native library, ``enabled`` off, the fused forwards not in place,
-autograd, other dtypes, too many rows for the kernel, head sizes other than 16/32/64/128),
-:func:`step` returns None and the caller runs the head's forward.
+another head class, hooks, autograd, other dtypes, too many rows for the kernel, head sizes other
+than 16/32/64/128, no room in the cache), :func:`step` returns None and the caller runs the head's
+forward.
 """
 
 from __future__ import annotations
@@ -63,15 +67,17 @@ def _plan(head) -> tuple | None:
     return plan
 
 
-def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor, kv,
-         slot0: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """One speculative draft step: ``tokens [B, T]`` (target ids), ``hidden [B, T, H]`` (the head's
-    output hidden states they follow), ``positions [B, T]`` (RoPE positions), ``mask [B, T, L]``
-    bool over the draft cache's slots with ``L = slot0 + T``; ``kv``: the draft cache
-    (``rollout.kv_cache.RowKVCache``, one layer), whose slots ``slot0 .. slot0 + T - 1`` take the
-    step's keys and values. Returns the draft logits ``[B, T, Vd]`` (float32, scaled as
-    ``Eagle3Head.draft_logits``) and output hidden states ``[B, T, H]``, or None where the step
-    does not fit (nothing was written then)."""
+def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
+         keys: torch.Tensor, values: torch.Tensor, slot0: int,
+         logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor] | None:
+    """One draft forward: ``tokens [B, T]`` (target ids), ``hidden [B, T, H]`` (the head's output
+    hidden states they follow) or ``[B, T, 3H]`` (target features: through the head's ``fc``
+    first, as its forward does), ``positions [B, T]`` (RoPE positions), ``mask [B, T, L]`` bool
+    over the draft cache's slots with ``L = slot0 + T``; ``keys``, ``values``: the draft cache's
+    ``[B, Hkv, capacity, D]`` tensors, whose slots ``slot0 .. slot0 + T - 1`` take the forward's
+    keys and values. Returns the draft logits ``[B, T, Vd]`` (float32, scaled as
+    ``Eagle3Head.draft_logits``; None unless ``logits``) and output hidden states ``[B, T, H]``,
+    or None where the forward does not fit (nothing was written then)."""
     lib = native_linear._lib
     if not (enabled and fused_layers.enabled and fused_layers.native_norm and lib is not None):
         return None
@@ -79,10 +85,10 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
     if plan is None:
         return None
     b, t = tokens.shape
-    keys, values = kv.keys[0], kv.values[0]
     length = slot0 + t
     h = head.cfg.hidden_size
-    if not (hidden.shape == (b, t, h) and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
+    if not (hidden.shape[:2] == (b, t) and hidden.shape[2] in (h, 3 * head.cfg.target_hidden_size)
+            and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
             and not torch.is_grad_enabled() and b * t <= native_linear.max_rows()
             and keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
             and keys.shape[0] == b and length <= keys.shape[2] and mask.shape == (b, t, length)
@@ -92,20 +98,21 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
     (w_in, w_hid, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, w_norm, p_lm, vocab,
      logit_scale, _) = plan
     emb = head.embed_tokens(tokens).contiguous()  # [B, T, H]
-    hidden = hidden.contiguous()
+    hidden = (head.fc(hidden) if hidden.shape[2] != h else hidden).contiguous()
     freqs = positions.float()[..., None] * head.rotary.inv_freq  # [B, T, d/2], as Rotary computes them
     angles = torch.cat((freqs, freqs), dim=-1)
     cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
     slots = (slot0 + torch.arange(t)).expand(b, t).contiguous()
     out = torch.empty(b, t, h)
-    logits = torch.empty(b, t, vocab)
+    scores = torch.empty(b, t, vocab) if logits else None
     scratch = torch.empty(lib.hr_draft_layer_scratch(b * t, h, n_q, n_kv, d, inter))
     ks, ms = keys.stride(), mask.stride()
     status = lib.hr_draft_layer(emb.data_ptr(), hidden.data_ptr(), out.data_ptr(), b, t, h, w_in, w_hid, w_post, eps,
                                 p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, cos.data_ptr(),
                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), ks[0], ks[1], ks[2],
-                                slots.data_ptr(), mask.data_ptr(), ms[0], ms[1], length, d ** -0.5, w_norm, p_lm,
-                                vocab, logit_scale, logits.data_ptr(), scratch.data_ptr())
+                                slots.data_ptr(), mask.data_ptr(), ms[0], ms[1], length, d ** -0.5, w_norm,
+                                p_lm if logits else None, vocab, logit_scale,
+                                scores.data_ptr() if logits else None, scratch.data_ptr())
     if status != 0:  # the conditions above are the kernels' own: cannot happen
         raise RuntimeError(f"hr_draft_layer refused the draft step (status {status})")
-    return logits, out
+    return scores, out

@@ -329,13 +329,22 @@ class ModelRunner:
         new_ok = (ar[None, :] <= ar[:, None])[None] & ((ar[None, None, :] < counts[:, None, None])
                                                       | torch.eye(t, dtype=torch.bool, device=self.device))
         mask = torch.cat([past_ok[:, None, :].expand(b, t, lc), new_ok], dim=2)  # [b, t, lc + t]
-        past = (kv.keys[0][rows, :, :lc], kv.values[0][rows, :, :lc]) if lc else None
-        d = self.head(self._wait_tokens[rows, :t], self._wait_feats[rows, :t], pos, mask, past, compute_logits=False)
+        keys, values = kv.keys[0][rows], kv.values[0][rows]
+        tokens, feats = self._wait_tokens[rows, :t], self._wait_feats[rows, :t]
+        # one C++ call, its new keys and values in the slots after the longest row (the layout the
+        # head's forward concatenates): the same bits; then moved to each row's own slots below
+        out = native_draft.step(self.head, tokens, feats, pos, mask, keys, values, lc, logits=False)
+        if out is not None:
+            hidden, new_k, new_v = out[1], keys[:, :, lc:lc + t].clone(), values[:, :, lc:lc + t].clone()
+        else:
+            past = (keys[:, :, :lc], values[:, :, :lc]) if lc else None
+            d = self.head(tokens, feats, pos, mask, past, compute_logits=False)
+            hidden, new_k, new_v = d.hidden, d.kv[0][:, :, lc:], d.kv[1][:, :, lc:]
         slots = d_len[:, None] + ar  # [b, t]; slots past the count are scratch, overwritten later
-        idx = slots[:, None, :, None].expand(b, d.kv[0].shape[1], t, d.kv[0].shape[3])
-        kv.keys[0][rows].scatter_(2, idx, d.kv[0][:, :, lc:])
-        kv.values[0][rows].scatter_(2, idx, d.kv[1][:, :, lc:])
-        return d.hidden
+        idx = slots[:, None, :, None].expand(b, new_k.shape[1], t, new_k.shape[3])
+        keys.scatter_(2, idx, new_k)
+        values.scatter_(2, idx, new_v)
+        return hidden
 
     def drop_speculation(self) -> None:
         """Forget this round's speculative draft entries (the next step is the round's first)."""
@@ -364,7 +373,8 @@ class ModelRunner:
         mask = torch.cat(parts, dim=2)
         pos = (kv.lengths - 1 + level + DRAFT_POSITION_OFFSET)[:, None].expand(b, t)
         if self._spec_past is None:  # the earlier entries (if any) sit in the cache: one C++ call
-            out = native_draft.step(self.head, tokens, hidden, pos, mask, kv, lc + self._spec_cached)
+            out = native_draft.step(self.head, tokens, hidden, pos, mask, kv.keys[0], kv.values[0],
+                                    lc + self._spec_cached)
             if out is not None:
                 self._spec_cached += t
                 return DraftOutput(*out)

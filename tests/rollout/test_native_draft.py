@@ -43,19 +43,22 @@ def _head(target, bf16: bool):
 
 
 def _draft_steps(target, head, native: list[bool], tree: bool = False):
-    """A prefill, a draft root and one draft step per entry of ``native`` (whether the C++ call
-    may run it); returns each step's logits and hidden states."""
+    """A prefill, a draft root and one draft step per further entry of ``native`` (whether the C++
+    call may run the root, then each step); returns the root's and each step's logits and hidden
+    states. The prompts differ in length, so the root's pairs land in different slots per row."""
     prompts = [[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]]
     out = []
     with torch.inference_mode(), native_linear.routed(target, head):
         runner = ModelRunner(target, head)
         logits = runner.start(prompts, 40)
         runner.set_first_tokens(logits.argmax(-1))
+        native_draft.enabled = native[0]
         root = runner.draft_root()
+        out.append((root.logits.clone(), root.hidden.clone()))
         hidden = root.hidden[:, None]  # [B, 1, H]
         ids = root.logits.argmax(-1)[:, None]  # [B, 1]
         seen = 0
-        for level, allowed in enumerate(native, start=1):
+        for level, allowed in enumerate(native[1:], start=1):
             native_draft.enabled = allowed
             t = 2 if tree else 1
             tokens = runner.draft_ids[ids].expand(-1, t)
@@ -68,6 +71,7 @@ def _draft_steps(target, head, native: list[bool], tree: bool = False):
             seen += t
             out.append((step.logits.clone(), step.hidden.clone()))
             ids, hidden = step.logits[:, -1:].argmax(-1), step.hidden[:, -1:]
+        out.append(tuple(x[0].clone() for x in runner.draft_kv.kv(0, max(runner.draft_kv.host_lengths))))
     native_draft.enabled = True
     return out
 
@@ -77,12 +81,12 @@ def _draft_steps(target, head, native: list[bool], tree: bool = False):
 def test_draft_steps_give_the_bits_of_the_heads_forward(native_steps, bf16, tree):
     target = tiny_target(seed=2)
     head = _head(target, bf16)
-    own = _draft_steps(target, head, [False] * 3, tree)
+    own = _draft_steps(target, head, [False] * 4, tree)
     assert not any(native_steps)  # (switched off; after a Python step the round stays in Python)
     native_steps.clear()
-    fast = _draft_steps(target, head, [True] * 3, tree)
-    assert native_steps == [True] * 3
-    for (la, ha), (lb, hb) in zip(fast, own):
+    fast = _draft_steps(target, head, [True] * 4, tree)
+    assert native_steps == [True] * 4  # the root and three steps
+    for (la, ha), (lb, hb) in zip(fast, own):  # logits and hidden states, then the committed cache
         assert torch.equal(la, lb) and torch.equal(ha, hb)
 
 
@@ -91,8 +95,8 @@ def test_a_python_step_after_native_ones_reads_their_entries_from_the_cache(nati
     Python (they are read back from the cache slots): the bits of an all-Python round."""
     target = tiny_target(seed=4)
     head = _head(target, bf16=True)
-    own = _draft_steps(target, head, [False] * 4)
-    mixed = _draft_steps(target, head, [True, True, False, False])
+    own = _draft_steps(target, head, [False] * 5)
+    mixed = _draft_steps(target, head, [True, True, True, False, False])
     for (la, ha), (lb, hb) in zip(mixed, own):
         assert torch.equal(la, lb) and torch.equal(ha, hb)
 
@@ -103,7 +107,7 @@ def test_a_hooked_head_runs_its_own_forward(native_steps):
     calls = []
     handle = head.midlayer.register_forward_hook(lambda *a: calls.append(1))
     try:
-        _draft_steps(target, head, [True] * 2)
+        _draft_steps(target, head, [True] * 3)
     finally:
         handle.remove()
     assert not any(native_steps) and len(calls) == 3  # the root and both steps
