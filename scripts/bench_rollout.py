@@ -3,7 +3,9 @@ Hugging Face ``generate``, side by side on the same prompts and sampling setting
 The engine's linear layers run on ``rollout.native_linear``'s kernel where it is available
 (its default), with the leaner Llama layer forwards of ``rollout.fused_layers``;
 ``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row, ``--python-layers`` each
-configuration with the decoder layers run from Python instead of ``csrc/layer.cpp``, ``--unfused`` the
+configuration with the decoder layers run from Python instead of ``csrc/layer.cpp``, ``--python-draft``
+each speculative configuration with the draft head's forwards run from Python instead of one C++ call
+each (``rollout.native_draft``), ``--unfused`` the
 autoregressive mode with the modules' own forwards (kernel still on), ``--fp32-head`` each
 speculative configuration with the draft head's weights packed as fp32 panels (the default
 packs the shipped bf16-valued head as bf16 panels: the same draft logits, half the bytes;
@@ -72,7 +74,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from rollout import fused_layers, native_linear  # noqa: E402
+from rollout import fused_layers, native_draft, native_linear  # noqa: E402
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
@@ -128,6 +130,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="add our autoregressive mode and each speculative configuration with the decoder "
                          "layers run one by one from Python (fused_layers.native_layer off, not csrc/layer.cpp) "
                          "as rows (no bound: the step costs use the C++ layers)")
+    ap.add_argument("--python-draft", action="store_true",
+                    help="add each speculative configuration with the draft head's forwards run from Python "
+                         "(native_draft.enabled off) as a row (no bound: the step costs use the C++ draft)")
     ap.add_argument("--fp32-head", action="store_true",
                     help="add each speculative configuration with the head packed as fp32 panels "
                          "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")
@@ -240,6 +245,7 @@ SWITCHES = {
     "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
     "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
     "python-layers": (fused_layers, "native_layer"),  # the layers from Python, not csrc/layer.cpp
+    "python-draft": (native_draft, "enabled"),  # the draft head's forwards from Python
     "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
 }
 
@@ -295,6 +301,9 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             configs.append(("off [python layers]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "python-layers"))
             configs += [(describe(spec) + " [python layers]", v.name, spec, v, "python-layers")
                         for spec, v in spec_configs(args)]
+        if args.python_draft:
+            configs += [(describe(spec) + " [python draft]", v.name, spec, v, "python-draft")
+                        for spec, v in spec_configs(args)]
         if args.fp32_head:
             configs += [(describe(spec) + " [fp32 head]", v.name, spec, v, "fp32-head") for spec, v in spec_configs(args)]
         totals: list[dict] = [{} for _ in configs]
@@ -342,7 +351,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["paired_vs_ar"] = {"median": median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
-            row["bound"] = bound(spec, row["tau"], costs) if backend not in ("fp32-head", "python-layers") else None
+            row["bound"] = bound(spec, row["tau"], costs) if backend not in SWITCHES else None
             row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
             mine = decode.get((mode, vname))
             row["decode_tokens_per_s"] = mine
