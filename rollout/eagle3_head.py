@@ -145,11 +145,15 @@ class Rotary(nn.Module):
         inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
         self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
 
+    def tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos and sin ``[B, T, d]`` (float32) of ``position_ids [B, T]``."""
+        freqs = position_ids[..., None].float() * self.inv_freq  # [B, T, d/2]
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return emb.cos(), emb.sin()
+
     def forward(self, x: torch.Tensor, position_ids: torch.Tensor) -> torch.Tensor:
         # x [B, h, T, d]; position_ids [B, T]
-        freqs = position_ids[:, None, :, None].float() * self.inv_freq  # [B, 1, T, d/2]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        cos, sin = emb.cos().to(x.dtype), emb.sin().to(x.dtype)
+        cos, sin = (t[:, None].to(x.dtype) for t in self.tables(position_ids))  # [B, 1, T, d]
         return x * cos + _rotate_half(x) * sin
 
 

@@ -99,9 +99,7 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
      logit_scale, _) = plan
     emb = head.embed_tokens(tokens).contiguous()  # [B, T, H]
     hidden = (head.fc(hidden) if hidden.shape[2] != h else hidden).contiguous()
-    freqs = positions.float()[..., None] * head.rotary.inv_freq  # [B, T, d/2], as Rotary computes them
-    angles = torch.cat((freqs, freqs), dim=-1)
-    cos, sin = angles.cos().contiguous(), angles.sin().contiguous()
+    cos, sin = (x.contiguous() for x in head.rotary.tables(positions))  # [B, T, d], as the forward's
     slots = (slot0 + torch.arange(t)).expand(b, t).contiguous()
     out = torch.empty(b, t, h)
     scores = torch.empty(b, t, vocab) if logits else None

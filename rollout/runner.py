@@ -364,7 +364,6 @@ class ModelRunner:
         kv = self.draft_kv
         b, t = tokens.shape
         lc = max(kv.host_lengths)
-        past = self._spec_past if self._spec_past is not None else kv.kv(0, lc + self._spec_cached)
         committed = (torch.arange(lc, device=self.device)[None, :] < kv.lengths[:, None])[:, None, :]
         parts = [committed.expand(b, t, lc)]
         if spec_visible is not None:
@@ -378,6 +377,7 @@ class ModelRunner:
             if out is not None:
                 self._spec_cached += t
                 return DraftOutput(*out)
+        past = self._spec_past if self._spec_past is not None else kv.kv(0, lc + self._spec_cached)
         d = self.head(tokens, hidden, pos, mask, past)
         self._spec_past = d.kv
         return d
