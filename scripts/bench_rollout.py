@@ -345,6 +345,10 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
             row["tokens_per_s"] = speeds[(mode, vname)]
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar
+            # mean completion length against the autoregressive mode's on the same prompts: a lossy
+            # verifier that shortens completions is drift, and its calls spread their setup over fewer tokens
+            row["mean_length"] = row["tokens"] / (len(prompts) * args.passes)
+            row["length_vs_ar"] = row["tokens"] / totals[keys.index(("off", "lossless"))]["tokens"]
             # per batch of prompts, this row's call against the autoregressive call on the same
             # prompts, run next to it: the median and range of those paired ratios
             pairs = sorted(x / y for x, y in zip(mine_calls, ar_calls))
@@ -363,7 +367,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
 
 
 HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'bound':>6} "
-          f"{'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'vs HF':>6} {'RSS MB':>7}  {'paired vs AR':<20}")
+          f"{'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} {'RSS MB':>7}  {'paired vs AR':<20}")
 
 
 def print_row(row: dict) -> None:
@@ -372,7 +376,8 @@ def print_row(row: dict) -> None:
     p = row.get("paired_vs_ar")
     paired = f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] n={p['n']}" if p else "-"
     print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {hf:>6} {row['rss_mb']:>7.0f}  {paired}",
+          f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {row['length_vs_ar']:>5.2f} {hf:>6} "
+          f"{row['rss_mb']:>7.0f}  {paired}",
           flush=True)
 
 

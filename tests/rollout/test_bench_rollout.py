@@ -105,6 +105,9 @@ def test_bound_is_tau_times_measured_step_costs(tiny):
             assert r["decode_of_bound"] == pytest.approx(r["decode_vs_ar"] / r["bound"])
         else:
             assert r["decode_of_bound"] is None
+        # completions per prompt and against the autoregressive mode's on the same prompts
+        assert r["mean_length"] == pytest.approx(r["tokens"] / 2)
+        assert r["length_vs_ar"] == pytest.approx(r["tokens"] / ar["tokens"])
     for mode in ("off", "chain K=3 sampled mb=auto/k", "tree d=2 k=2 n=4 mb=auto"):
         assert by_mode[mode]["bound"] is None and by_mode[mode]["of_bound"] is None
 
