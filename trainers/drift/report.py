@@ -6,6 +6,9 @@ gaps) are ``trainers.drift.stats``. Added here:
 - **speedup**: tokens/s over lossless verification in the same speculative mode, and over
   plain autoregressive sampling (the ``plain`` baseline, same engine, mode off); the
   ``cpu_`` variants use tokens per CPU-second of the generate calls instead of wall time.
+- **length**: mean completion tokens, and its ratio to the matched baseline's
+  (``length_vs_baseline``): a rule that makes completions shorter (MARS on tree candidates
+  emits the target's top-2 outright wherever it relaxes, near-greedy) drifts visibly there.
 - **training-run view** (``--from-run``): a run's ``rollouts.jsonl`` (one line per
   completion: step, completion_ids, behaviour_logprobs = log P, target_logprobs =
   rollout-time log p, policy_logprobs = the trainer's log pi_old, relaxed, weights = the
@@ -89,6 +92,9 @@ def compare(results: dict[str, dict]) -> dict[str, dict]:
         for prefix, speed in (("", "tokens_per_s"), ("cpu_", "tokens_per_cpu_s")):
             r[f"{prefix}speedup_vs_lossless"] = _ratio(r[speed], lossless and lossless[speed])
             r[f"{prefix}speedup_vs_autoregressive"] = _ratio(r[speed], plain and plain[speed])
+        base = results.get(r["baseline"]) if r["baseline"] else None
+        # completions shorter or longer than the matched baseline's: drift, seen without a task score
+        r["length_vs_baseline"] = _ratio(r["mean_length"], base and base["mean_length"])
         for field_name, base_key in (("vs_baseline", r["baseline"]), ("vs_secondary", r["secondary_baseline"])):
             base = results.get(base_key) if base_key else None
             if base is None:
@@ -141,13 +147,14 @@ def markdown_table(report: dict) -> str:
     """One row per configuration: speed, drift, IS weights, accuracy and the gap to its baseline."""
     basis = report.get("config", {}).get("speed_basis", "wall")
     pre = "cpu_" if basis == "cpu" else ""
-    head = (f"| configuration | tau | tok/s | tok/CPU-s | x lossless ({basis}) | x AR ({basis}) | TV mean | TV p99 | KL mean | KL p99 | H(P) | H(p) "
+    head = (f"| configuration | tau | tok/s | tok/CPU-s | x lossless ({basis}) | x AR ({basis}) | mean len (x baseline) | TV mean | TV p99 | KL mean | KL p99 | H(P) | H(p) "
             "| relaxed | uncovered | seq log w mean | seq ESS | accuracy [95% CI] | vs matched baseline |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, r in report["configurations"].items():
         lines.append("| " + " | ".join([
             key, _f(r["tau"], ".2f"), _f(r["tokens_per_s"], ".1f"), _f(r["tokens_per_cpu_s"], ".1f"),
             _f(r[f"{pre}speedup_vs_lossless"], ".2f"), _f(r[f"{pre}speedup_vs_autoregressive"], ".2f"),
+            _f(r["mean_length"], ".1f") + (f" ({r['length_vs_baseline']:.2f}x)" if r["length_vs_baseline"] else ""),
             _f(r["tv"]["mean"], ".4f"), _f(r["tv"]["p99"], ".3f"),
             _f(r["kl"]["mean"], ".4f"), _f(r["kl"]["p99"], ".3f"), _f(r["entropy_P"], ".2f"), _f(r["entropy_p"], ".2f"),
             _f(r["relaxed_frac"], ".3f"), _f(r["uncovered"]["mean"], ".4f"), _f(r["seq_log_ratio"]["mean"], ".2f"),

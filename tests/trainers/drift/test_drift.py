@@ -172,6 +172,7 @@ CONFIG_FIELDS = {
     "relaxed_frac", "uncovered", "seq_log_ratio", "seq_ess", "behaviour_logprob_max_err", "accuracy",
     "per_difficulty", "per_position", "speedup_vs_lossless", "speedup_vs_autoregressive", "vs_baseline",
     "vs_secondary", "tokens_per_cpu_s", "cpu_s", "cpu_speedup_vs_lossless", "cpu_speedup_vs_autoregressive",
+    "length_vs_baseline",
 }
 NUMERIC = ("tau", "tokens_per_s", "tokens_per_cpu_s", "entropy_P", "entropy_p", "relaxed_frac", "seq_ess",
            "speedup_vs_autoregressive", "cpu_speedup_vs_autoregressive")
@@ -190,6 +191,9 @@ def check_every_field(configs: dict) -> None:
             assert isinstance(r["speedup_vs_lossless"], float) and isinstance(r["cpu_speedup_vs_lossless"], float)
             assert set(r["vs_baseline"]) >= {"baseline", "diff", "diff_ci_low", "diff_ci_high", "p_value",
                                              "intervals_overlap", "per_difficulty"}
+            base = configs[r["baseline"]]
+            assert r["length_vs_baseline"] == pytest.approx(r["mean_length"] / base["mean_length"])
+            assert r["mean_length"] == pytest.approx(r["n_tokens"] / r["n_prompts"])
 
 
 def test_quick_study_json_has_every_field(quick_report):
@@ -201,7 +205,11 @@ def test_quick_study_json_has_every_field(quick_report):
     assert set(configs["lossless@chain"]["per_difficulty"]) == {"1", "2"}
     for name in ("drift.md", "speed_vs_accuracy.png", "drift_by_position.png", "accuracy_gap_by_difficulty.png"):
         assert (out / name).stat().st_size > 0
-    assert "mars:theta=0.9@chain" in (out / "drift.md").read_text()
+    md = (out / "drift.md").read_text()
+    assert "mars:theta=0.9@chain" in md and "| mean len (x baseline) |" in md
+    row = next(line for line in md.splitlines() if line.startswith("| mars:theta=0.9@tree |"))
+    r = configs["mars:theta=0.9@tree"]
+    assert f"| {r['mean_length']:.1f} ({r['length_vs_baseline']:.2f}x) |" in row
 
 
 def test_lossless_has_no_drift_and_baselines_are_exact(quick_report):
