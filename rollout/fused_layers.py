@@ -32,7 +32,8 @@ this project's 2-core CPU their dispatch costs about a fifth of the step. Inside
   mask-preparing wrappers and the feature hooks (the loop keeps the aux layers' inputs itself):
   about 2.5 ms of a 25 ms batch-1 SmolLM2-135M step. Any hook on a layer or its parts (or a
   global one) keeps the model's own forward.
-- **Each layer in one C++ call** (``csrc/layer.cpp``, ``native_layer``): inside that loop, with
+- **Each layer in one C++ call** (``csrc/layer.cpp``, :mod:`rollout.native_layers`, handed in as
+  ``stack_forward``'s ``layer_kernel``): inside that loop, with
   the engine's cache (``RowKVCache``), the native norms and the attention kernel's conditions,
   a layer's norm, q/k/v, rotation, cache write, attention, o projection, residual, norm,
   gate/up, SiLU (ATen's kernel), product, down projection and residual run from one call, the
@@ -51,7 +52,6 @@ The tests compare the logits, log-probs and tokens of this path with the torch p
 from __future__ import annotations
 
 import functools
-import weakref
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,6 @@ from torch import nn
 enabled = True  # switch: False keeps every module's own forward (A/B measurements)
 stack = True  # switch: False keeps the decoder stack's own forward around the fused layers (A/B)
 native_norm = True  # switch: False computes the norms with torch's rms_norm (the same bits as the modules')
-native_layer = True  # switch: False runs the stack's layers one by one from Python (not csrc/layer.cpp)
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "RMSNorm"})
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention"})
 DRAFT_ATTENTIONS = frozenset({"DraftAttention"})  # rollout.eagle3_head's (the EAGLE-3 head's layer)
@@ -218,13 +217,17 @@ def _hooked(module: nn.Module) -> bool:
     return bool(module._forward_hooks or module._forward_pre_hooks)
 
 
-def stack_forward(base: nn.Module):
+def stack_forward(base: nn.Module, layer_kernel=None):
     """The decoder stack of ``base`` (a ``LlamaModel``, the body of a causal LM) as one loop, or
     None where it does not apply (then run the model's own forward): called as
     ``run(input_ids [B, T], position_ids [B, T], mask [B, 1, T, L] bool, cache, keep)``, it
     returns the final norm's output ``[B, T, H]`` and ``{i: input of layer i}`` for i in
     ``keep``. Applies inside ``native_linear.routed`` (every layer's norms, attention and MLP
-    running the forwards above), without autograd, in eval mode, with no hooks to run."""
+    running the forwards above), without autograd, in eval mode, with no hooks to run.
+
+    layer_kernel: runs all the layers at once where it can (``rollout.native_layers.run``: each
+    layer in one C++ call), called as ``layer_kernel(base, layers, hidden, position_embeddings,
+    mask, cache, keep)``; it returns what the loop would, or None (then the loop runs)."""
     from torch.nn.modules import module as module_state
 
     if (not (enabled and stack) or not _known(base, STACKS) or base.training or torch.is_grad_enabled()
@@ -237,17 +240,18 @@ def stack_forward(base: nn.Module):
         if not _known(layer, DECODER_LAYERS) or _hooked(layer) or any(
                 "forward" not in part.__dict__ or _hooked(part) for part in parts):
             return None
-    return functools.partial(_run_stack, base, layers)
+    return functools.partial(_run_stack, base, layers, layer_kernel)
 
 
-def _run_stack(base: nn.Module, layers, input_ids: torch.Tensor, position_ids: torch.Tensor, mask: torch.Tensor,
-               cache, keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+def _run_stack(base: nn.Module, layers, layer_kernel, input_ids: torch.Tensor, position_ids: torch.Tensor,
+               mask: torch.Tensor, cache, keep: tuple[int, ...] = ()) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
     assert mask.dtype == torch.bool and mask.dim() == 4, "the stack takes the engine's 4D bool mask"
     hidden = base.embed_tokens(input_ids)  # [B, T, H]
     position_embeddings = base.rotary_emb(hidden, position_ids=position_ids)
-    plan = _layer_plan(base, layers, cache, mask, hidden) if native_layer else None
-    if plan is not None:
-        return _run_native_layers(base, plan, hidden, position_embeddings, mask, cache, keep)
+    if layer_kernel is not None:
+        out = layer_kernel(base, layers, hidden, position_embeddings, mask, cache, keep)
+        if out is not None:
+            return out
     inputs = {}
     for i, layer in enumerate(layers):
         if i in keep:
@@ -259,78 +263,4 @@ def _run_stack(base: nn.Module, layers, input_ids: torch.Tensor, position_ids: t
         hidden = residual + out
         residual = hidden
         hidden = residual + layer.mlp.forward(layer.post_attention_layernorm.forward(hidden))
-    return base.norm.forward(hidden), inputs
-
-
-# -- the whole layer in one C++ call (csrc/layer.cpp) ------------------------------------------
-_plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, layer arguments)
-
-
-def _layer_plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tensor) -> list[tuple] | None:
-    """Per layer, the constant arguments of ``hr_decoder_layer`` (norm weights, packed panels, sizes),
-    or None where a forward does not fit it (then the layers run one by one, as above): it needs
-    the engine's cache (``rollout.kv_cache.RowKVCache``), the attention kernel's conditions
-    (plain softmax attention, no sliding window, head size 16-128, a bool mask over the cache's
-    visible slots), the native norms and every layer's weights packed by this ``routed`` block."""
-    from rollout import native_linear
-    from rollout.kv_cache import RowKVCache
-
-    lib = native_linear._lib
-    config = base.config
-    rows = hidden.shape[0] * hidden.shape[1]
-    if not (lib is not None and native_norm and isinstance(cache, RowKVCache) and cache._index is not None
-            and config._attn_implementation in PLAIN_ATTENTION and getattr(config, "sliding_window", None) is None
-            and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and rows <= native_linear.max_rows()
-            and mask.shape[-1] == cache._kv_len and mask.stride(-1) == 1):
-        return None
-    cached = _plans.get(base)
-    if cached is not None and cached[0] == native_linear.epoch:
-        return cached[1]
-    plan = []
-    for layer in layers:
-        attn, mlp = layer.self_attn, layer.mlp
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        eps = [_norm_eps(n) for n in norms]
-        panels = [native_linear.panels_of(m) for m in (attn, attn.o_proj, mlp, mlp.down_proj)]
-        d = attn.head_dim
-        if (None in eps or eps[0] != eps[1] or any(p is None for p in panels)
-                or any(n.weight.dtype != torch.float32 or not n.weight.is_contiguous() for n in norms)
-                or d not in (16, 32, 64, 128) or not _known(attn, ATTENTIONS) or merged_groups(mlp) is None):
-            return None
-        compact = sum(1 << i for i, p in enumerate(panels) if p.dtype == torch.bfloat16)
-        n_q, n_kv = attn.q_proj.out_features // d, attn.k_proj.out_features // d
-        plan.append((attn.layer_idx, norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), eps[0],
-                     *(p.data_ptr() for p in panels), compact, n_q, n_kv, d, mlp.gate_proj.out_features,
-                     float(attn.scaling), panels))
-    _plans[base] = (native_linear.epoch, plan)
-    return plan
-
-
-def _run_native_layers(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, cache,
-                       keep: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """The layers of :func:`_run_stack`, each in one ``hr_decoder_layer`` call over ``hidden``
-    (updated in place: the inputs kept for the features are copies)."""
-    from rollout import native_linear
-
-    lib = native_linear._lib
-    b, t, h = hidden.shape
-    hidden = hidden.contiguous()
-    cos, sin = (x.to(torch.float32).expand(b, t, -1).contiguous() for x in position_embeddings)
-    slots = cache._index[:, 0, :, 0].contiguous()  # [B, T]: each token's cache slot
-    rows, length = cache._rows, cache._kv_len
-    first = plan[0]
-    scratch = torch.empty(lib.hr_decoder_layer_scratch(b * t, h, first[9], first[10], first[11], first[12]))
-    ms = mask.stride()
-    inputs = {}
-    for i, (idx, w_in, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, scale, _) in enumerate(plan):
-        if i in keep:
-            inputs[i] = hidden.clone()
-        k_buf, v_buf = cache.keys[idx][rows], cache.values[idx][rows]
-        ks = k_buf.stride()
-        status = lib.hr_decoder_layer(hidden.data_ptr(), b, t, h, w_in, w_post, eps, p_qkv, p_o, p_gu, p_down, compact,
-                                      n_q, n_kv, d, inter, cos.data_ptr(), sin.data_ptr(), k_buf.data_ptr(),
-                                      v_buf.data_ptr(), ks[0], ks[1], ks[2], slots.data_ptr(), mask.data_ptr(), ms[0],
-                                      ms[2], length, scale, scratch.data_ptr())
-        if status != 0:  # the conditions above are the kernels' own: cannot happen
-            raise RuntimeError(f"hr_decoder_layer refused layer {idx} (status {status})")
     return base.norm.forward(hidden), inputs

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from rollout import fused_layers
+from rollout import fused_layers, native_layers
 from rollout.config import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -206,7 +206,7 @@ class TargetModel(nn.Module):
         if (position_ids is None or cache is None or attention_mask is None or attention_mask.dim() != 4
                 or attention_mask.dtype != torch.bool or self.model.base_model is self.model):
             return None
-        run = fused_layers.stack_forward(self.model.base_model)
+        run = fused_layers.stack_forward(self.model.base_model, native_layers.run)
         if run is None:
             return None
         hidden, inputs = run(input_ids, position_ids, attention_mask, cache, keep=self.aux_layer_ids)

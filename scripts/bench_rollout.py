@@ -74,7 +74,7 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from rollout import fused_layers, native_draft, native_linear  # noqa: E402
+from rollout import fused_layers, native_draft, native_layers, native_linear  # noqa: E402
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
@@ -128,7 +128,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "rollout.fused_layers; the linear kernel still on) as a row")
     ap.add_argument("--python-layers", action="store_true",
                     help="add our autoregressive mode and each speculative configuration with the decoder "
-                         "layers run one by one from Python (fused_layers.native_layer off, not csrc/layer.cpp) "
+                         "layers run one by one from Python (native_layers.enabled off, not csrc/layer.cpp) "
                          "as rows (no bound: the step costs use the C++ layers)")
     ap.add_argument("--python-draft", action="store_true",
                     help="add each speculative configuration with the draft head's forwards run from Python "
@@ -244,7 +244,7 @@ def describe(spec: SpecConfig) -> str:
 SWITCHES = {
     "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
     "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
-    "python-layers": (fused_layers, "native_layer"),  # the layers from Python, not csrc/layer.cpp
+    "python-layers": (native_layers, "enabled"),  # the layers from Python, not csrc/layer.cpp
     "python-draft": (native_draft, "enabled"),  # the draft head's forwards from Python
     "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
 }

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout import fused_layers, native_linear
+from rollout import fused_layers, native_layers, native_linear
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
@@ -177,14 +177,14 @@ def test_engine_outputs_fused_or_not(mode, unfused):
               verifier=VerifierConfig(name="mars", params={"theta": 0.9}), seed=7)
     engine = Engine(target, head, num_threads=2, linear="native")
     calls = []
-    original, layers = native_linear.attend, fused_layers._run_native_layers
+    original, layers = native_linear.attend, native_layers._run
     native_linear.attend = lambda *a: calls.append(a[0].shape) or original(*a)
     # (the target's stack runs each layer in one C++ call, attention kernel included)
-    fused_layers._run_native_layers = lambda *a: calls.extend([a[2].shape] * len(a[1])) or layers(*a)
+    native_layers._run = lambda *a: calls.extend([a[2].shape] * len(a[1])) or layers(*a)
     try:
         fused = engine.generate(prompts, **kw)
     finally:
-        native_linear.attend, fused_layers._run_native_layers = original, layers
+        native_linear.attend, native_layers._run = original, layers
     assert len(calls) >= 4 * 30 // 3  # every target forward's layers (4) went through the kernel
     unfused(True)
     plain = engine.generate(prompts, **kw)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import fused_layers, native_linear
+from rollout import fused_layers, native_layers, native_linear
 from rollout.engine import Engine
 from rollout.kv_cache import RowKVCache
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
@@ -17,23 +17,24 @@ pytestmark = pytest.mark.skipif(not native_linear.available(),
                                 reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
 
 
-def _spy_runs(monkeypatch, name: str) -> list:
-    """The shapes of the hidden states (or input ids) each call of ``fused_layers.<name>`` got."""
+def _spy_runs(monkeypatch, name: str, module=fused_layers, arg: int = 2) -> list:
+    """The shapes of the hidden states (or input ids) each call of ``module.<name>`` got
+    (its positional argument ``arg``)."""
     runs = []
-    original = getattr(fused_layers, name)
+    original = getattr(module, name)
 
     def spy(*args, **kwargs):
-        runs.append(args[2].shape)
+        runs.append(args[arg].shape)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(fused_layers, name, spy)
+    monkeypatch.setattr(module, name, spy)
     return runs
 
 
 @pytest.fixture
 def stack_runs(monkeypatch):
     """Counts the stack loop's runs."""
-    yield _spy_runs(monkeypatch, "_run_stack")
+    yield _spy_runs(monkeypatch, "_run_stack", arg=3)  # (base, layers, layer_kernel, input_ids, ...)
     fused_layers.stack = True
 
 
@@ -142,8 +143,8 @@ def test_capture_mode_records_the_same_features(stack_runs):
 @pytest.fixture
 def native_layer_runs(monkeypatch):
     """Counts the forwards whose layers ran in ``hr_decoder_layer``; restores the switch."""
-    yield _spy_runs(monkeypatch, "_run_native_layers")
-    fused_layers.native_layer = True
+    yield _spy_runs(monkeypatch, "_run", native_layers)
+    native_layers.enabled = True
 
 
 def _bf16_valued(target):
@@ -170,7 +171,7 @@ def test_native_layers_give_the_bits_of_the_python_layers(weights, native_layer_
         if weights == "bf16-valued":
             assert native_linear.panels_of(target.decoder_layers[0].mlp).dtype == torch.bfloat16
         for on in (True, False):
-            fused_layers.native_layer = on
+            native_layers.enabled = on
             calls = len(native_layer_runs)
             cfg = target.config
             cache = RowKVCache(cfg.num_hidden_layers, 2, cfg.num_key_value_heads, cfg.head_dim, 32, target.dtype, "cpu")
@@ -211,7 +212,7 @@ def test_engine_outputs_with_and_without_native_layers(mode, native_layer_runs):
     native = engine.generate(prompts, **kw)
     assert len(native_layer_runs) >= 2
     assert len({c.num_tokens for c in native.completions}) > 1  # rows finished at different rounds
-    fused_layers.native_layer = False
+    native_layers.enabled = False
     runs = len(native_layer_runs)
     python = engine.generate(prompts, **kw)
     assert len(native_layer_runs) == runs
