@@ -58,7 +58,7 @@ def _plan(head) -> tuple | None:
             and attn.d in (16, 32, 64, 128) and "forward" in attn.__dict__ and "forward" in mlp.__dict__
             and fused_layers.merged_groups(mlp) is not None
             and not any(fused_layers._hooked(m) for m in head.modules())):
-        compact = sum(1 << i for i, p in enumerate(panels) if p.dtype == torch.bfloat16)
+        compact = native_linear.compact_bits(panels)
         plan = (norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), norms[2].weight.data_ptr(), eps[0],
                 *(p.data_ptr() for p in panels[:4]), compact, attn.nh, attn.nkv, attn.d, mlp.gate_proj.out_features,
                 norms[3].weight.data_ptr(), panels[4].data_ptr(), head.lm_head.out_features,

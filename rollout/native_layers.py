@@ -69,7 +69,7 @@ def _plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tens
                 or d not in (16, 32, 64, 128) or not fused_layers._known(attn, fused_layers.ATTENTIONS)
                 or fused_layers.merged_groups(mlp) is None):
             return None
-        compact = sum(1 << i for i, p in enumerate(panels) if p.dtype == torch.bfloat16)
+        compact = native_linear.compact_bits(panels)
         n_q, n_kv = attn.q_proj.out_features // d, attn.k_proj.out_features // d
         plan.append((attn.layer_idx, norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), eps[0],
                      *(p.data_ptr() for p in panels), compact, n_q, n_kv, d, mlp.gate_proj.out_features,

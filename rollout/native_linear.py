@@ -299,6 +299,12 @@ def panels_of(module: nn.Module) -> torch.Tensor | None:
     return _merged_buffers.get(module)
 
 
+def compact_bits(panels: list[torch.Tensor]) -> int:
+    """The C++ layer calls' ``compact`` argument: bit i set where ``panels[i]`` holds bf16
+    (compact) panels, else fp32."""
+    return sum(1 << i for i, p in enumerate(panels) if p.dtype == torch.bfloat16)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
     """Llama's RMS norm of ``x [..., N]`` with ``weight [N]`` through ``csrc/norm.cpp`` (fp32, CPU,
     no autograd), or None where it does not fit (then the caller runs torch's)."""
