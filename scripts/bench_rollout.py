@@ -54,7 +54,11 @@ batch of prompts with other seeds (a training run's later calls).
 The bound leaves out what every call pays before its first round (packing the weights for
 the linear kernel, the prefill: ``Timings.setup_s``), a larger share of a faster call, so
 ``dec AR`` / ``dec bd`` repeat the speedup and its share of the bound over the decoding
-alone (each call's time after its setup).
+alone (each call's time after its setup). ``len``: the row's completion tokens over the
+autoregressive mode's on the same prompts (``mean_length`` per prompt in the JSON). A lossy
+verifier that shortens completions drifts (MARS on tree candidates runs near greedy: about
+0.63x on the held-out arithmetic), and its calls spread their fixed setup over fewer tokens,
+which lowers its whole-call ``of bound`` but not ``dec bd``.
 """
 
 from __future__ import annotations
