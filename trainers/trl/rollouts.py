@@ -30,6 +30,7 @@ functions. :class:`SpeculativeRollouts` is such a callable:
 from __future__ import annotations
 
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -39,7 +40,7 @@ from rollout.chat import chat_ids
 from rollout.config import check_int
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, drift_warning
 
 PLACEMENTS = ("local", "ray")
 
@@ -78,6 +79,8 @@ class RolloutSettings:
             raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=sorted(BACKENDS))
         if self.backend == "vllm" and self.spec.mode == "tree":
             raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
+        if (message := drift_warning(self.spec, self.verifier)) is not None:
+            warnings.warn(f"rollouts: {message}", stacklevel=2)
         if self.placement not in PLACEMENTS:
             raise ConfigError("placement", f"unknown placement {self.placement!r}", allowed=PLACEMENTS)
         if self.drafter is None and self.spec.mode != "off":
