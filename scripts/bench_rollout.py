@@ -82,9 +82,11 @@ from rollout import fused_layers, native_draft, native_layers, native_linear  # 
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
+from rollout.config import ConfigError  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
+from trainers.drift.study import parse_verifier, verifier_label  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
@@ -94,7 +96,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--verifiers", default="lossless,mars,overshoot",
-                    help="comma list; mars uses theta=0.9, overshoot lenience=0.5")
+                    help="comma list of rule names with their default parameters (mars theta=0.9, overshoot "
+                         "lenience=0.5), or ';' list of specs with parameters, e.g. "
+                         "'overshoot:lenience=0.5;overshoot:lenience=0.3'")
     ap.add_argument("--modes", default="chain,tree", help="speculative modes to run (comma list)")
     ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
@@ -227,8 +231,19 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
     caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
-    names = [v for v in args.verifiers.split(",") if v]
-    return [(spec, VerifierConfig(v)) for spec in specs for v in names]
+    return [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
+
+
+def parse_verifiers(text: str) -> list[VerifierConfig]:
+    """``--verifiers``: rule names separated by ',' (default parameters), or specs with parameters
+    (``name:key=value,...``, as ``scripts/drift.py`` takes them) separated by ';'."""
+    with_params = ";" in text or ":" in text
+    items = [v.strip() for v in text.split(";" if with_params else ",") if v.strip()]
+    try:
+        return [parse_verifier(v) for v in items]
+    except (ValueError, ConfigError) as err:
+        hint = " (specs with parameters are separated by ';')" if with_params else ""
+        raise SystemExit(f"--verifiers {text!r}: {err}{hint}") from None
 
 
 def _cap(text: str) -> int | str | None:
@@ -299,17 +314,17 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
         if set(backends) - {None, "native", "torch"}:
             raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
-        configs += [(describe(spec) + ("" if be is None else f" [{be}]"), v.name, spec, v, be)
+        configs += [(describe(spec) + ("" if be is None else f" [{be}]"), verifier_label(v), spec, v, be)
                     for spec, v in spec_configs(args) for be in backends]
         if args.python_layers:
             configs.append(("off [python layers]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "python-layers"))
-            configs += [(describe(spec) + " [python layers]", v.name, spec, v, "python-layers")
+            configs += [(describe(spec) + " [python layers]", verifier_label(v), spec, v, "python-layers")
                         for spec, v in spec_configs(args)]
         if args.python_draft:
-            configs += [(describe(spec) + " [python draft]", v.name, spec, v, "python-draft")
+            configs += [(describe(spec) + " [python draft]", verifier_label(v), spec, v, "python-draft")
                         for spec, v in spec_configs(args)]
         if args.fp32_head:
-            configs += [(describe(spec) + " [fp32 head]", v.name, spec, v, "fp32-head") for spec, v in spec_configs(args)]
+            configs += [(describe(spec) + " [fp32 head]", verifier_label(v), spec, v, "fp32-head") for spec, v in spec_configs(args)]
         totals: list[dict] = [{} for _ in configs]
         calls: list[list[float]] = [[] for _ in configs]  # tokens/s of each call, in order
         groups = batches(prompts, size)

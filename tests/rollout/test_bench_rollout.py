@@ -243,3 +243,25 @@ def test_passes_and_paired_ratios(tiny, monkeypatch):
     with pytest.raises(SystemExit, match="--passes"):
         bench.measure(bench.parse_args(["--batch-sizes", "2", "--passes", "0"]), target, tok, engine, prompts,
                       SamplingParams(max_new_tokens=4))
+
+
+def test_verifiers_with_parameters_are_rows_of_their_own(tiny):
+    """``--verifiers`` takes rule names (',') or specs with parameters (';'); each spec is a row
+    labelled with its parameters, and a bad spec exits naming the flag."""
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args, parse_verifiers
+
+    assert [(v.name, v.params) for v in parse_verifiers("lossless,mars")] == [("lossless", {}), ("mars", {})]
+    specs = parse_verifiers("overshoot:lenience=0.5;overshoot:lenience=0.3,min_p=0.1; mars:theta=0.8")
+    assert [(v.name, v.params) for v in specs] == [
+        ("overshoot", {"lenience": 0.5}), ("overshoot", {"lenience": 0.3, "min_p": 0.1}), ("mars", {"theta": 0.8})]
+    for bad in ("lossless,overshoot:lenience=0.3", "overshoot:lenience", "nope", "overshoot:lenience=2"):
+        with pytest.raises(SystemExit, match="--verifiers"):
+            parse_verifiers(bad)
+    target, tok, engine = tiny
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "6", "--modes", "chain", "--no-hf", "--cost-reps", "0",
+                       "--verifiers", "overshoot:lenience=1.0;overshoot:lenience=0.2"])
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)], SamplingParams(max_new_tokens=6))
+    by_verifier = {r["verifier"]: r for r in rows if r["mode"] != "off"}
+    assert set(by_verifier) == {"overshoot:lenience=1", "overshoot:lenience=0.2"}
+    assert all(r["tokens"] > 0 for r in by_verifier.values())
