@@ -357,7 +357,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         # decoding only: without each call's setup (weight packing, prefill), which the bound leaves out
         decode = {key: t["tokens"] / (t["seconds"] - t["setup_s"]) for key, t in zip(keys, totals) if "setup_s" in t}
         ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
-        ar_calls = calls[keys.index(("off", "lossless"))]
+        ar_index = keys.index(("off", "lossless"))
+        ar_calls, ar_tokens = calls[ar_index], totals[ar_index]["tokens"]
         for (mode, vname, spec, _, backend), tot, mine_calls in zip(configs, totals, calls):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
@@ -367,7 +368,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             # mean completion length against the autoregressive mode's on the same prompts: a lossy
             # verifier that shortens completions is drift, and its calls spread their setup over fewer tokens
             row["mean_length"] = row["tokens"] / (len(prompts) * args.passes)
-            row["length_vs_ar"] = row["tokens"] / totals[keys.index(("off", "lossless"))]["tokens"]
+            row["length_vs_ar"] = row["tokens"] / ar_tokens
             # per batch of prompts, this row's call against the autoregressive call on the same
             # prompts, run next to it: the median and range of those paired ratios
             pairs = sorted(x / y for x, y in zip(mine_calls, ar_calls))
