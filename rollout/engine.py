@@ -36,9 +36,10 @@ from rollout import native_linear
 from rollout.allocator import tune_malloc
 from rollout.kv_cache import fill_from_tail
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_pair
 from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner, sample_draft
+from rollout.sampled_tree import Shape, draft_sampled_tree, draft_steps, sampled_shape
 from rollout.sequences import RoundOutput, SequenceTable
 from rollout.tree import chain_tree, draft_tree, root_tree, walk
 from verifiers import verify_chain
@@ -66,6 +67,7 @@ class _Call:
     record: list = field(default_factory=list)
     planner: RoundPlanner | None = None
     drafted_last: bool = False  # the previous round drafted (else the next draft catches up)
+    shape: Shape | None = None  # a sampled tree's shape (spec.tree_candidates 'sampled', T > 0)
 
     @property
     def verify_kw(self) -> dict:
@@ -112,6 +114,7 @@ class Engine:
             raise ValueError(f"capture needs plain decoding (spec.mode 'off'), got spec.mode={spec.mode!r}")
         if spec.speculative and self.head is None:
             raise ValueError(f"spec.mode={spec.mode!r} needs a draft head; this engine has none (use mode 'off')")
+        check_pair(spec, verifier)
         if not prompts:
             return GenerationResult([], Timings(), [] if debug else None, [] if capture else None)
         budgets = self._budgets(prompts, sampling.max_new_tokens)
@@ -123,6 +126,8 @@ class Engine:
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None,
                      planner=self.planner(spec, verifier, sampling) if spec.auto else None)
+        if spec.mode == "tree" and spec.tree_candidates == "sampled" and sampling.temperature > 0:
+            call.shape = sampled_shape(spec.total_tokens, spec.depth, spec.top_k)
         with torch.inference_mode(), self.linear_routing(head):
             self._prefill(call, prompts, max(budgets))
             call.timings.setup_s = time.perf_counter() - start
@@ -216,6 +221,9 @@ class Engine:
         elif spec.mode == "chain":
             drafts, _ = self._draft_chain(call, k)
             tree = chain_tree(runner.pending, runner.draft_ids[drafts])
+        elif call.shape is not None:
+            tree = draft_sampled_tree(runner, runner.pending, call.shape, call.sampling.temperature, call.generator)
+            call.timings.draft_forwards += draft_steps(call.shape)
         else:
             tree = draft_tree(runner, runner.pending, spec.depth, spec.top_k, spec.total_tokens)
             call.timings.draft_forwards += spec.depth
@@ -225,7 +233,7 @@ class Engine:
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
         host = res.num_emitted.tolist()
-        path = res.path if tree.mask is not None else None
+        path = None if tree.mask is None or _is_prefix(res.path, host) else res.path
         runner.commit(res.num_emitted, host, res.tokens.clamp(min=0), feats, path)
         self._finish_round(call, res)
         return t1 - t0, host
@@ -320,8 +328,18 @@ class Engine:
                     row=live[r], index=before[r] + level, step_position=level, token=int(tokens[r, level]),
                     target_logits=logits[i].clone(),
                     draft_logits=extra[i].clone() if chain and extra is not None else None,
-                    candidates=None if chain else extra[i].clone()))
+                    candidates=None if chain or extra is None else extra[i].clone()))
         call.record = []
+
+
+def _is_prefix(path: torch.Tensor, counts: list[int]) -> bool:
+    """Whether every row's committed nodes (``path [B, W]``, the first ``counts`` entries) are the
+    block's first nodes, so that the caches commit a prefix (a tree walk along node order)."""
+    if max(counts) <= 1:
+        return True
+    steps = torch.arange(path.shape[1], device=path.device)
+    used = steps[None] < torch.tensor(counts, device=path.device)[:, None]
+    return bool(((path == steps) | ~used).all())
 
 
 def _trim_debug(debug: list[DebugRecord] | None, completions) -> list[DebugRecord] | None:

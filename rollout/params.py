@@ -26,6 +26,7 @@ from rollout.config import ConfigError, check_int, check_number, is_int
 
 SPEC_MODES = ("off", "chain", "tree")
 DRAFT_SAMPLING = ("sampled", "greedy")
+TREE_CANDIDATES = ("top_k", "sampled")
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,11 @@ class SpecConfig:
     depth: tree levels drafted per round.
     top_k: tree children per expanded node, and the width of the expanded frontier.
     total_tokens: drafted tree nodes verified per round (the root is extra).
+    tree_candidates: a tree node's children are the head's ``top_k`` tokens (deterministic
+        candidates, any verifier; the EAGLE-2 dynamic tree) or ``sampled`` from q without
+        replacement (lossless verifier only; a fixed shape of ``total_tokens`` nodes, at most
+        ``depth`` deep and ``top_k`` wide, ``rollout.sampled_tree``). At T = 0 a sampled tree
+        drafts the top-k tree instead.
     max_batch: draft only in rounds with at most this many unfinished rows; rounds over
         larger batches decode one plain token per row (the draft catches up on those tokens
         when drafting resumes). On a CPU a forward's cost grows with its tokens once the
@@ -94,6 +100,7 @@ class SpecConfig:
     total_tokens: int = 16
     max_batch: int | str | None = None
     adaptive_k: bool = False
+    tree_candidates: str = "top_k"
 
     def __post_init__(self) -> None:
         if self.mode not in SPEC_MODES:
@@ -101,6 +108,9 @@ class SpecConfig:
         if self.draft_sampling not in DRAFT_SAMPLING:
             raise ConfigError("draft_sampling", f"unknown draft sampling {self.draft_sampling!r}",
                               allowed=DRAFT_SAMPLING)
+        if self.tree_candidates not in TREE_CANDIDATES:
+            raise ConfigError("tree_candidates", f"unknown tree candidates {self.tree_candidates!r}",
+                              allowed=TREE_CANDIDATES)
         for name in ("num_draft_tokens", "depth", "top_k", "total_tokens"):
             check_int(name, getattr(self, name))
         if self.max_batch is not None and self.max_batch != "auto":
@@ -112,6 +122,8 @@ class SpecConfig:
         if self.adaptive_k and not (self.mode == "chain" and self.auto):
             raise ConfigError("adaptive_k", "needs mode chain and max_batch auto (it uses the measured step costs)")
         most = self.top_k + (self.depth - 1) * self.top_k ** 2  # nodes the tree drafting generates
+        if self.tree_candidates == "sampled":
+            most = sum(self.top_k ** d for d in range(1, self.depth + 1))
         if self.mode == "tree" and self.total_tokens > most:
             raise ConfigError("total_tokens", f"{self.total_tokens} exceeds the {most} nodes a tree of depth "
                               f"{self.depth} and top_k {self.top_k} drafts")
@@ -176,6 +188,16 @@ class VerifierConfig:
             if self.name not in RULES:
                 raise ConfigError("name", f"unknown verification rule {self.name!r}", allowed=sorted(RULES)) from None
             raise ConfigError("params", str(err)) from None
+
+
+def check_pair(spec: SpecConfig, verifier: VerifierConfig) -> None:
+    """Raise ConfigError for a speculation + verifier pair that cannot run together."""
+    from verifiers.sampled import SAMPLED_RULES
+
+    if spec.mode == "tree" and spec.tree_candidates == "sampled" and verifier.name not in SAMPLED_RULES:
+        raise ConfigError("tree_candidates", f"'sampled' trees are verified losslessly only, not by verifier "
+                          f"{verifier.name!r} (a lossy rule's law over sampled candidates is not specified); use "
+                          "tree_candidates 'top_k' or a chain")
 
 
 def drift_warning(spec: SpecConfig, verifier: VerifierConfig) -> str | None:

@@ -9,7 +9,8 @@ Vocabulary:
   ancestors and itself); None means the block is a plain chain (causal).
 - **children**: ``[B, N+1, k]`` node indices of each node's children in draft-score
   order, -1 padded. At a node the verifier examines these children's tokens as its
-  deterministic candidates.
+  deterministic candidates (or, in a tree of sampled candidates, ``rollout.sampled_tree``,
+  as candidates drawn from the node's q, in draw order).
 - **score**: a drafted node's cumulative draft log-probability (sum along its path).
 - **walk**: verification from the root down: at the current node the verifier either
   accepts one child (the walk moves there and emits its token) or emits a recovered
@@ -28,11 +29,13 @@ autoregressive decoding is the root-only tree (``root_tree``): the same walk ser
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from verifiers import TokenKind, verify_candidates
+from verifiers.sampled import verify_sampled_candidates
 
 
 @dataclass
@@ -43,6 +46,10 @@ class Tree:
     children: torch.Tensor  # [B|1, N+1, k] child nodes in draft-score order, -1 padded
     mask: torch.Tensor | None  # [B, N+1, N+1] ancestor-or-self; None = causal chain
     max_depth: int
+    # sampled trees (rollout.sampled_tree): [B, N+1, Vd] the draft logits each node's children
+    # were drawn from, and the head's map to the target vocabulary; None: deterministic candidates
+    draft_logits: torch.Tensor | None = None
+    to_target: Callable[[torch.Tensor], torch.Tensor] | None = None
 
     @property
     def size(self) -> int:
@@ -166,7 +173,8 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
     """Verify ``tree`` against ``target_logits [B, N+1, V]`` (row of node i = the target's
     prediction after node i), level by level over the rows still walking.
 
-    record: when a list, gets ``(level, rows [n], logits [n, V], candidates [n, k])`` per level.
+    record: when a list, gets ``(level, rows [n], logits [n, V], candidates [n, k])`` per level
+        (candidates None in a sampled tree: there the verifier's law is p).
     """
     b, _, v = target_logits.shape
     w = tree.max_depth + 1
@@ -184,8 +192,12 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
         kids = children[rows, node]  # [n, k]
         cand = torch.where(kids >= 0, tree.tokens[rows].gather(1, kids.clamp(min=0)), -1)
         logits = target_logits[rows, node]  # [n, V]
-        res = verify_candidates(rule, logits, cand, temperature=temperature, top_k=top_k, top_p=top_p,
-                                generator=generator)
+        if tree.draft_logits is None:
+            res = verify_candidates(rule, logits, cand, temperature=temperature, top_k=top_k, top_p=top_p,
+                                    generator=generator)
+        else:
+            res = verify_sampled_candidates(rule, logits, tree.to_target(tree.draft_logits[rows, node]), cand,
+                                            temperature=temperature, top_k=top_k, top_p=top_p, generator=generator)
         acc = res.accepted_index >= 0
         kind = torch.where(acc, int(TokenKind.ACCEPTED),
                            torch.where(cand[:, 0] >= 0, int(TokenKind.RECOVERED), int(TokenKind.BONUS)))
@@ -197,7 +209,7 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
         out.path[rows, level] = node
         out.num_emitted[rows] += 1
         if record is not None:
-            record.append((level, rows, logits, cand))
+            record.append((level, rows, logits, cand if tree.draft_logits is None else None))
         keep = acc.nonzero()[:, 0]
         if keep.numel() == 0:
             break

@@ -85,10 +85,12 @@ from rollout.models import load_embedded_target  # noqa: E402
 from rollout.config import ConfigError  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
+from rollout.sampled_tree import draft_steps, sampled_shape  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from trainers.drift.study import parse_verifier, verifier_label  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
+from verifiers.sampled import SAMPLED_RULES  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -102,7 +104,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--modes", default="chain,tree", help="speculative modes to run (comma list)")
     ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
-    ap.add_argument("--tree", default="3,4,8", help="depth,top_k,total_tokens (';' separates several)")
+    ap.add_argument("--tree", default="3,4,8", help="depth,top_k,total_tokens (';' separates several); an 's' "
+                    "in front (s6,3,8) drafts sampled candidates (tree_candidates: sampled; lossless rows only)")
     ap.add_argument("--max-batch", default="none",
                     help="spec.max_batch values (comma list; 'none' = draft in every round, 'auto' = "
                          "decide per round from measured costs): draft only while at most this many rows "
@@ -224,14 +227,17 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
                       for k in args.chain_k.split(",")]
         elif mode == "tree":
             for shape in args.tree.split(";"):
-                depth, top_k, total = (int(x) for x in shape.split(","))
-                specs.append(SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total))
+                sampled = shape.strip().startswith("s")
+                depth, top_k, total = (int(x) for x in shape.strip().lstrip("s").split(","))
+                specs.append(SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total,
+                                        tree_candidates="sampled" if sampled else "top_k"))
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
     caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
-    return [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
+    pairs = [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
+    return [(spec, v) for spec, v in pairs if spec.tree_candidates == "top_k" or v.name in SAMPLED_RULES]
 
 
 def parse_verifiers(text: str) -> list[VerifierConfig]:
@@ -255,7 +261,8 @@ def describe(spec: SpecConfig) -> str:
     if spec.mode == "chain":
         return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}{cap}"
     if spec.mode == "tree":
-        return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{cap}"
+        kind = " sampled" if spec.tree_candidates == "sampled" else ""
+        return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{kind}{cap}"
     return "off"
 
 
@@ -291,6 +298,8 @@ def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
         return None
     n, steps = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
         (spec.total_tokens + 1, spec.depth)
+    if spec.mode == "tree" and spec.tree_candidates == "sampled":
+        steps = draft_steps(sampled_shape(spec.total_tokens, spec.depth, spec.top_k))
     return tau * costs[1] / (costs[n] + steps * costs["draft"])
 
 

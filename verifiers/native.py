@@ -103,6 +103,12 @@ def _load_locked() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
                    + [ctypes.c_void_p] * 6)
+    fn = lib.hr_draw_sampled
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 2
+    fn = lib.hr_verify_sampled
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 4
     lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
     lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
     _lib, _tried = lib, True
@@ -163,7 +169,9 @@ class NativeError(Exception):
     token with q = 0 at ``bad_token``), 3 (nothing to sample from: a node's fallback or a
     chain row's final-token weights have no mass; an internal error) or 4 (token ids out of
     range, or candidates not distinct or padded before valid ones); the caller turns it into
-    the user-facing error."""
+    the user-facing error. The sampled-candidate kernels (``csrc/sampled.cpp``) use 1 (bad
+    target or draft-logit rows), 2 (bad draft-logit rows of a node) and 4 (a candidate with
+    q = 0)."""
 
     def __init__(self, status: int, bad_rows: Tensor, bad_token: tuple[int, int] = (-1, -1)):
         super().__init__(status)
@@ -231,3 +239,41 @@ def verify_candidates_native(rule, z_target: Tensor, cands: Tensor, u_accept: Te
     if status != 0:
         raise NativeError(int(status), bad_rows)
     return CandidateResult(tokens, index, behaviour, target_lp, relaxed)
+
+
+def draw_sampled_native(logits: Tensor, u: Tensor, temperature: float) -> Tensor:
+    """``verifiers.sampled.draw_without_replacement`` fused: logits [R, V], u [m, R] float64;
+    returns ids [R, m]."""
+    lib = _load()
+    r, v = logits.shape
+    m = u.shape[0]
+    lg = logits.float().contiguous()
+    uu = u.double().contiguous()
+    out = torch.empty(r, m, dtype=torch.long)
+    bad_rows = torch.zeros(r, dtype=torch.uint8)
+    status = lib.hr_draw_sampled(lg.data_ptr(), uu.data_ptr(), r, v, m, float(temperature), out.data_ptr(),
+                                 bad_rows.data_ptr())
+    if status != 0:
+        raise NativeError(int(status), bad_rows)
+    return out
+
+
+def verify_sampled_native(z_target: Tensor, z_draft: Tensor, cands: Tensor, u_accept: Tensor, u_final: Tensor,
+                          temperature: float) -> tuple[Tensor, Tensor, Tensor]:
+    """``verifiers.sampled.verify_sampled_candidates`` fused: (tokens, index, log p(y)), each [N]."""
+    lib = _load()
+    n, v = z_target.shape
+    m = cands.shape[1]
+    zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
+    cs = cands.long().contiguous()
+    ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
+    tokens = torch.empty(n, dtype=torch.long)
+    index = torch.empty(n, dtype=torch.long)
+    logp = torch.empty(n, dtype=torch.float32)
+    bad_rows = torch.zeros(n, dtype=torch.uint8)
+    status = lib.hr_verify_sampled(zt.data_ptr(), zd.data_ptr(), cs.data_ptr(), ua.data_ptr(), uf.data_ptr(), n, m,
+                                   v, float(temperature), tokens.data_ptr(), index.data_ptr(), logp.data_ptr(),
+                                   bad_rows.data_ptr())
+    if status != 0:
+        raise NativeError(int(status), bad_rows)
+    return tokens, index, logp

@@ -265,3 +265,23 @@ def test_verifiers_with_parameters_are_rows_of_their_own(tiny):
     by_verifier = {r["verifier"]: r for r in rows if r["mode"] != "off"}
     assert set(by_verifier) == {"overshoot:lenience=1", "overshoot:lenience=0.2"}
     assert all(r["tokens"] > 0 for r in by_verifier.values())
+
+
+def test_sampled_trees_run_lossless_rows_with_their_own_draft_steps(tiny):
+    """``--tree s4,2,5`` is a tree of sampled candidates: a row for the lossless verifier only
+    (a lossy rule cannot verify it), and its bound counts the shape's head steps."""
+    from rollout.params import SamplingParams
+    from rollout.sampled_tree import draft_steps, sampled_shape
+    from scripts.bench_rollout import measure, parse_args, spec_configs
+
+    args = parse_args(["--batch-sizes", "1", "--max-new-tokens", "6", "--modes", "tree", "--no-hf",
+                       "--verifiers", "lossless,mars", "--tree", "2,2,4;s4,2,5", "--cost-reps", "2"])
+    pairs = [(s.tree_candidates, v.name) for s, v in spec_configs(args)]
+    assert pairs == [("top_k", "lossless"), ("top_k", "mars"), ("sampled", "lossless")]
+    target, tok, engine = tiny
+    rows = measure(args, target, tok, engine, [[1, 20, 300]], SamplingParams(max_new_tokens=6))
+    row = next(r for r in rows if r["mode"] == "tree d=4 k=2 n=5 sampled")
+    costs = row["step_costs_ms"]
+    steps = draft_steps(sampled_shape(5, 4, 2))
+    assert steps == 4 and row["tokens"] > 0
+    assert row["bound"] == pytest.approx(row["tau"] * costs["1"] / (costs["6"] + steps * costs["draft"]))

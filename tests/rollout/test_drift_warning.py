@@ -1,6 +1,6 @@
-"""rollout.params.drift_warning: MARS over deterministic candidates (tree nodes, greedy chain
-drafts) runs near greedy; the training config and the TRL settings warn about it, and about
-nothing else."""
+"""rollout.params.drift_warning and check_pair: MARS over deterministic candidates (tree nodes,
+greedy chain drafts) runs near greedy; the training config and the TRL settings warn about it,
+and about nothing else. Sampled trees take only the lossless verifier."""
 
 from __future__ import annotations
 
@@ -44,3 +44,15 @@ def test_training_config_and_trl_settings_warn_once_built():
         warnings.simplefilter("error")
         RolloutConfig(spec=SAMPLED, verifier=MARS)
         RolloutSettings(spec=SAMPLED, verifier=MARS)
+
+
+def test_sampled_trees_with_a_lossy_verifier_are_refused():
+    from rollout.config import ConfigError
+
+    tree = SpecConfig(mode="tree", tree_candidates="sampled")
+    for build in (RolloutConfig, RolloutSettings):
+        with pytest.raises(ConfigError, match="'tree_candidates'.*not by verifier 'overshoot'"):
+            build(spec=tree, verifier=VerifierConfig("overshoot", {"lenience": 0.5}))
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            build(spec=tree, verifier=VerifierConfig())

@@ -16,6 +16,7 @@ SPECS = {
     "chain-greedy": SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="greedy"),
     "tree": SpecConfig(mode="tree", depth=4, top_k=3, total_tokens=10),
     "tree-wide": SpecConfig(mode="tree", depth=2, top_k=5, total_tokens=12),
+    "tree-sampled": SpecConfig(mode="tree", depth=4, top_k=3, total_tokens=10, tree_candidates="sampled"),
 }
 
 
@@ -73,7 +74,7 @@ def test_stop_tokens_end_completions(models):
     greedy = engine.generate(PROMPTS, SamplingParams(temperature=0, max_new_tokens=30))
     stop = greedy.completions[2].completion_ids[5]
     sampling = SamplingParams(temperature=0, max_new_tokens=30, stop_token_ids=(stop,))
-    for spec in (SpecConfig(mode="off"), SPECS["chain-sampled"], SPECS["tree"]):
+    for spec in (SpecConfig(mode="off"), SPECS["chain-sampled"], SPECS["tree"], SPECS["tree-sampled"]):
         res = engine.generate(PROMPTS, sampling, spec)
         for full, comp in zip(greedy.completions, res.completions):
             ids = full.completion_ids
@@ -111,6 +112,13 @@ def test_prompt_errors_and_context_cap(single_thread):
     assert [c.num_tokens for c in res.completions] == [4, 10]  # the first row hits the context
 
 
+def test_sampled_trees_need_the_lossless_verifier(models):
+    target, head = models
+    engine = Engine(target, head, num_threads=1)
+    with pytest.raises(ConfigError, match="'tree_candidates'.*not by verifier 'mars'"):
+        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), SPECS["tree-sampled"], VerifierConfig("mars"))
+
+
 def test_speculation_needs_a_head(single_thread):
     engine = Engine(tiny_target(), num_threads=1)
     with pytest.raises(ValueError, match="needs a draft head"):
@@ -118,7 +126,7 @@ def test_speculation_needs_a_head(single_thread):
     assert engine.generate([[1, 2]], SamplingParams(max_new_tokens=3)).completions[0].num_tokens == 3
 
 
-@pytest.mark.parametrize("name", ["off", "chain-sampled", "chain-greedy", "tree"])
+@pytest.mark.parametrize("name", ["off", "chain-sampled", "chain-greedy", "tree", "tree-sampled"])
 def test_seeded_determinism(models, name):
     target, head = models
     engine = Engine(target, head, num_threads=1)
@@ -159,6 +167,10 @@ def test_params_validation_names_fields():
         VerifierConfig("nope")
     with pytest.raises(ConfigError, match="'params'"):
         VerifierConfig("mars", {"theta": 7})
+    with pytest.raises(ConfigError, match="'tree_candidates'.*allowed: top_k, sampled"):
+        SpecConfig(mode="tree", tree_candidates="gumbel")
+    with pytest.raises(ConfigError, match="'total_tokens'.*14 nodes"):
+        SpecConfig(mode="tree", depth=3, top_k=2, total_tokens=15, tree_candidates="sampled")
     spec = from_dict(SpecConfig, {"mode": "tree", "depth": 3})
     assert spec.depth == 3 and spec.block_size == spec.total_tokens + 1
     assert from_dict(SamplingParams, {"stop_token_ids": [2]}).stop_token_ids == (2,)

@@ -20,6 +20,8 @@ SPECS = {
     "chain-greedy": SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="greedy"),
     "tree": SpecConfig(mode="tree", depth=3, top_k=3, total_tokens=8),
 }
+SAMPLED_TREE = SpecConfig(mode="tree", depth=3, top_k=3, total_tokens=8, tree_candidates="sampled")
+LOSSLESS_SPECS = {**SPECS, "tree-sampled": SAMPLED_TREE}
 LOSSY = {
     "mars": {"theta": 0.5},
     "overshoot": {"lenience": 0.5},
@@ -67,14 +69,14 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", list(LOSSLESS_SPECS))
 def test_lossless_samples_the_target_distribution(small, name):
     target, head = small
     engine = Engine(target, head, num_threads=1)
     prompts = [[1, 5, 2, 7], [3]]
     rows = 1500
     res = engine.generate([p for p in prompts for _ in range(rows)], SamplingParams(max_new_tokens=3),
-                          SPECS[name], seed=11)
+                          LOSSLESS_SPECS[name], seed=11)
     v = target.vocab_size
     kinds = torch.tensor([c.kinds[1:] for c in res.completions])
     assert (kinds == TokenKind.ACCEPTED).float().mean() > 0.1, "drafts must be accepted for the test to mean much"
@@ -157,13 +159,13 @@ def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
         assert relaxed == 0
 
 
-@pytest.mark.parametrize("name", ["off", *SPECS])
+@pytest.mark.parametrize("name", ["off", *LOSSLESS_SPECS])
 def test_target_logprobs_match_a_cache_free_forward(models, name):
     """Every emitted token's log p equals a plain forward over prompt + completion: the
     caches, masks and positions are right after many rounds of mixed acceptance."""
     target, head = models
     engine = Engine(target, head, num_threads=1)
-    spec = SpecConfig(mode="off") if name == "off" else SPECS[name]
+    spec = SpecConfig(mode="off") if name == "off" else LOSSLESS_SPECS[name]
     sampling = SamplingParams(temperature=1.0, top_p=0.95, max_new_tokens=40, stop_token_ids=(7,))
     res = engine.generate(PROMPTS * 2, sampling, spec, seed=5)
     assert len({c.num_tokens for c in res.completions}) > 1, "rows should finish at different times"

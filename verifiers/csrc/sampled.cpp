@@ -1,0 +1,200 @@
+// Sampled candidates on the CPU (verifiers/sampled.py is the contract; verifiers/README.md,
+// "Sampled candidates", has the math), the same procedure on the same uniforms as the PyTorch
+// code there:
+//
+// - hr_draw_sampled: m ids per row drawn from q = softmax(logits / T) without replacement, each
+//   by inverse CDF over q with the earlier draws removed (one float64 uniform per draw);
+// - hr_verify_sampled: lossless recursive rejection at N nodes: s = p; c_i is accepted with
+//   min(1, s(c_i) / q_i(c_i)), else s = norm((s - q_i)+); the fallback y ~ s.
+//
+// One task per row; a row's sums accumulate in float64 on one thread.
+
+#include <ATen/Parallel.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+// softmax(row / t) into out (float), returning false for a NaN, +inf or all -inf row.
+bool softmax_row(const float* row, int64_t n, float t, float* out) {
+  float m = kNegInf;
+  int nan = 0;
+#pragma omp simd reduction(max : m) reduction(| : nan)
+  for (int64_t i = 0; i < n; ++i) {
+    m = row[i] > m ? row[i] : m;
+    nan |= row[i] != row[i];
+  }
+  if (nan || !std::isfinite(m)) return false;
+  const float zmax = t == 1.0f ? m : m / t;
+  if (!std::isfinite(zmax)) return false;
+  double s = 0;
+  if (t == 1.0f) {
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = exp_nonpos(row[i] - zmax);
+      out[i] = e;
+      s += e;
+    }
+  } else {
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = 0; i < n; ++i) {
+      const float e = exp_nonpos(row[i] / t - zmax);
+      out[i] = e;
+      s += e;
+    }
+  }
+  const float inv = static_cast<float>(1.0 / s);
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] *= inv;
+  return true;
+}
+
+// The first index whose cumulative weight (float64, in index order) exceeds u * total: block sums
+// of kBlock weights first, then a scan inside the block. A zero weight is never picked. total > 0.
+int64_t inverse_cdf(const float* w, int64_t n, double total, double u) {
+  double goal = u * total;
+  const double below = std::nextafter(total, 0.0);
+  goal = goal < below ? goal : below;
+  double cum = 0;
+  int64_t start = 0;
+  for (; start + kBlock < n; start += kBlock) {
+    double b = 0;
+#pragma omp simd reduction(+ : b)
+    for (int64_t i = start; i < start + kBlock; ++i) b += w[i];
+    if (cum + b > goal) break;
+    cum += b;
+  }
+  int64_t last = -1;
+  for (int64_t i = start; i < n; ++i) {
+    if (w[i] <= 0) continue;
+    cum += w[i];
+    last = i;
+    if (cum > goal) return i;
+  }
+  if (last >= 0) return last;
+  for (int64_t i = start - 1; i >= 0; --i)  // rounding left no mass past the goal's block
+    if (w[i] > 0) return i;
+  return -1;
+}
+
+// Per-thread scratch rows (reused across calls: no zeroing of vocabulary-sized buffers).
+float* scratch(int which, int64_t n) {
+  thread_local std::vector<float> rows[3];
+  if (static_cast<int64_t>(rows[which].size()) < n) rows[which].resize(n);
+  return rows[which].data();
+}
+
+}  // namespace
+
+extern "C" {
+
+// logits [R, V] float32, u [m, R] float64; out [R, m] int64 (-1 where q has no mass left).
+// Returns 0, or 1 with bad_rows[r] = 1 for a NaN, +inf or all -inf row.
+int64_t hr_draw_sampled(const float* logits, const double* u, int64_t R, int64_t V, int64_t m, double temperature,
+                        int64_t* out, uint8_t* bad_rows) {
+  std::vector<uint8_t> bad(R, 0);
+  at::parallel_for(0, R, 1, [&](int64_t begin, int64_t end) {
+    float* q = scratch(0, V);
+    for (int64_t r = begin; r < end; ++r) {
+      if (!softmax_row(logits + r * V, V, static_cast<float>(temperature), q)) {
+        bad[r] = 1;
+        continue;
+      }
+      for (int64_t i = 0; i < m; ++i) {
+        double total = 0;
+#pragma omp simd reduction(+ : total)
+        for (int64_t j = 0; j < V; ++j) total += q[j];
+        const int64_t pick = total > 0 ? inverse_cdf(q, V, total, u[i * R + r]) : -1;
+        out[r * m + i] = pick;
+        if (pick >= 0) q[pick] = 0.0f;
+      }
+    }
+  });
+  int64_t status = 0;
+  for (int64_t r = 0; r < R; ++r) {
+    bad_rows[r] = bad[r];
+    if (bad[r]) status = 1;
+  }
+  return status;
+}
+
+// target, draft [N, V] float32 logits (the target already truncated: -inf outside its support),
+// cands [N, M] int64 in draw order (-1 padded after the valid ones), u_acc [N, M], u_fin [N]
+// float32. Outputs tokens, index (-1: none accepted), logp = log p(y). Returns 0; 1 (a bad target
+// row) or 2 (a bad draft row) with bad_rows[n] set; 4 when a candidate has q = 0.
+int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t* cands, const float* u_acc,
+                          const float* u_fin, int64_t N, int64_t M, int64_t V, double temperature, int64_t* tokens,
+                          int64_t* index, float* logp, uint8_t* bad_rows) {
+  std::vector<uint8_t> status(N, 0);
+  const float t = static_cast<float>(temperature);
+  at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
+    float *p = scratch(0, V), *s = scratch(1, V), *rest = scratch(2, V);
+    for (int64_t n = begin; n < end; ++n) {
+      if (!softmax_row(target + n * V, V, t, p)) {
+        status[n] = 1;
+        continue;
+      }
+      if (!softmax_row(draft + n * V, V, t, rest)) {
+        status[n] = 2;
+        continue;
+      }
+      const int64_t* c = cands + n * M;
+      for (int64_t i = 0; i < M && c[i] >= 0; ++i)
+        if (!(rest[c[i]] > 0)) status[n] = 4;
+      if (status[n]) continue;
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) s[j] = p[j];
+      double s_mass = 1.0, rest_mass = 0;
+#pragma omp simd reduction(+ : rest_mass)
+      for (int64_t j = 0; j < V; ++j) rest_mass += rest[j];
+      int64_t accepted = -1;
+      for (int64_t i = 0; i < M && c[i] >= 0; ++i) {
+        const float inv_rest = static_cast<float>(1.0 / rest_mass);
+        const float inv_s = static_cast<float>(1.0 / s_mass);
+        const float q_c = rest[c[i]] * inv_rest;
+        const float ratio = (s[c[i]] * inv_s) / q_c;
+        if (u_acc[n * M + i] < ratio) {
+          accepted = i;
+          break;
+        }
+        double mass = 0;
+#pragma omp simd reduction(+ : mass)
+        for (int64_t j = 0; j < V; ++j) {
+          const float d = s[j] * inv_s - rest[j] * inv_rest;
+          mass += d > 0 ? d : 0.0f;
+        }
+        if (mass > 0) {
+#pragma omp simd
+          for (int64_t j = 0; j < V; ++j) {
+            const float d = s[j] * inv_s - rest[j] * inv_rest;
+            s[j] = d > 0 ? d : 0.0f;
+          }
+          s_mass = mass;
+        }
+        rest_mass -= rest[c[i]];
+        rest[c[i]] = 0.0f;
+        if (!(rest_mass > 0)) {  // float64 rounding: recount what is left of q
+          rest_mass = 0;
+          for (int64_t j = 0; j < V; ++j) rest_mass += rest[j];
+        }
+      }
+      const int64_t y = accepted >= 0 ? c[accepted] : inverse_cdf(s, V, s_mass, u_fin[n]);
+      tokens[n] = y;
+      index[n] = accepted;
+      logp[n] = std::log(p[y]);
+    }
+  });
+  int64_t worst = 0;
+  for (int64_t n = 0; n < N; ++n) {
+    bad_rows[n] = status[n];
+    if (status[n] > worst) worst = status[n];
+  }
+  return worst;
+}
+
+}  // extern "C"

@@ -1,0 +1,170 @@
+"""Lossless verification over candidates drawn from q without replacement (verifiers/README.md,
+sampled candidates): one node of a sampled draft tree.
+
+Node n has candidates c_1..c_m in draw order, -1 padded: c_1 ~ q, and c_i ~ q_i, q with
+c_1..c_{i-1} removed and renormalised (sequential sampling without replacement, as
+:func:`draw_without_replacement` draws them). Recursive rejection
+keeps a state s, initially p:
+
+    for i = 1..m: accept c_i with probability min(1, s(c_i) / q_i(c_i)); stop if accepted
+                  otherwise s = norm((s - q_i)+)
+    if none was accepted: emit y ~ s
+
+Each step is speculative sampling of s with proposal q_i, whose output law is s; by induction
+from the last step the emitted token's law is p at every node, whatever the number of
+candidates (even one chosen from the earlier candidates). So the behaviour log-prob is
+log p(y), as in a lossless chain. Where (s - q_i)+ is empty, s = q_i and the rejection had
+probability 0; s is then kept (a float rounding case).
+
+Only rules that induce the target exactly (``lossless``) take sampled candidates: a lossy
+rule's law over such a node would be a sum over every candidate draw, which no rule of this
+package specifies.
+
+Randomness, in this fixed order from ``generator``: ``u_accept = torch.rand(N, m)`` (c_i is
+accepted iff u_accept[n, i] < its acceptance), then ``u_final = torch.rand(N)`` (the
+fallback by inverse CDF), as in :func:`verifiers.verify_candidates`.
+
+Backends: on the CPU both functions run fused in C++ (:mod:`.native`, ``csrc/sampled.cpp``:
+the same procedure on the same uniforms); the PyTorch code below serves other devices and is
+the fallback.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from . import native
+from .checks import check_candidate_inputs, check_generator, raise_if_bad_rows
+from .induced import checked_softmax
+from .processing import draft_logits as scale_draft, process_logits, sample_inverse_cdf
+from .results import CandidateResult, empty_candidate_result
+
+SAMPLED_RULES = ("lossless",)
+
+
+def draw_without_replacement(logits: Tensor, m: int, temperature: float, generator: torch.Generator) -> Tensor:
+    """``m`` ids per row of draft logits ``[..., Vd]`` drawn from q = softmax(logits / T)
+    without replacement, in draw order: draw i picks by inverse CDF (:func:`sample_inverse_cdf`,
+    one float64 uniform per row, ``u = rand(m, rows)`` from ``generator``) from q with the
+    earlier draws removed. Ids with q = 0 are never drawn: where fewer than m have q > 0 the
+    tail is -1. Fused in C++ on the CPU (:mod:`.native`, the same uniforms and procedure)."""
+    if temperature <= 0:
+        raise ValueError("sampled candidates need temperature > 0 (at T = 0 draft the top-k)")
+    rows = logits.reshape(-1, logits.shape[-1])
+    u = torch.rand(m, rows.shape[0], generator=generator, dtype=torch.float64, device=logits.device)
+    if logits.device.type == "cpu" and native.enabled():
+        try:
+            ids = native.draw_sampled_native(rows, u, temperature)
+        except native.NativeError as err:
+            raise_if_bad_rows("draft logits", rows, torch.where(err.bad_rows.bool(), float("nan"), 0.0), temperature)
+            raise AssertionError("the C++ sampler flagged a bad row that has none") from None
+        return ids.view(*logits.shape[:-1], m)
+    rest = checked_softmax("draft logits", rows, scale_draft(rows, temperature))
+    ids = []
+    for i in range(m):
+        left = rest.sum(-1) > 0
+        pick = torch.where(left, sample_inverse_cdf(rest, u[i]).clamp_(max=rest.shape[-1] - 1), -1)
+        rest.scatter_(1, pick.clamp(min=0)[:, None], 0.0)
+        ids.append(pick)
+    return torch.stack(ids, -1).view(*logits.shape[:-1], m)
+
+
+def _check_draft(draft_logits: Tensor, target_logits: Tensor) -> None:
+    if not isinstance(draft_logits, Tensor) or not draft_logits.is_floating_point():
+        raise ValueError(f"draft_logits must be a float tensor, got {type(draft_logits).__name__}")
+    if draft_logits.shape != target_logits.shape:
+        raise ValueError(f"draft_logits shape {list(draft_logits.shape)} does not match target_logits shape "
+                         f"{list(target_logits.shape)} (both [N, V], over the target vocabulary)")
+    if draft_logits.device != target_logits.device:
+        raise ValueError(f"draft_logits is on {draft_logits.device} but target_logits is on {target_logits.device}")
+
+
+def _recursive_rejection(p: Tensor, q: Tensor, cands: Tensor, u_accept: Tensor) -> tuple[Tensor, Tensor]:
+    """The recursion over all nodes at once: (accepted index [N] or -1, final state s [N, V])."""
+    n, m = cands.shape
+    s, rest = p.clone(), q.clone()  # rest: q with the candidates drawn so far removed
+    index = torch.full((n,), -1, dtype=torch.long, device=p.device)
+    live = torch.ones(n, dtype=torch.bool, device=p.device)
+    for i in range(m):
+        c = cands[:, i]
+        here = live & (c >= 0)
+        if not bool(here.any()):
+            break
+        col = c.clamp(min=0)[:, None]
+        q_i = rest / rest.sum(-1, keepdim=True)
+        q_c = q_i.gather(1, col)[:, 0]
+        ratio = s.gather(1, col)[:, 0] / q_c.clamp(min=torch.finfo(q_c.dtype).tiny)
+        accept = here & (u_accept[:, i] < ratio)
+        index = torch.where(accept, i, index)
+        reject = here & ~accept
+        live &= ~accept
+        if bool(reject.any()):
+            r = (s - q_i).clamp_(min=0)
+            mass = r.sum(-1, keepdim=True)
+            s = torch.where(reject[:, None] & (mass > 0), r / mass.clamp(min=torch.finfo(r.dtype).tiny), s)
+        rest.scatter_(1, col, torch.where(here[:, None], 0.0, rest.gather(1, col)))
+    return index, s
+
+
+def _zero_q_error(q: Tensor, cands: Tensor) -> ValueError:
+    zero = (cands >= 0) & (q.gather(1, cands.clamp(min=0)) <= 0)
+    row, i = (int(x) for x in zero.nonzero()[0])
+    return ValueError(f"candidates row {row}, position {i}: token {int(cands[row, i])} has draft "
+                      "probability 0 (sampled candidates must be drawn from q)")
+
+
+def _native(raw, draft, cands, u_accept, u_final, temperature, top_k, top_p) -> CandidateResult:
+    """The fused C++ verifier on the same uniforms."""
+    if top_k is not None or top_p is not None:  # truncate here; the kernel then uses T = 1
+        z, zd, t = process_logits(raw, temperature, top_k, top_p), scale_draft(draft, temperature), 1.0
+    else:
+        z, zd, t = raw, draft, temperature
+    try:
+        tokens, index, logp = native.verify_sampled_native(z, zd, cands, u_accept, u_final, t)
+    except native.NativeError as err:
+        if err.status == 4:
+            raise _zero_q_error(torch.softmax(scale_draft(draft, temperature), -1), cands) from None
+        name, rows = ("target_logits", raw) if err.status == 1 else ("draft_logits", draft)
+        raise_if_bad_rows(name, rows, torch.where(err.bad_rows.bool(), float("nan"), 0.0), temperature)
+        raise AssertionError("the C++ verifier flagged a bad row that has none") from None
+    return CandidateResult(tokens, index, logp, logp.clone(), torch.zeros(len(tokens), dtype=torch.bool))
+
+
+def verify_sampled_candidates(rule, target_logits: Tensor, draft_logits: Tensor, candidates: Tensor, *,
+                              temperature: float, top_k: int | None = None, top_p: float | None = None,
+                              generator: torch.Generator | None) -> CandidateResult:
+    """Verify N nodes: ``target_logits [N, V]``, ``draft_logits [N, V]`` (the drafter's logits the
+    candidates were drawn from, over the target vocabulary, -inf outside the draft vocabulary;
+    q = softmax(draft_logits / T)), ``candidates [N, m]`` in draw order (-1 padded, distinct).
+    The emitted token's law is p; its behaviour and target log-probs are both log p(y)."""
+    name = getattr(rule, "name", type(rule).__name__)
+    if name not in SAMPLED_RULES:
+        raise ValueError(f"verifier {name!r} cannot verify sampled candidates: only {', '.join(SAMPLED_RULES)} "
+                         "(a lossy rule's law over a sampled tree node is not specified; use its chain or "
+                         "top-k tree)")
+    if temperature == 0:
+        raise ValueError("sampled candidates need temperature > 0 (at T = 0 draft the top-k)")
+    n, m, _ = check_candidate_inputs(rule, target_logits, candidates, temperature, top_k, top_p)
+    _check_draft(draft_logits, target_logits)
+    check_generator(generator, temperature, target_logits.device)
+    if n == 0:
+        return empty_candidate_result(target_logits.device, False)
+    cands = candidates.long()
+    dev = target_logits.device
+    with torch.no_grad():
+        u_accept = torch.rand(n, m, generator=generator, device=dev)
+        u_final = torch.rand(n, generator=generator, device=dev)
+        if dev.type == "cpu" and native.enabled():
+            return _native(target_logits, draft_logits, cands, u_accept, u_final, temperature, top_k, top_p)
+        z = process_logits(target_logits, temperature, top_k, top_p)
+        p = checked_softmax("target_logits", target_logits, z, temperature)
+        zq = scale_draft(draft_logits, temperature)
+        q = checked_softmax("draft_logits", draft_logits, zq, temperature)
+        if bool(((cands >= 0) & (q.gather(1, cands.clamp(min=0)) <= 0)).any()):
+            raise _zero_q_error(q, cands)
+        index, s = _recursive_rejection(p, q, cands, u_accept)
+        fallback = sample_inverse_cdf(s, u_final).clamp_(max=p.shape[-1] - 1)
+        tokens = torch.where(index >= 0, cands.gather(1, index.clamp(min=0)[:, None])[:, 0], fallback)
+        logp = p.gather(1, tokens[:, None])[:, 0].log().float()
+    return CandidateResult(tokens, index, logp, logp.clone(), torch.zeros(n, dtype=torch.bool, device=dev))
