@@ -190,6 +190,20 @@ class VerifierConfig:
             raise ConfigError("params", str(err)) from None
 
 
+def tree_spec(text: str, **fields) -> SpecConfig:
+    """A tree SpecConfig from ``"depth,top_k,total_tokens"``; an ``s`` in front (``"s6,3,10"``)
+    makes it a tree of sampled candidates (the scripts' ``--tree`` flags)."""
+    body = text.strip()
+    sampled = body.startswith("s")
+    try:
+        depth, top_k, total = (int(x) for x in body.lstrip("s").split(","))
+    except ValueError:
+        raise ValueError(f"tree {text!r}: expected depth,top_k,total_tokens (e.g. 4,3,8, or s4,2,5 for "
+                         "sampled candidates)") from None
+    return SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total,
+                      tree_candidates="sampled" if sampled else "top_k", **fields)
+
+
 def check_pair(spec: SpecConfig, verifier: VerifierConfig) -> None:
     """Raise ConfigError for a speculation + verifier pair that cannot run together."""
     from verifiers.sampled import SAMPLED_RULES

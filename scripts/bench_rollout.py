@@ -83,7 +83,7 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.config import ConfigError  # noqa: E402
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, tree_spec  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
 from rollout.sampled_tree import draft_steps, sampled_shape  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
@@ -226,11 +226,10 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
             specs += [SpecConfig(mode="chain", num_draft_tokens=int(k), draft_sampling=args.draft_sampling)
                       for k in args.chain_k.split(",")]
         elif mode == "tree":
-            for shape in args.tree.split(";"):
-                sampled = shape.strip().startswith("s")
-                depth, top_k, total = (int(x) for x in shape.strip().lstrip("s").split(","))
-                specs.append(SpecConfig(mode="tree", depth=depth, top_k=top_k, total_tokens=total,
-                                        tree_candidates="sampled" if sampled else "top_k"))
+            try:
+                specs += [tree_spec(shape) for shape in args.tree.split(";")]
+            except (ValueError, ConfigError) as err:
+                raise SystemExit(f"--tree: {err}") from None
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
     caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]

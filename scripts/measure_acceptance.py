@@ -1,6 +1,7 @@
 """Measure a draft head's acceptance length tau on the engine (``rollout.engine``).
 
     python -m scripts.measure_acceptance [--head rollout/heads/smollm2-135m-eagle3] [--n-arith 16] [--n-general 8]
+        [--tree "s6,3,10;6,2,10"]
 
 tau = tokens emitted per row per verifying target forward (accepted drafts + the recovered
 or bonus token; the engine's ``Timings.tau``: ``emitted / row_rounds``, reported as
@@ -8,6 +9,11 @@ or bonus token; the engine's ``Timings.tau``: ``emitted / row_rounds``, reported
 drafts at T = 1 (x ~ q) and greedy drafts at T = 0. The same engine runs the trivial
 drafter (repeat the last token, q one-hot) for comparison, and the script times one draft
 step against one target decoding step at batch 1 (``rollout.timing``).
+
+``--tree`` adds trees on the same prompts (``depth,top_k,total_tokens``; an ``s`` in front
+drafts sampled candidates, ``rollout.sampled_tree``, measured at T = 1 only; top-k trees at
+T = 1 and T = 0), lossless, on the same prompts and seeds as the chain (``--seeds N``: N calls
+per set and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chain's.
 """
 
 from __future__ import annotations
@@ -21,11 +27,12 @@ import torch
 from torch import nn
 
 from rollout.chat import chat_ids
+from rollout.config import ConfigError
 from rollout.eagle3 import DraftOutput, default_head_path, load_eagle3
 from rollout.engine import Engine
 from rollout.models import load_embedded_target
 from rollout.outputs import Timings
-from rollout.params import SamplingParams, SpecConfig
+from rollout.params import SamplingParams, SpecConfig, tree_spec
 from rollout.timing import step_costs
 from trainers.tasks.general import heldout_prompts
 
@@ -62,15 +69,38 @@ def held_out_prompts(tok, n_arith: int, n_general: int, seed: int = 1234) -> dic
 
 
 def measure(target, head, prompts: list[list[int]], *, k: int, temperature: float, max_new_tokens: int,
-            seed: int) -> Timings:
-    """The engine's counters over one call on ``prompts`` (head None: the trivial drafter)."""
+            seed: int, spec: SpecConfig | None = None) -> Timings:
+    """The engine's counters over one call on ``prompts`` (head None: the trivial drafter);
+    ``spec`` None: the chain of ``k`` drafts."""
     eos = target.config.eos_token_id
     eos = int(eos[0] if isinstance(eos, list) else eos)
     engine = Engine(target, head if head is not None else RepeatLastDraft(target.vocab_size),
                     num_threads=torch.get_num_threads())
-    spec = SpecConfig(mode="chain", num_draft_tokens=k, draft_sampling="sampled" if temperature > 0 else "greedy")
+    if spec is None:
+        spec = SpecConfig(mode="chain", num_draft_tokens=k, draft_sampling="sampled" if temperature > 0 else "greedy")
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(eos,))
     return engine.generate(prompts, sampling, spec, seed=seed).timings
+
+
+def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *, max_new_tokens: int,
+                  seed: int, seeds: int) -> dict:
+    """tau of each ``--tree`` config on each prompt set (summed over ``seeds`` calls from ``seed``)."""
+    report = {}
+    for text in (t for t in trees.split(";") if t.strip()):
+        spec = tree_spec(text)
+        temps = (1.0,) if spec.tree_candidates == "sampled" else (1.0, 0.0)
+        for kind, prompts in sets.items():
+            for temperature in temps:
+                t0, emitted, rounds = time.time(), 0, 0
+                for call_seed in range(seed, seed + seeds):
+                    s = measure(target, head, prompts, k=0, temperature=temperature, max_new_tokens=max_new_tokens,
+                                seed=call_seed, spec=spec)
+                    emitted, rounds = emitted + s.emitted, rounds + s.row_rounds
+                key = f"{kind}/T={temperature:g}/tree {text.strip()}"
+                report[key] = {"tau": round(emitted / rounds, 3), "emitted": emitted, "forwards": rounds,
+                               "seconds": round(time.time() - t0, 1)}
+                print(key, report[key], flush=True)
+    return report
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -82,7 +112,14 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-trivial", action="store_true", help="skip the repeat-last-token baseline")
+    ap.add_argument("--tree", default="", help="trees to measure too (';' list of depth,top_k,total_tokens; "
+                    "'s' in front: sampled candidates)")
+    ap.add_argument("--seeds", type=int, default=1, help="calls per set and mode (seeds 0..N-1)")
     args = ap.parse_args(argv)
+    try:
+        [tree_spec(t) for t in args.tree.split(";") if t.strip()]
+    except (ValueError, ConfigError) as err:
+        ap.error(f"--tree: {err}")
     target, tok = load_embedded_target()
     head = load_eagle3(args.head, target)
     sets = held_out_prompts(tok, args.n_arith, args.n_general)
@@ -92,13 +129,18 @@ def main(argv: list[str] | None = None) -> dict:
             for name, h in (("eagle3", head), ("trivial", None)):
                 if name == "trivial" and args.no_trivial:
                     continue
-                t0 = time.time()
-                s = measure(target, h, prompts, k=args.k, temperature=temperature,
-                            max_new_tokens=args.max_new_tokens, seed=args.seed)
+                t0, emitted, rounds = time.time(), 0, 0
+                for seed in range(args.seed, args.seed + args.seeds):
+                    s = measure(target, h, prompts, k=args.k, temperature=temperature,
+                                max_new_tokens=args.max_new_tokens, seed=seed)
+                    emitted, rounds = emitted + s.emitted, rounds + s.row_rounds
                 key = f"{kind}/T={temperature:g}/{name}"
-                report[key] = {"tau": round(s.tau, 3), "emitted": s.emitted, "forwards": s.row_rounds,
+                report[key] = {"tau": round(emitted / rounds, 3), "emitted": emitted, "forwards": rounds,
                                "seconds": round(time.time() - t0, 1)}
                 print(key, report[key], flush=True)
+    if args.tree:
+        report.update(measure_trees(target, head, sets, args.tree, max_new_tokens=args.max_new_tokens,
+                                    seed=args.seed, seeds=args.seeds))
     costs = step_costs(Engine(target, head, num_threads=torch.get_num_threads()), sets["arithmetic"][:1], [1], 20)
     report["step_costs"] = {"draft_step_s": costs["draft"], "target_step_s": costs[1],
                             "ratio": costs["draft"] / costs[1]}

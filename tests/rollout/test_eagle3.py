@@ -216,6 +216,25 @@ def test_measured_drafters_are_lossless_at_t0(use_head):
         assert t.row_rounds >= 2 and 1.0 <= t.tau <= 4.0
 
 
+def test_measure_trees_reports_each_tree_per_set_and_temperature():
+    """measure_acceptance --tree: sampled trees at T = 1 only, top-k trees at T = 1 and 0, the
+    engine's counters summed over the seeds; a bad tree exits naming the flag."""
+    from scripts.measure_acceptance import main, measure_trees
+
+    target = tiny_target()
+    head, _ = make_head(target, vd=V)
+    sets = {"a": [[5, 9, 3, 7]], "b": [[4, 8], [11, 6, 2]]}
+    report = measure_trees(target, head, sets, "s3,2,4;2,2,3", max_new_tokens=8, seed=0, seeds=2)
+    assert set(report) == {"a/T=1/tree s3,2,4", "b/T=1/tree s3,2,4", "a/T=1/tree 2,2,3", "a/T=0/tree 2,2,3",
+                           "b/T=1/tree 2,2,3", "b/T=0/tree 2,2,3"}
+    for key, r in report.items():
+        rows = len(sets[key[0]])
+        assert r["emitted"] >= 2 * rows * 7  # two seeds; every row runs to max_new_tokens (after its first token)
+        assert r["tau"] == round(r["emitted"] / r["forwards"], 3) and 1.0 <= r["tau"] <= 4.0
+    with pytest.raises(SystemExit):
+        main(["--tree", "s3,2"])
+
+
 @pytest.mark.slow
 def test_shipped_head_loads_and_beats_trivial_drafter():
     from rollout.eagle3 import default_head_path
