@@ -39,7 +39,7 @@ from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_pair
 from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner, sample_draft
-from rollout.sampled_tree import Shape, draft_sampled_tree, draft_steps, sampled_shape
+from rollout.sampled_tree import ShapePlanner, draft_sampled_tree, draft_steps
 from rollout.sequences import RoundOutput, SequenceTable
 from rollout.tree import chain_tree, draft_tree, root_tree, walk
 from verifiers import verify_chain
@@ -67,7 +67,7 @@ class _Call:
     record: list = field(default_factory=list)
     planner: RoundPlanner | None = None
     drafted_last: bool = False  # the previous round drafted (else the next draft catches up)
-    shape: Shape | None = None  # a sampled tree's shape (spec.tree_candidates 'sampled', T > 0)
+    shapes: ShapePlanner | None = None  # sampled trees' shapes (spec.tree_candidates 'sampled', T > 0)
 
     @property
     def verify_kw(self) -> dict:
@@ -127,7 +127,7 @@ class Engine:
                      timings=Timings(), debug=[] if debug else None,
                      planner=self.planner(spec, verifier, sampling) if spec.auto else None)
         if spec.mode == "tree" and spec.tree_candidates == "sampled" and sampling.temperature > 0:
-            call.shape = sampled_shape(spec.total_tokens, spec.depth, spec.top_k)
+            call.shapes = ShapePlanner(spec.total_tokens, spec.depth, spec.top_k)
         with torch.inference_mode(), self.linear_routing(head):
             self._prefill(call, prompts, max(budgets))
             call.timings.setup_s = time.perf_counter() - start
@@ -221,9 +221,10 @@ class Engine:
         elif spec.mode == "chain":
             drafts, _ = self._draft_chain(call, k)
             tree = chain_tree(runner.pending, runner.draft_ids[drafts])
-        elif call.shape is not None:
-            tree = draft_sampled_tree(runner, runner.pending, call.shape, call.sampling.temperature, call.generator)
-            call.timings.draft_forwards += draft_steps(call.shape)
+        elif call.shapes is not None:
+            tree = draft_sampled_tree(runner, runner.pending, call.shapes.shape, call.sampling.temperature,
+                                      call.generator)
+            call.timings.draft_forwards += draft_steps(call.shapes.shape)
         else:
             tree = draft_tree(runner, runner.pending, spec.depth, spec.top_k, spec.total_tokens)
             call.timings.draft_forwards += spec.depth
@@ -233,6 +234,8 @@ class Engine:
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
         host = res.num_emitted.tolist()
+        if drafting and call.shapes is not None:
+            call.shapes.observe(res.path, host)
         path = None if tree.mask is None or _is_prefix(res.path, host) else res.path
         runner.commit(res.num_emitted, host, res.tokens.clamp(min=0), feats, path)
         self._finish_round(call, res)

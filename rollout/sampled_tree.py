@@ -10,10 +10,12 @@ before drafting, the same in every row and round.
 
 The shape keeps the ``total_tokens`` rank paths (r_1, ..., r_d) of largest value
 prod_i rho[r_i], where rho[r] is the chance that the candidate of rank r is the one accepted at
-a node (default :data:`RANK_ACCEPT`: the shipped head's at T = 1, measured on held-out
-prompts: 0.58 for the first candidate, 0.09 more for a second, 0.05 for a third). With
-rho[r] < 1 decreasing in r, the kept set holds every kept node's parent and lower-ranked
-siblings. At most ``depth`` levels and ``top_k`` children per node.
+a node. With rho[r] < 1 decreasing in r, the kept set holds every kept node's parent and
+lower-ranked siblings. At most ``depth`` levels and ``top_k`` children per node. A call starts
+from :data:`RANK_ACCEPT` (the shipped head's rates at T = 1 on held-out prompts: 0.58 for the
+first candidate, 0.09 more for a second, 0.05 for a third) and :class:`ShapePlanner` re-plans
+the shape from the rates its rounds measured (another head or temperature has other rates).
+A round's shape depends only on earlier rounds, so the law at each node stays p.
 
 Drafting runs one head step per level: the root's step gives the first level's q, and the
 nodes of level l that have children run in one step at level l (each sees its ancestors'
@@ -33,6 +35,8 @@ from verifiers.sampled import draw_without_replacement
 from .tree import Tree, _ancestor_mask, _children
 
 RANK_ACCEPT = (0.58, 0.09, 0.05, 0.03, 0.02)
+PRIOR_TRIALS = 50.0  # weight of RANK_ACCEPT in the measured rates, in nodes
+REPLAN_ROUNDS = 8  # rounds between re-plans
 
 
 @dataclass(frozen=True)
@@ -60,6 +64,15 @@ class Shape:
     @property
     def top_k(self) -> int:
         return max(len(k) for k in self.children)
+
+    @cached_property
+    def ranks(self) -> tuple[int, ...]:
+        """Each node's rank among its siblings (the root: 0)."""
+        out = [0] * self.size
+        for kids in self.children:
+            for r, node in enumerate(kids):
+                out[node] = r
+        return tuple(out)
 
     def expanded(self, level: int) -> list[int]:
         """Nodes at ``level`` that have children (one head step drafts them all)."""
@@ -130,6 +143,45 @@ def draft_sampled_tree(runner, root: torch.Tensor, shape: Shape, temperature: fl
                 depths=torch.tensor(shape.depths, device=dev)[None], children=_children(parents, shape.top_k),
                 mask=anc[None].expand(b, -1, -1), max_depth=shape.max_depth, draft_logits=node_logits,
                 to_target=runner.head.to_target_logits)
+
+
+class ShapePlanner:
+    """A call's sampled-tree shape, re-planned every :data:`REPLAN_ROUNDS` rounds from the
+    acceptance measured so far: per rank r, ``trials[r]`` counts the nodes the walk reached that
+    had a rank-r candidate and ``accepts[r]`` those where it was the one accepted. The rates
+    (accepts + PRIOR_TRIALS x RANK_ACCEPT) / (trials + PRIOR_TRIALS), made non-increasing in r,
+    replace RANK_ACCEPT in :func:`sampled_shape`."""
+
+    def __init__(self, total_tokens: int, depth: int, top_k: int):
+        self.total_tokens, self.depth, self.top_k = total_tokens, depth, top_k
+        self.trials = [0.0] * top_k
+        self.accepts = [0.0] * top_k
+        self.rounds = 0
+        self.shape = sampled_shape(total_tokens, depth, top_k)
+
+    def rates(self) -> tuple[float, ...]:
+        prior = [RANK_ACCEPT[min(r, len(RANK_ACCEPT) - 1)] for r in range(self.top_k)]
+        out, ceiling = [], 0.99
+        for r in range(self.top_k):
+            rate = (self.accepts[r] + PRIOR_TRIALS * prior[r]) / (self.trials[r] + PRIOR_TRIALS)
+            ceiling = min(ceiling, max(rate, 1e-3))
+            out.append(ceiling)
+        return tuple(out)
+
+    def observe(self, path: torch.Tensor, counts: list[int]) -> None:
+        """Count one round of the current shape: ``path [B, W]`` the nodes whose outputs each row
+        used (``WalkResult.path``), ``counts`` the tokens each row emitted."""
+        shape = self.shape
+        for row, n in zip(path.tolist(), counts):
+            for level in range(n):
+                kids = shape.children[row[level]]
+                for r in range(len(kids)):
+                    self.trials[r] += 1
+                if level + 1 < n:
+                    self.accepts[shape.ranks[row[level + 1]]] += 1
+        self.rounds += 1
+        if self.rounds % REPLAN_ROUNDS == 0:
+            self.shape = sampled_shape(self.total_tokens, self.depth, self.top_k, self.rates())
 
 
 def draft_steps(shape: Shape) -> int:

@@ -41,7 +41,8 @@ the throughput is, not in one moment before it). A speculative
 configuration with the measured tau can then at best run at
 ``bound = tau x T(1) / (T(n) + steps x T_draft)`` times our autoregressive mode (chain:
 n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft levels
-counted as single-token steps, so its bound is optimistic). ``of bound`` = achieved
+counted as single-token steps, so its bound is optimistic; a sampled tree: the head steps its
+drafting rounds ran on average, as its shape is re-planned during a call). ``of bound`` = achieved
 speedup / bound shows how far the engine (verifier, bookkeeping, Python) is from its own
 cost model. Rows whose draft length varies per round (``max_batch: auto``) have no bound.
 ``paired vs AR``: the median (and range) over the batches of prompts of a row's tokens/s against
@@ -85,7 +86,6 @@ from rollout.models import load_embedded_target  # noqa: E402
 from rollout.config import ConfigError  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, tree_spec  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
-from rollout.sampled_tree import draft_steps, sampled_shape  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from trainers.drift.study import parse_verifier, verifier_label  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
@@ -202,7 +202,8 @@ def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, s
     with contextlib.nullcontext() if backend is None else native.forced(backend == "native"):
         t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
     return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
-            "draft_s": t.draft_s, "verify_s": t.verify_s, "other_s": t.other_s, "setup_s": t.setup_s}
+            "draft_s": t.draft_s, "verify_s": t.verify_s, "other_s": t.other_s, "setup_s": t.setup_s,
+            "draft_forwards": t.draft_forwards, "draft_rounds": t.rounds - t.plain_rounds}
 
 
 def run_config(config: tuple, target, engine: Engine, group: list[list[int]], sampling, pad_id: int,
@@ -291,14 +292,15 @@ def run_order(n: int, i: int, order: str) -> list[int]:
     return [*range(start, n), *range(start)]
 
 
-def bound(spec: SpecConfig | None, tau: float, costs: dict) -> float | None:
-    """tau x T(1) / (T(n) + steps x T_draft) (see the module docstring); None without one."""
+def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None = None) -> float | None:
+    """tau x T(1) / (T(n) + steps x T_draft) (see the module docstring); None without one.
+    ``steps``: the head steps a drafting round ran on average (a sampled tree's shape is
+    re-planned during a call); None: the config's own (K, or the depth)."""
     if spec is None or not spec.speculative or spec.auto or "draft" not in costs:
         return None
-    n, steps = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
+    n, fixed = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
         (spec.total_tokens + 1, spec.depth)
-    if spec.mode == "tree" and spec.tree_candidates == "sampled":
-        steps = draft_steps(sampled_shape(spec.total_tokens, spec.depth, spec.top_k))
+    steps = fixed if steps is None else steps
     return tau * costs[1] / (costs[n] + steps * costs["draft"])
 
 
@@ -370,6 +372,9 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         for (mode, vname, spec, _, backend), tot, mine_calls in zip(configs, totals, calls):
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
+            forwards, rounds = row.pop("draft_forwards", 0), row.pop("draft_rounds", 0)
+            sampled = spec is not None and spec.mode == "tree" and spec.tree_candidates == "sampled"
+            steps = forwards / rounds if sampled and rounds else None
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
             row["tokens_per_s"] = speeds[(mode, vname)]
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar
@@ -383,7 +388,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["paired_vs_ar"] = {"median": median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
-            row["bound"] = bound(spec, row["tau"], costs) if backend not in SWITCHES else None
+            row["bound"] = bound(spec, row["tau"], costs, steps) if backend not in SWITCHES else None
             row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
             mine = decode.get((mode, vname))
             row["decode_tokens_per_s"] = mine

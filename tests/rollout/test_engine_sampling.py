@@ -177,3 +177,25 @@ def test_target_logprobs_match_a_cache_free_forward(models, name):
         ref = lp.gather(1, torch.tensor(comp.completion_ids)[:, None])[:, 0]
         assert comp.target_logprobs == pytest.approx(ref.tolist(), abs=2e-4)
         assert comp.behaviour_logprobs == pytest.approx(ref.tolist(), abs=2e-4)
+
+
+def test_a_sampled_tree_replanned_every_round_stays_lossless(small, monkeypatch):
+    """The shape of a sampled tree re-planned after every round from the rates measured so far
+    (a tiny prior: it does change) keeps the target's law: a round's shape depends only on the
+    rounds before it."""
+    from rollout import sampled_tree
+
+    monkeypatch.setattr(sampled_tree, "REPLAN_ROUNDS", 1)
+    monkeypatch.setattr(sampled_tree, "PRIOR_TRIALS", 1.0)
+    shapes = []
+    replan = sampled_tree.sampled_shape
+    monkeypatch.setattr(sampled_tree, "sampled_shape", lambda *a, **kw: shapes.append(replan(*a, **kw)) or shapes[-1])
+    target, head = small
+    prompt, rows, v = [1, 5, 2, 7], 1500, target.vocab_size
+    spec = SpecConfig(mode="tree", depth=2, top_k=3, total_tokens=4, tree_candidates="sampled")
+    res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=4), spec, seed=17)
+    assert len({s.parents for s in shapes}) > 1, "the shape should change during the call"
+    ys = torch.tensor([c.completion_ids for c in res.completions])
+    law = exact_three_token_law(target, prompt)
+    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3

@@ -88,3 +88,41 @@ def _is_ancestor(shape: Shape, a: int, node: int) -> bool:
         if node == a:
             return True
     return False
+
+
+def test_shape_planner_counts_trials_and_accepts_by_rank():
+    """observe: every node a row's walk reached counts a trial for each of its candidates' ranks;
+    the node the walk moved to counts an acceptance for its rank."""
+    from rollout.sampled_tree import ShapePlanner
+
+    planner = ShapePlanner(5, 4, 2)
+    shape = planner.shape
+    second = shape.children[0][1]  # the root's rank-1 child
+    spine1 = shape.children[0][0]
+    # row 0: root -> its second child, then a recovered token there (2 tokens);
+    # row 1: root -> first child -> recovered (2 tokens); row 2: nothing accepted (1 token)
+    path = torch.tensor([[0, second, 0, 0, 0], [0, spine1, 0, 0, 0], [0, 0, 0, 0, 0]])
+    planner.observe(path, [2, 2, 1])
+    kids = [len(shape.children[v]) for v in (0, second, 0, spine1, 0)]
+    assert planner.trials == [sum(k > 0 for k in kids), sum(k > 1 for k in kids)]
+    assert planner.accepts == [1.0, 1.0]
+
+
+def test_shape_planner_replans_from_measured_rates(monkeypatch):
+    """A head whose second candidates are never accepted gets a chain after enough rounds; one
+    whose first candidates always are gets the deepest spine; rates never increase with rank."""
+    from rollout import sampled_tree
+    from rollout.sampled_tree import ShapePlanner
+
+    planner = ShapePlanner(6, 6, 3)
+    assert len(planner.shape.children[0]) > 1  # the default rates give the root siblings
+    for _ in range(sampled_tree.REPLAN_ROUNDS * 10):  # every round: the current shape's spine accepted
+        spine = [0]
+        while planner.shape.children[spine[-1]]:
+            spine.append(planner.shape.children[spine[-1]][0])
+        planner.observe(torch.tensor([spine + [0] * (8 - len(spine))]), [len(spine)])
+    rates = planner.rates()
+    # (once the shape is a chain no node tries a second candidate: that rate stops moving)
+    assert rates[0] > 0.9 and rates[1] < sampled_tree.RANK_ACCEPT[1] and list(rates) == sorted(rates, reverse=True)
+    assert planner.shape.parents == sampled_shape(6, 6, 1).parents  # a chain of 6
+    assert planner.rounds == sampled_tree.REPLAN_ROUNDS * 10
