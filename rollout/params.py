@@ -77,9 +77,9 @@ class SpecConfig:
     total_tokens: drafted tree nodes verified per round (the root is extra).
     tree_candidates: a tree node's children are the head's ``top_k`` tokens (deterministic
         candidates, any verifier; the EAGLE-2 dynamic tree) or ``sampled`` from q without
-        replacement (lossless verifier only; a fixed shape of ``total_tokens`` nodes, at most
-        ``depth`` deep and ``top_k`` wide, ``rollout.sampled_tree``). At T = 0 a sampled tree
-        drafts the top-k tree instead.
+        replacement (lossless verifier only; a shape of ``total_tokens`` nodes, at most ``depth``
+        deep and ``top_k`` wide, re-planned during a call from the acceptance it measured,
+        ``rollout.sampled_tree``). At T = 0 a sampled tree drafts the top-k tree instead.
     max_batch: draft only in rounds with at most this many unfinished rows; rounds over
         larger batches decode one plain token per row (the draft catches up on those tokens
         when drafting resumes). On a CPU a forward's cost grows with its tokens once the

@@ -216,6 +216,14 @@ def main() -> None:
 
 
 
+def _node_buffers(cands: Tensor, u_accept: Tensor, u_final: Tensor) -> tuple[Tensor, ...]:
+    """A node kernel's contiguous inputs (candidates, uniforms) and its per-node outputs (tokens,
+    accepted index, bad-row flags)."""
+    n = cands.shape[0]
+    return (cands.long().contiguous(), u_accept.float().contiguous(), u_final.float().contiguous(),
+            torch.empty(n, dtype=torch.long), torch.empty(n, dtype=torch.long), torch.zeros(n, dtype=torch.uint8))
+
+
 def verify_candidates_native(rule, z_target: Tensor, cands: Tensor, u_accept: Tensor, u_final: Tensor,
                              temperature: float) -> CandidateResult:
     """One fused call for N nodes: z_target [N, V] float32 logits (divided by ``temperature``
@@ -224,14 +232,10 @@ def verify_candidates_native(rule, z_target: Tensor, cands: Tensor, u_accept: Te
     n, v = z_target.shape
     m = cands.shape[1]
     zt = z_target.float().contiguous()
-    cs = cands.long().contiguous()
-    ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
-    tokens = torch.empty(n, dtype=torch.long)
-    index = torch.empty(n, dtype=torch.long)
+    cs, ua, uf, tokens, index, bad_rows = _node_buffers(cands, u_accept, u_final)
     behaviour = torch.empty(n, dtype=torch.float32)
     target_lp = torch.empty(n, dtype=torch.float32)
     relaxed = torch.empty(n, dtype=torch.bool)
-    bad_rows = torch.zeros(n, dtype=torch.uint8)
     status = lib.hr_verify_candidates(zt.data_ptr(), cs.data_ptr(), ua.data_ptr(), uf.data_ptr(), n, m, v,
                                       float(temperature), ctypes.byref(params(rule)), tokens.data_ptr(),
                                       index.data_ptr(), behaviour.data_ptr(), target_lp.data_ptr(),
@@ -265,12 +269,8 @@ def verify_sampled_native(z_target: Tensor, z_draft: Tensor, cands: Tensor, u_ac
     n, v = z_target.shape
     m = cands.shape[1]
     zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
-    cs = cands.long().contiguous()
-    ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
-    tokens = torch.empty(n, dtype=torch.long)
-    index = torch.empty(n, dtype=torch.long)
+    cs, ua, uf, tokens, index, bad_rows = _node_buffers(cands, u_accept, u_final)
     logp = torch.empty(n, dtype=torch.float32)
-    bad_rows = torch.zeros(n, dtype=torch.uint8)
     status = lib.hr_verify_sampled(zt.data_ptr(), zd.data_ptr(), cs.data_ptr(), ua.data_ptr(), uf.data_ptr(), n, m,
                                    v, float(temperature), tokens.data_ptr(), index.data_ptr(), logp.data_ptr(),
                                    bad_rows.data_ptr())

@@ -33,6 +33,7 @@ from typing import Any
 from rollout.config import ConfigError, check_int
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from verifiers import TruncationSampling
+from verifiers.sampled import SAMPLED_RULES
 
 SOURCES = ("tasks", "jsonl", "general")
 MODES = ("chain", "tree")
@@ -147,6 +148,11 @@ class DriftConfig:
         object.__setattr__(self, "difficulties", diffs)
         object.__setattr__(self, "modes", tuple(dict.fromkeys(modes)))
         object.__setattr__(self, "verifiers", self._parsed_verifiers())
+        lossy = [v for v in self.verifiers if v.split(":")[0] not in SAMPLED_RULES]
+        if "tree" in self.modes and self.tree.tree_candidates == "sampled" and lossy:
+            raise ConfigError("tree.tree_candidates", f"'sampled' trees are verified losslessly only; the study "
+                              f"also runs {', '.join(lossy)} on its trees: use tree_candidates 'top_k' (or drop "
+                              "those verifiers)")
         self.sampling(None)  # validates temperature / top_k / top_p as ConfigErrors
 
     def _parsed_verifiers(self) -> tuple[str, ...]:
