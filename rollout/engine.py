@@ -29,6 +29,7 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 
@@ -39,7 +40,7 @@ from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_pair
 from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner, sample_draft
-from rollout.sampled_tree import ShapePlanner, draft_sampled_tree, draft_steps
+from rollout.sampled_tree import ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_sampled
 from rollout.sequences import RoundOutput, SequenceTable
 from rollout.tree import chain_tree, draft_tree, root_tree, walk
 from verifiers import verify_chain
@@ -230,7 +231,8 @@ class Engine:
             call.timings.draft_forwards += spec.depth
         t1 = time.perf_counter()
         logits, feats = runner.verify_forward(tree.tokens, tree.depths, tree.mask)  # [B, T, V], [B, T, 3H]
-        res = walk(call.rule, tree, logits, record=self._record(call), **call.verify_kw)
+        walker = walk_sampled if fused_walk_usable(tree, call.rule, logits.device) else partial(walk, call.rule)
+        res = walker(tree, logits, record=self._record(call), **call.verify_kw)
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
         host = res.num_emitted.tolist()

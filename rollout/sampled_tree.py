@@ -30,9 +30,13 @@ from functools import cached_property
 
 import torch
 
-from verifiers.sampled import draw_without_replacement
+from verifiers import TokenKind, native
+from verifiers.checks import raise_if_bad_rows
+from verifiers.processing import draft_logits as scale_draft
+from verifiers.processing import process_logits
+from verifiers.sampled import SAMPLED_RULES, draw_without_replacement
 
-from .tree import Tree, _ancestor_mask, _children
+from .tree import Tree, WalkResult, _ancestor_mask, _children
 
 RANK_ACCEPT = (0.58, 0.09, 0.05, 0.03, 0.02)
 PRIOR_TRIALS = 50.0  # weight of RANK_ACCEPT in the measured rates, in nodes
@@ -77,6 +81,30 @@ class Shape:
     def expanded(self, level: int) -> list[int]:
         """Nodes at ``level`` that have children (one head step drafts them all)."""
         return [v for v, d in enumerate(self.depths) if d == level and self.children[v]]
+
+    @cached_property
+    def _layouts(self) -> dict:
+        return {}
+
+    def layout(self, device: torch.device) -> dict:
+        """The shape's tensors on ``device``, made once: ``parents [1, N+1]``, ``depths [1, N+1]``,
+        ``children [1, N+1, K]``, ``mask [N+1, N+1]`` (ancestor-or-self) and per drafted level
+        ``(nodes, visible [1, f, S] or None)``, the nodes a head step runs and the earlier
+        speculative slots each sees."""
+        key = str(device)
+        if key not in self._layouts:
+            parents = torch.tensor(self.parents, device=device)[None]
+            mask = _ancestor_mask(parents, self.max_depth)[0]
+            levels, slots = [], []
+            for level in range(1, self.max_depth):
+                nodes = self.expanded(level)
+                if not nodes:
+                    break
+                levels.append((nodes, mask[nodes][:, slots][None] if slots else None))
+                slots += nodes
+            self._layouts[key] = {"parents": parents, "depths": torch.tensor(self.depths, device=device)[None],
+                                  "children": _children(parents, self.top_k), "mask": mask, "levels": levels}
+        return self._layouts[key]
 
 
 def sampled_shape(total_tokens: int, depth: int, top_k: int, rank_accept=RANK_ACCEPT) -> Shape:
@@ -123,26 +151,64 @@ def draft_sampled_tree(runner, root: torch.Tensor, shape: Shape, temperature: fl
         node_logits[:, nodes] = logits
 
     draw([0], step.logits[:, None])
-    slots: list[int] = []  # nodes in the speculative cache, in step order
-    anc = _ancestor_mask(torch.tensor(shape.parents, device=dev)[None], shape.max_depth)[0]  # [N+1, N+1]
-    for level in range(1, shape.max_depth):
-        nodes = shape.expanded(level)
-        if not nodes:
-            break
+    lay = shape.layout(dev)
+    for level, (nodes, visible) in enumerate(lay["levels"], start=1):
         tokens = runner.draft_ids[ids[:, nodes]]  # [B, f]
         hidden = torch.stack([out_hidden[shape.parents[v]] for v in nodes], dim=1)  # [B, f, H]
-        visible = anc[nodes][:, slots][None].expand(b, -1, -1) if slots else None  # [B, f, S]
-        step = runner.draft_step(tokens, hidden, level, visible)
+        step = runner.draft_step(tokens, hidden, level, None if visible is None else visible.expand(b, -1, -1))
         for j, v in enumerate(nodes):
             out_hidden[v] = step.hidden[:, j]
         draw(nodes, step.logits)
-        slots += nodes
-    parents = torch.tensor(shape.parents, device=dev)[None]
     tokens = torch.cat([root[:, None], runner.draft_ids[ids[:, 1:]]], dim=1)
-    return Tree(tokens=tokens, parents=parents.expand(b, -1),
-                depths=torch.tensor(shape.depths, device=dev)[None], children=_children(parents, shape.top_k),
-                mask=anc[None].expand(b, -1, -1), max_depth=shape.max_depth, draft_logits=node_logits,
-                to_target=runner.head.to_target_logits)
+    return Tree(tokens=tokens, parents=lay["parents"].expand(b, -1), depths=lay["depths"], children=lay["children"],
+                mask=lay["mask"][None].expand(b, -1, -1), max_depth=shape.max_depth, draft_logits=node_logits,
+                to_target=runner.head.to_target_logits, draft_ids=runner.draft_ids)
+
+
+def fused_walk_usable(tree: Tree, rule, device: torch.device) -> bool:
+    """Whether :func:`walk_sampled` can verify ``tree`` (a sampled tree, the lossless rule, the
+    C++ verifier on the CPU); else ``rollout.tree.walk`` does, node level by node level."""
+    return (tree.draft_logits is not None and tree.draft_ids is not None and device.type == "cpu"
+            and getattr(rule, "name", None) in SAMPLED_RULES and native.enabled())
+
+
+def walk_sampled(tree: Tree, target_logits: torch.Tensor, *, temperature: float, top_k: int | None,
+                 top_p: float | None, generator: torch.Generator, record: list | None = None) -> WalkResult:
+    """``rollout.tree.walk`` over a sampled tree in one C++ call (``csrc/sampled.cpp``,
+    ``hr_walk_sampled``): each row's walk runs the same node step as ``verify_sampled_candidates``
+    (recursive rejection; a leaf's bonus token from p), so the law is p. Its randomness differs
+    from the level-by-level walk's: ``u_accept = rand(B, W, K)``, then ``u_final = rand(B, W)``
+    per round, entry (row, level) used at the row's node of that level. See
+    :func:`fused_walk_usable` for when it applies."""
+    b, _, v = target_logits.shape
+    w, k = tree.max_depth + 1, tree.children.shape[-1]
+    dev = target_logits.device
+    u_accept = torch.rand(b, w, k, generator=generator, device=dev)
+    u_final = torch.rand(b, w, generator=generator, device=dev)
+    if top_k is not None or top_p is not None:  # truncate here; the kernel then uses T = 1
+        z, zd, t = process_logits(target_logits, temperature, top_k, top_p), scale_draft(tree.draft_logits,
+                                                                                        temperature), 1.0
+    else:
+        z, zd, t = target_logits, tree.draft_logits, temperature
+    try:
+        tokens, logp, kinds, path, emitted = native.walk_sampled_native(
+            z, zd, tree.draft_ids, tree.tokens, tree.children[0], u_accept, u_final, t)
+    except native.NativeError as err:
+        if err.status == 4:
+            raise RuntimeError("internal error: a sampled tree node has a child its q gives probability 0") from None
+        name, rows = ("target_logits", target_logits) if err.status == 1 else ("draft logits", tree.draft_logits)
+        stat = torch.where(err.bad_rows.bool()[:, None], float("nan"), 0.0).expand(b, rows.shape[1])
+        raise_if_bad_rows(name, rows, stat, temperature)
+        raise AssertionError("the C++ walk flagged a bad row that has none") from None
+    if record is not None:
+        for level in range(w):
+            rows = (emitted > level).nonzero()[:, 0]
+            if len(rows) == 0:
+                break
+            record.append((level, rows, target_logits[rows, path[rows, level]], None))
+    kinds = torch.where(kinds < 0, int(TokenKind.PAD), kinds)
+    return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=logp.clone(),
+                      kinds=kinds, relaxed=torch.zeros(b, w, dtype=torch.bool), path=path)
 
 
 class ShapePlanner:
@@ -186,4 +252,4 @@ class ShapePlanner:
 
 def draft_steps(shape: Shape) -> int:
     """Head steps one round of ``shape`` runs (the root's included)."""
-    return 1 + sum(1 for level in range(1, shape.max_depth) if shape.expanded(level))
+    return 1 + len(shape.layout(torch.device("cpu"))["levels"])

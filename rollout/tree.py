@@ -50,6 +50,7 @@ class Tree:
     # were drawn from, and the head's map to the target vocabulary; None: deterministic candidates
     draft_logits: torch.Tensor | None = None
     to_target: Callable[[torch.Tensor], torch.Tensor] | None = None
+    draft_ids: torch.Tensor | None = None  # [Vd] the target id of each draft-vocabulary id
 
     @property
     def size(self) -> int:

@@ -109,6 +109,9 @@ def _load_locked() -> ctypes.CDLL | None:
     fn = lib.hr_verify_sampled
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 4
+    fn = lib.hr_walk_sampled
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_double] + [ctypes.c_void_p] * 6
     lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
     lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
     _lib, _tried = lib, True
@@ -277,3 +280,29 @@ def verify_sampled_native(z_target: Tensor, z_draft: Tensor, cands: Tensor, u_ac
     if status != 0:
         raise NativeError(int(status), bad_rows)
     return tokens, index, logp
+
+
+def walk_sampled_native(z_target: Tensor, z_draft: Tensor, draft_ids: Tensor, tokens: Tensor, children: Tensor,
+                        u_accept: Tensor, u_final: Tensor, temperature: float) -> tuple[Tensor, ...]:
+    """``rollout.sampled_tree.walk_sampled`` fused: z_target [B, N+1, V], z_draft [B, N+1, Vd],
+    draft_ids [Vd], tokens [B, N+1], children [N+1, K], u_accept [B, W, K], u_final [B, W]; returns
+    (tokens, log p, kinds, path) [B, W] and emitted [B]."""
+    lib = _load()
+    b, n1, v = z_target.shape
+    vd, k, w = z_draft.shape[-1], children.shape[1], u_final.shape[1]
+    zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
+    ids, toks, kids = draft_ids.long().contiguous(), tokens.long().contiguous(), children.long().contiguous()
+    ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
+    out = torch.empty(b, w, dtype=torch.long)
+    logp = torch.empty(b, w, dtype=torch.float32)
+    kinds = torch.empty(b, w, dtype=torch.long)
+    path = torch.empty(b, w, dtype=torch.long)
+    emitted = torch.empty(b, dtype=torch.long)
+    bad_rows = torch.zeros(b, dtype=torch.uint8)
+    status = lib.hr_walk_sampled(zt.data_ptr(), zd.data_ptr(), ids.data_ptr(), toks.data_ptr(), kids.data_ptr(),
+                                 ua.data_ptr(), uf.data_ptr(), b, n1, v, vd, k, w, float(temperature), out.data_ptr(),
+                                 logp.data_ptr(), kinds.data_ptr(), path.data_ptr(), emitted.data_ptr(),
+                                 bad_rows.data_ptr())
+    if status != 0:
+        raise NativeError(int(status), bad_rows)
+    return out, logp, kinds, path, emitted

@@ -138,6 +138,16 @@ def verify_sampled_candidates(rule, target_logits: Tensor, draft_logits: Tensor,
     candidates were drawn from, over the target vocabulary, -inf outside the draft vocabulary;
     q = softmax(draft_logits / T)), ``candidates [N, m]`` in draw order (-1 padded, distinct).
     The emitted token's law is p; its behaviour and target log-probs are both log p(y)."""
+    n, m = _check(rule, target_logits, draft_logits, candidates, temperature, top_k, top_p)
+    check_generator(generator, temperature, target_logits.device)
+    dev = target_logits.device
+    u_accept = torch.rand(n, m, generator=generator, device=dev)
+    u_final = torch.rand(n, generator=generator, device=dev)
+    return verify_sampled_with(rule, target_logits, draft_logits, candidates, u_accept, u_final,
+                               temperature=temperature, top_k=top_k, top_p=top_p, checked=True)
+
+
+def _check(rule, target_logits, draft_logits, candidates, temperature, top_k, top_p) -> tuple[int, int]:
     name = getattr(rule, "name", type(rule).__name__)
     if name not in SAMPLED_RULES:
         raise ValueError(f"verifier {name!r} cannot verify sampled candidates: only {', '.join(SAMPLED_RULES)} "
@@ -147,14 +157,21 @@ def verify_sampled_candidates(rule, target_logits: Tensor, draft_logits: Tensor,
         raise ValueError("sampled candidates need temperature > 0 (at T = 0 draft the top-k)")
     n, m, _ = check_candidate_inputs(rule, target_logits, candidates, temperature, top_k, top_p)
     _check_draft(draft_logits, target_logits)
-    check_generator(generator, temperature, target_logits.device)
+    return n, m
+
+
+def verify_sampled_with(rule, target_logits: Tensor, draft_logits: Tensor, candidates: Tensor, u_accept: Tensor,
+                        u_final: Tensor, *, temperature: float, top_k: int | None = None, top_p: float | None = None,
+                        checked: bool = False) -> CandidateResult:
+    """:func:`verify_sampled_candidates` on given uniforms ``u_accept [N, m]``, ``u_final [N]``
+    (``checked``: the inputs were validated already)."""
+    if not checked:
+        _check(rule, target_logits, draft_logits, candidates, temperature, top_k, top_p)
+    n, dev = candidates.shape[0], target_logits.device
     if n == 0:
-        return empty_candidate_result(target_logits.device, False)
+        return empty_candidate_result(dev, False)
     cands = candidates.long()
-    dev = target_logits.device
     with torch.no_grad():
-        u_accept = torch.rand(n, m, generator=generator, device=dev)
-        u_final = torch.rand(n, generator=generator, device=dev)
         if dev.type == "cpu" and native.enabled():
             return _native(target_logits, draft_logits, cands, u_accept, u_final, temperature, top_k, top_p)
         z = process_logits(target_logits, temperature, top_k, top_p)

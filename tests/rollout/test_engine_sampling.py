@@ -91,6 +91,23 @@ def test_lossless_samples_the_target_distribution(small, name):
         assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
 
 
+def test_a_sampled_tree_walked_level_by_level_samples_the_target_distribution(small):
+    """Without the C++ verifier a sampled tree is walked node level by node level from Python
+    (``rollout.tree.walk``, other random numbers than the fused walk): the same law."""
+    from verifiers import native
+
+    target, head = small
+    prompt, rows, v = [1, 5, 2, 7], 1500, target.vocab_size
+    with native.forced(False):
+        res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=3),
+                                                          SAMPLED_TREE, seed=19)
+    ys = torch.tensor([c.completion_ids for c in res.completions])
+    law = exact_three_token_law(target, prompt)
+    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
+    assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 2 * rows
+
+
 def test_a_scaled_draft_stays_lossless(small):
     """A head with draft_logit_scale != 1 drafts from softmax(scale * logits / T) and the verifier
     sees that same q: lossless rollouts still follow the target's law exactly."""

@@ -5,13 +5,15 @@
 // - hr_draw_sampled: m ids per row drawn from q = softmax(logits / T) without replacement, each
 //   by inverse CDF over q with the earlier draws removed (one float64 uniform per draw);
 // - hr_verify_sampled: lossless recursive rejection at N nodes: s = p; c_i is accepted with
-//   min(1, s(c_i) / q_i(c_i)), else s = norm((s - q_i)+); the fallback y ~ s.
+//   min(1, s(c_i) / q_i(c_i)), else s = norm((s - q_i)+); the fallback y ~ s;
+// - hr_walk_sampled: the whole walk over a sampled tree, one task per row (the same node step).
 //
 // One task per row; a row's sums accumulate in float64 on one thread.
 
 #include <ATen/Parallel.h>
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 #include <limits>
 #include <vector>
@@ -84,9 +86,53 @@ int64_t inverse_cdf(const float* w, int64_t n, double total, double u) {
 
 // Per-thread scratch rows (reused across calls: no zeroing of vocabulary-sized buffers).
 float* scratch(int which, int64_t n) {
-  thread_local std::vector<float> rows[3];
+  thread_local std::vector<float> rows[4];
   if (static_cast<int64_t>(rows[which].size()) < n) rows[which].resize(n);
   return rows[which].data();
+}
+
+// Recursive rejection at one node: p [V] (normalised), q in rest [V] (normalised; changed: the
+// candidates are removed), s [V] scratch; candidates c[0..M) (-1 padded), uniforms u_acc[0..M)
+// and u_fin. Returns the emitted token; accepted = the accepted candidate's index or -1.
+int64_t recursive_rejection(const float* p, float* s, float* rest, int64_t V, const int64_t* c, int64_t M,
+                            const float* u_acc, float u_fin, int64_t& accepted) {
+#pragma omp simd
+  for (int64_t j = 0; j < V; ++j) s[j] = p[j];
+  double s_mass = 1.0, rest_mass = 0;
+#pragma omp simd reduction(+ : rest_mass)
+  for (int64_t j = 0; j < V; ++j) rest_mass += rest[j];
+  accepted = -1;
+  for (int64_t i = 0; i < M && c[i] >= 0; ++i) {
+    const float inv_rest = static_cast<float>(1.0 / rest_mass);
+    const float inv_s = static_cast<float>(1.0 / s_mass);
+    const float q_c = rest[c[i]] * inv_rest;
+    const float ratio = (s[c[i]] * inv_s) / q_c;
+    if (u_acc[i] < ratio) {
+      accepted = i;
+      break;
+    }
+    double mass = 0;
+#pragma omp simd reduction(+ : mass)
+    for (int64_t j = 0; j < V; ++j) {
+      const float d = s[j] * inv_s - rest[j] * inv_rest;
+      mass += d > 0 ? d : 0.0f;
+    }
+    if (mass > 0) {  // else s = q_i: the rejection had probability 0; s is kept
+#pragma omp simd
+      for (int64_t j = 0; j < V; ++j) {
+        const float d = s[j] * inv_s - rest[j] * inv_rest;
+        s[j] = d > 0 ? d : 0.0f;
+      }
+      s_mass = mass;
+    }
+    rest_mass -= rest[c[i]];
+    rest[c[i]] = 0.0f;
+    if (!(rest_mass > 0)) {  // float64 rounding: recount what is left of q
+      rest_mass = 0;
+      for (int64_t j = 0; j < V; ++j) rest_mass += rest[j];
+    }
+  }
+  return accepted >= 0 ? c[accepted] : inverse_cdf(s, V, s_mass, u_fin);
 }
 
 }  // namespace
@@ -147,43 +193,8 @@ int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t
       for (int64_t i = 0; i < M && c[i] >= 0; ++i)
         if (!(rest[c[i]] > 0)) status[n] = 4;
       if (status[n]) continue;
-#pragma omp simd
-      for (int64_t j = 0; j < V; ++j) s[j] = p[j];
-      double s_mass = 1.0, rest_mass = 0;
-#pragma omp simd reduction(+ : rest_mass)
-      for (int64_t j = 0; j < V; ++j) rest_mass += rest[j];
       int64_t accepted = -1;
-      for (int64_t i = 0; i < M && c[i] >= 0; ++i) {
-        const float inv_rest = static_cast<float>(1.0 / rest_mass);
-        const float inv_s = static_cast<float>(1.0 / s_mass);
-        const float q_c = rest[c[i]] * inv_rest;
-        const float ratio = (s[c[i]] * inv_s) / q_c;
-        if (u_acc[n * M + i] < ratio) {
-          accepted = i;
-          break;
-        }
-        double mass = 0;
-#pragma omp simd reduction(+ : mass)
-        for (int64_t j = 0; j < V; ++j) {
-          const float d = s[j] * inv_s - rest[j] * inv_rest;
-          mass += d > 0 ? d : 0.0f;
-        }
-        if (mass > 0) {
-#pragma omp simd
-          for (int64_t j = 0; j < V; ++j) {
-            const float d = s[j] * inv_s - rest[j] * inv_rest;
-            s[j] = d > 0 ? d : 0.0f;
-          }
-          s_mass = mass;
-        }
-        rest_mass -= rest[c[i]];
-        rest[c[i]] = 0.0f;
-        if (!(rest_mass > 0)) {  // float64 rounding: recount what is left of q
-          rest_mass = 0;
-          for (int64_t j = 0; j < V; ++j) rest_mass += rest[j];
-        }
-      }
-      const int64_t y = accepted >= 0 ? c[accepted] : inverse_cdf(s, V, s_mass, u_fin[n]);
+      const int64_t y = recursive_rejection(p, s, rest, V, c, M, u_acc + n * M, u_fin[n], accepted);
       tokens[n] = y;
       index[n] = accepted;
       logp[n] = std::log(p[y]);
@@ -193,6 +204,76 @@ int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t
   for (int64_t n = 0; n < N; ++n) {
     bad_rows[n] = status[n];
     if (status[n] > worst) worst = status[n];
+  }
+  return worst;
+}
+
+
+// The walk over a sampled tree for every row at once (rollout/sampled_tree.py, walk_sampled):
+// target [B, N+1, V] float32 logits (row of node i = the target's prediction after node i; already
+// truncated), draft [B, N+1, Vd] the draft logits each node's children were drawn from, draft_ids
+// [Vd] their target ids, tokens [B, N+1] the nodes' target ids, children [N+1, K] (-1 padded),
+// u_acc [B, W, K], u_fin [B, W] float32. At each node: a leaf emits a bonus token from p (u_fin);
+// otherwise recursive rejection over its children; an accepted child moves the walk on.
+// Outputs [B, W]: out_tokens (-1 padded), logp (log p(y); 0 padded), kinds (0 accepted, 1 recovered,
+// 2 bonus, -1 padded), path (the node whose row was used; 0 padded); emitted [B]. Returns 0, or 1 /
+// 2 (a bad target / draft row: bad_rows[b] set), 4 (a child with q = 0).
+int64_t hr_walk_sampled(const float* target, const float* draft, const int64_t* draft_ids, const int64_t* tokens,
+                        const int64_t* children, const float* u_acc, const float* u_fin, int64_t B, int64_t N1,
+                        int64_t V, int64_t Vd, int64_t K, int64_t W, double temperature, int64_t* out_tokens,
+                        float* logp, int64_t* kinds, int64_t* path, int64_t* emitted, uint8_t* bad_rows) {
+  std::vector<uint8_t> status(B, 0);
+  const float t = static_cast<float>(temperature);
+  at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
+    float *p = scratch(0, V), *s = scratch(1, V), *rest = scratch(2, V), *qd = scratch(3, Vd);
+    std::vector<int64_t> cands(K);
+    for (int64_t b = begin; b < end; ++b) {
+      for (int64_t l = 0; l < W; ++l) {
+        out_tokens[b * W + l] = -1, logp[b * W + l] = 0.0f, kinds[b * W + l] = -1, path[b * W + l] = 0;
+      }
+      int64_t node = 0, n = 0;
+      for (int64_t level = 0; level < W; ++level) {
+        if (!softmax_row(target + (b * N1 + node) * V, V, t, p)) {
+          status[b] = 1;
+          break;
+        }
+        const int64_t* kids = children + node * K;
+        int64_t m = 0;
+        while (m < K && kids[m] >= 0) cands[m] = tokens[b * N1 + kids[m]], ++m;
+        int64_t y, accepted = -1;
+        if (m == 0) {
+          double total = 0;
+#pragma omp simd reduction(+ : total)
+          for (int64_t j = 0; j < V; ++j) total += p[j];
+          y = inverse_cdf(p, V, total, u_fin[b * W + level]);
+        } else {
+          if (!softmax_row(draft + (b * N1 + node) * Vd, Vd, t, qd)) {
+            status[b] = 2;
+            break;
+          }
+          std::fill(rest, rest + V, 0.0f);
+          for (int64_t j = 0; j < Vd; ++j) rest[draft_ids[j]] = qd[j];
+          for (int64_t i = 0; i < m; ++i)
+            if (!(rest[cands[i]] > 0)) status[b] = 4;
+          if (status[b]) break;
+          y = recursive_rejection(p, s, rest, V, cands.data(), m, u_acc + (b * W + level) * K,
+                                  u_fin[b * W + level], accepted);
+        }
+        out_tokens[b * W + level] = y;
+        logp[b * W + level] = std::log(p[y]);
+        kinds[b * W + level] = accepted >= 0 ? 0 : (m > 0 ? 1 : 2);
+        path[b * W + level] = node;
+        ++n;
+        if (accepted < 0) break;
+        node = kids[accepted];
+      }
+      emitted[b] = n;
+    }
+  });
+  int64_t worst = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    bad_rows[b] = status[b];
+    if (status[b] > worst) worst = status[b];
   }
   return worst;
 }
