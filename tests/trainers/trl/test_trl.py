@@ -39,7 +39,7 @@ class Recording:
 
 
 def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, correction=None, steps=2,
-             placement="local", reload_every=0, **args):
+             placement="local", reload_every=0, spec=None, **args):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -56,7 +56,7 @@ def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, c
               num_generations=4, max_completion_length=8, max_steps=steps, learning_rate=1e-3, report_to=[],
               logging_steps=1, save_strategy="no", temperature=1.0, seed=0)
     kw.update(args)
-    settings = RolloutSettings(spec=SpecConfig(mode="chain", num_draft_tokens=3),
+    settings = RolloutSettings(spec=spec or SpecConfig(mode="chain", num_draft_tokens=3),
                                verifier=VerifierConfig(verifier, params or {}), drafter=str(head_dir),
                                placement=placement, target=TargetConfig(path=str(policy_dir)),
                                drafter_reload_every=reload_every,
@@ -87,6 +87,18 @@ def test_trains_two_steps_lossless_on_policy(tmp_path, tiny_policy_dir, tiny_hea
         assert h["speculative/relaxed_fraction"] == 0.0
         assert h["speculative/kl_k3"] < 1e-6 and h["speculative/is_ess"] > 0.999
     assert isinstance(trainer.rollouts.last_batch, RolloutBatch)
+
+
+def test_trains_on_policy_with_sampled_trees(tmp_path, tiny_policy_dir, tiny_head_dir):
+    """Trees of sampled candidates inside TRL: lossless, so the importance ratios stay 1."""
+    spec = SpecConfig(mode="tree", depth=3, top_k=2, total_tokens=4, tree_candidates="sampled")
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "lossless", spec=spec)
+    trainer.train()
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    assert len(logs) == 2 and all(math.isfinite(h["loss"]) for h in logs)
+    ratios = _valid_ratios(trainer)
+    assert ratios.numel() > 0 and (ratios - 1).abs().max() < 1e-3
+    assert all(h["speculative/tau"] > 1.0 for h in logs)
 
 
 def test_lossy_ratios_differ_and_the_correction_changes_the_loss(tmp_path, tiny_policy_dir, tiny_head_dir):
