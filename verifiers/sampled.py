@@ -3,8 +3,7 @@ sampled candidates): one node of a sampled draft tree.
 
 Node n has candidates c_1..c_m in draw order, -1 padded: c_1 ~ q, and c_i ~ q_i, q with
 c_1..c_{i-1} removed and renormalised (sequential sampling without replacement, as
-:func:`draw_without_replacement` draws them). Recursive rejection
-keeps a state s, initially p:
+:func:`draw_without_replacement` draws them). Recursive rejection keeps a state s, initially p:
 
     for i = 1..m: accept c_i with probability min(1, s(c_i) / q_i(c_i)); stop if accepted
                   otherwise s = norm((s - q_i)+)
