@@ -5,8 +5,8 @@ A node's children are drawn from the head's q at that node without replacement (
 order is their rank), so the verifier's law at the node is exactly p. That holds only if the
 number of children a node gets never depends on the children's own draws; a budget that kept
 the best-scoring drafted nodes, as the EAGLE-2 tree does, would keep a second child more often
-when its q is high, and bias the law. So the tree has a fixed **shape**: the rank paths chosen
-before drafting, the same in every row and round.
+when its q is high, and bias the law. So each round's tree has a **shape** fixed before its
+draws: the rank paths it keeps, the same in every row.
 
 The shape keeps the ``total_tokens`` rank paths (r_1, ..., r_d) of largest value
 prod_i rho[r_i], where rho[r] is the chance that the candidate of rank r is the one accepted at
