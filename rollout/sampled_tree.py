@@ -30,11 +30,9 @@ from functools import cached_property
 
 import torch
 
-from verifiers import TokenKind, native
+from verifiers import native
 from verifiers.checks import raise_if_bad_rows
-from verifiers.processing import draft_logits as scale_draft
-from verifiers.processing import process_logits
-from verifiers.sampled import SAMPLED_RULES, draw_without_replacement
+from verifiers.sampled import SAMPLED_RULES, draw_without_replacement, kernel_logits
 
 from .tree import Tree, WalkResult, _ancestor_mask, _children
 
@@ -178,18 +176,14 @@ def walk_sampled(tree: Tree, target_logits: torch.Tensor, *, temperature: float,
     ``hr_walk_sampled``): each row's walk runs the same node step as ``verify_sampled_candidates``
     (recursive rejection; a leaf's bonus token from p), so the law is p. Its randomness differs
     from the level-by-level walk's: ``u_accept = rand(B, W, K)``, then ``u_final = rand(B, W)``
-    per round, entry (row, level) used at the row's node of that level. See
-    :func:`fused_walk_usable` for when it applies."""
-    b, _, v = target_logits.shape
+    per round, entry (row, level) used at the row's node of that level. The kernel writes the
+    kinds as ``TokenKind`` values (-1 padding). See :func:`fused_walk_usable` for when it applies."""
+    b = target_logits.shape[0]
     w, k = tree.max_depth + 1, tree.children.shape[-1]
     dev = target_logits.device
     u_accept = torch.rand(b, w, k, generator=generator, device=dev)
     u_final = torch.rand(b, w, generator=generator, device=dev)
-    if top_k is not None or top_p is not None:  # truncate here; the kernel then uses T = 1
-        z, zd, t = process_logits(target_logits, temperature, top_k, top_p), scale_draft(tree.draft_logits,
-                                                                                        temperature), 1.0
-    else:
-        z, zd, t = target_logits, tree.draft_logits, temperature
+    z, zd, t = kernel_logits(target_logits, tree.draft_logits, temperature, top_k, top_p)
     try:
         tokens, logp, kinds, path, emitted = native.walk_sampled_native(
             z, zd, tree.draft_ids, tree.tokens, tree.children[0], u_accept, u_final, t)
@@ -206,7 +200,6 @@ def walk_sampled(tree: Tree, target_logits: torch.Tensor, *, temperature: float,
             if len(rows) == 0:
                 break
             record.append((level, rows, target_logits[rows, path[rows, level]], None))
-    kinds = torch.where(kinds < 0, int(TokenKind.PAD), kinds)
     return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=logp.clone(),
                       kinds=kinds, relaxed=torch.zeros(b, w, dtype=torch.bool), path=path)
 

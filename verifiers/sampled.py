@@ -113,12 +113,18 @@ def _zero_q_error(q: Tensor, cands: Tensor) -> ValueError:
                       "probability 0 (sampled candidates must be drawn from q)")
 
 
+def kernel_logits(target: Tensor, draft: Tensor, temperature: float, top_k: int | None,
+                  top_p: float | None) -> tuple[Tensor, Tensor, float]:
+    """What the C++ kernels take: (target logits, draft logits, T). With top-k / top-p the target
+    is truncated here and both are divided by T; the kernel then uses T = 1."""
+    if top_k is None and top_p is None:
+        return target, draft, temperature
+    return process_logits(target, temperature, top_k, top_p), scale_draft(draft, temperature), 1.0
+
+
 def _native(raw, draft, cands, u_accept, u_final, temperature, top_k, top_p) -> CandidateResult:
     """The fused C++ verifier on the same uniforms."""
-    if top_k is not None or top_p is not None:  # truncate here; the kernel then uses T = 1
-        z, zd, t = process_logits(raw, temperature, top_k, top_p), scale_draft(draft, temperature), 1.0
-    else:
-        z, zd, t = raw, draft, temperature
+    z, zd, t = kernel_logits(raw, draft, temperature, top_k, top_p)
     try:
         tokens, index, logp = native.verify_sampled_native(z, zd, cands, u_accept, u_final, t)
     except native.NativeError as err:
@@ -142,8 +148,7 @@ def verify_sampled_candidates(rule, target_logits: Tensor, draft_logits: Tensor,
     dev = target_logits.device
     u_accept = torch.rand(n, m, generator=generator, device=dev)
     u_final = torch.rand(n, generator=generator, device=dev)
-    return verify_sampled_with(rule, target_logits, draft_logits, candidates, u_accept, u_final,
-                               temperature=temperature, top_k=top_k, top_p=top_p, checked=True)
+    return _verify(target_logits, draft_logits, candidates, u_accept, u_final, temperature, top_k, top_p)
 
 
 def _check(rule, target_logits, draft_logits, candidates, temperature, top_k, top_p) -> tuple[int, int]:
@@ -159,13 +164,9 @@ def _check(rule, target_logits, draft_logits, candidates, temperature, top_k, to
     return n, m
 
 
-def verify_sampled_with(rule, target_logits: Tensor, draft_logits: Tensor, candidates: Tensor, u_accept: Tensor,
-                        u_final: Tensor, *, temperature: float, top_k: int | None = None, top_p: float | None = None,
-                        checked: bool = False) -> CandidateResult:
-    """:func:`verify_sampled_candidates` on given uniforms ``u_accept [N, m]``, ``u_final [N]``
-    (``checked``: the inputs were validated already)."""
-    if not checked:
-        _check(rule, target_logits, draft_logits, candidates, temperature, top_k, top_p)
+def _verify(target_logits: Tensor, draft_logits: Tensor, candidates: Tensor, u_accept: Tensor, u_final: Tensor,
+            temperature: float, top_k: int | None, top_p: float | None) -> CandidateResult:
+    """The verification of checked inputs on the uniforms ``u_accept [N, m]``, ``u_final [N]``."""
     n, dev = candidates.shape[0], target_logits.device
     if n == 0:
         return empty_candidate_result(dev, False)
