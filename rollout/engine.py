@@ -127,7 +127,7 @@ class Engine:
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None,
                      planner=self.planner(spec, verifier, sampling) if spec.auto else None)
-        if spec.mode == "tree" and spec.tree_candidates == "sampled" and sampling.temperature > 0:
+        if spec.sampled_tree and sampling.temperature > 0:
             call.shapes = ShapePlanner(spec.total_tokens, spec.depth, spec.top_k)
         with torch.inference_mode(), self.linear_routing(head):
             self._prefill(call, prompts, max(budgets))

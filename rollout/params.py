@@ -133,6 +133,11 @@ class SpecConfig:
         return self.mode != "off"
 
     @property
+    def sampled_tree(self) -> bool:
+        """Whether this drafts trees of sampled candidates (``tree_candidates: sampled``)."""
+        return self.mode == "tree" and self.tree_candidates == "sampled"
+
+    @property
     def auto(self) -> bool:
         """Whether each round's drafting is planned from measurements (``max_batch: auto``)."""
         return self.speculative and self.max_batch == "auto"
@@ -204,11 +209,16 @@ def tree_spec(text: str, **fields) -> SpecConfig:
                       tree_candidates="sampled" if sampled else "top_k", **fields)
 
 
-def check_pair(spec: SpecConfig, verifier: VerifierConfig) -> None:
-    """Raise ConfigError for a speculation + verifier pair that cannot run together."""
+def runs_together(spec: SpecConfig, verifier: VerifierConfig) -> bool:
+    """Whether ``verifier`` can verify what ``spec`` drafts (sampled trees: the lossless rule only)."""
     from verifiers.sampled import SAMPLED_RULES
 
-    if spec.mode == "tree" and spec.tree_candidates == "sampled" and verifier.name not in SAMPLED_RULES:
+    return not spec.sampled_tree or verifier.name in SAMPLED_RULES
+
+
+def check_pair(spec: SpecConfig, verifier: VerifierConfig) -> None:
+    """Raise ConfigError for a speculation + verifier pair that cannot run together."""
+    if not runs_together(spec, verifier):
         raise ConfigError("tree_candidates", f"'sampled' trees are verified losslessly only, not by verifier "
                           f"{verifier.name!r} (a lossy rule's law over sampled candidates is not specified); use "
                           "tree_candidates 'top_k' or a chain")

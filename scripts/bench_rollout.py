@@ -84,13 +84,12 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.config import ConfigError  # noqa: E402
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, tree_spec  # noqa: E402
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, runs_together, tree_spec  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from trainers.drift.study import parse_verifier, verifier_label  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
-from verifiers.sampled import SAMPLED_RULES  # noqa: E402
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -237,7 +236,7 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
     pairs = [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
-    return [(spec, v) for spec, v in pairs if spec.tree_candidates == "top_k" or v.name in SAMPLED_RULES]
+    return [(spec, v) for spec, v in pairs if runs_together(spec, v)]
 
 
 def parse_verifiers(text: str) -> list[VerifierConfig]:
@@ -261,7 +260,7 @@ def describe(spec: SpecConfig) -> str:
     if spec.mode == "chain":
         return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}{cap}"
     if spec.mode == "tree":
-        kind = " sampled" if spec.tree_candidates == "sampled" else ""
+        kind = " sampled" if spec.sampled_tree else ""
         return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{kind}{cap}"
     return "off"
 
@@ -373,8 +372,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row = {"batch": size, "mode": mode, "verifier": vname} | tot
             row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
             forwards, rounds = row.pop("draft_forwards", 0), row.pop("draft_rounds", 0)
-            sampled = spec is not None and spec.mode == "tree" and spec.tree_candidates == "sampled"
-            steps = forwards / rounds if sampled and rounds else None
+            steps = forwards / rounds if spec is not None and spec.sampled_tree and rounds else None
             row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])
             row["tokens_per_s"] = speeds[(mode, vname)]
             row["speedup_vs_ar"] = row["tokens_per_s"] / ar

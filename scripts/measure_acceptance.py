@@ -88,7 +88,7 @@ def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *,
     report = {}
     for text in (t for t in trees.split(";") if t.strip()):
         spec = tree_spec(text)
-        temps = (1.0,) if spec.tree_candidates == "sampled" else (1.0, 0.0)
+        temps = (1.0,) if spec.sampled_tree else (1.0, 0.0)
         for kind, prompts in sets.items():
             for temperature in temps:
                 t0, emitted, rounds = time.time(), 0, 0

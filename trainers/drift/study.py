@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.config import ConfigError, check_int
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, runs_together
 from verifiers import TruncationSampling
-from verifiers.sampled import SAMPLED_RULES
 
 SOURCES = ("tasks", "jsonl", "general")
 MODES = ("chain", "tree")
@@ -148,8 +147,8 @@ class DriftConfig:
         object.__setattr__(self, "difficulties", diffs)
         object.__setattr__(self, "modes", tuple(dict.fromkeys(modes)))
         object.__setattr__(self, "verifiers", self._parsed_verifiers())
-        lossy = [v for v in self.verifiers if v.split(":")[0] not in SAMPLED_RULES]
-        if "tree" in self.modes and self.tree.tree_candidates == "sampled" and lossy:
+        lossy = [v for v in self.verifiers if not runs_together(self.tree, parse_verifier(v))]
+        if "tree" in self.modes and lossy:
             raise ConfigError("tree.tree_candidates", f"'sampled' trees are verified losslessly only; the study "
                               f"also runs {', '.join(lossy)} on its trees: use tree_candidates 'top_k' (or drop "
                               "those verifiers)")
