@@ -82,6 +82,17 @@ def measure(target, head, prompts: list[list[int]], *, k: int, temperature: floa
     return engine.generate(prompts, sampling, spec, seed=seed).timings
 
 
+def measure_seeds(target, head, prompts: list[list[int]], seeds: range, **kw) -> dict:
+    """The report entry of one prompt set and mode: the engine's counters of :func:`measure`
+    summed over one call per seed in ``seeds`` (``kw``: its other arguments), and their tau."""
+    t0, emitted, rounds = time.time(), 0, 0
+    for seed in seeds:
+        s = measure(target, head, prompts, seed=seed, **kw)
+        emitted, rounds = emitted + s.emitted, rounds + s.row_rounds
+    return {"tau": round(emitted / rounds, 3), "emitted": emitted, "forwards": rounds,
+            "seconds": round(time.time() - t0, 1)}
+
+
 def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *, max_new_tokens: int,
                   seed: int, seeds: int) -> dict:
     """tau of each ``--tree`` config on each prompt set (summed over ``seeds`` calls from ``seed``)."""
@@ -91,14 +102,9 @@ def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *,
         temps = (1.0,) if spec.sampled_tree else (1.0, 0.0)
         for kind, prompts in sets.items():
             for temperature in temps:
-                t0, emitted, rounds = time.time(), 0, 0
-                for call_seed in range(seed, seed + seeds):
-                    s = measure(target, head, prompts, k=0, temperature=temperature, max_new_tokens=max_new_tokens,
-                                seed=call_seed, spec=spec)
-                    emitted, rounds = emitted + s.emitted, rounds + s.row_rounds
                 key = f"{kind}/T={temperature:g}/tree {text.strip()}"
-                report[key] = {"tau": round(emitted / rounds, 3), "emitted": emitted, "forwards": rounds,
-                               "seconds": round(time.time() - t0, 1)}
+                report[key] = measure_seeds(target, head, prompts, range(seed, seed + seeds), k=0,
+                                            temperature=temperature, max_new_tokens=max_new_tokens, spec=spec)
                 print(key, report[key], flush=True)
     return report
 
@@ -114,7 +120,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-trivial", action="store_true", help="skip the repeat-last-token baseline")
     ap.add_argument("--tree", default="", help="trees to measure too (';' list of depth,top_k,total_tokens; "
                     "'s' in front: sampled candidates)")
-    ap.add_argument("--seeds", type=int, default=1, help="calls per set and mode (seeds 0..N-1)")
+    ap.add_argument("--seeds", type=int, default=1,
+                    help="calls per set and mode (seeds --seed onwards), counters summed")
     args = ap.parse_args(argv)
     try:
         [tree_spec(t) for t in args.tree.split(";") if t.strip()]
@@ -129,14 +136,9 @@ def main(argv: list[str] | None = None) -> dict:
             for name, h in (("eagle3", head), ("trivial", None)):
                 if name == "trivial" and args.no_trivial:
                     continue
-                t0, emitted, rounds = time.time(), 0, 0
-                for seed in range(args.seed, args.seed + args.seeds):
-                    s = measure(target, h, prompts, k=args.k, temperature=temperature,
-                                max_new_tokens=args.max_new_tokens, seed=seed)
-                    emitted, rounds = emitted + s.emitted, rounds + s.row_rounds
                 key = f"{kind}/T={temperature:g}/{name}"
-                report[key] = {"tau": round(emitted / rounds, 3), "emitted": emitted, "forwards": rounds,
-                               "seconds": round(time.time() - t0, 1)}
+                report[key] = measure_seeds(target, h, prompts, range(args.seed, args.seed + args.seeds), k=args.k,
+                                            temperature=temperature, max_new_tokens=args.max_new_tokens)
                 print(key, report[key], flush=True)
     if args.tree:
         report.update(measure_trees(target, head, sets, args.tree, max_new_tokens=args.max_new_tokens,
