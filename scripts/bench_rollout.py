@@ -70,7 +70,6 @@ os.environ.setdefault("MKL_CBWR", "AVX2")  # before torch loads MKL: fast small 
 
 import argparse  # noqa: E402
 import contextlib  # noqa: E402
-import dataclasses  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
 from statistics import median  # noqa: E402
@@ -79,15 +78,12 @@ import time  # noqa: E402
 
 import torch  # noqa: E402
 
-from rollout import fused_layers, native_draft, native_layers, native_linear  # noqa: E402
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
-from rollout.config import ConfigError  # noqa: E402
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, runs_together, tree_spec  # noqa: E402
-from rollout.runner import ModelRunner  # noqa: E402
+from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
-from trainers.drift.study import parse_verifier, verifier_label  # noqa: E402
+from scripts.bench_rows import SWITCHES, describe, row_configs, spec_configs, switched_off  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
@@ -219,72 +215,6 @@ def run_config(config: tuple, target, engine: Engine, group: list[list[int]], sa
     return run_ours(engine, group, sampling, spec, verifier, seed, backend)
 
 
-def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
-    specs = []
-    for mode in (m for m in args.modes.split(",") if m):
-        if mode == "chain":
-            specs += [SpecConfig(mode="chain", num_draft_tokens=int(k), draft_sampling=args.draft_sampling)
-                      for k in args.chain_k.split(",")]
-        elif mode == "tree":
-            try:
-                specs += [tree_spec(shape) for shape in args.tree.split(";")]
-            except (ValueError, ConfigError) as err:
-                raise SystemExit(f"--tree: {err}") from None
-        else:
-            raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
-    caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
-    specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
-                                 and spec.mode == "chain") for spec in specs for cap in caps or [None]]
-    pairs = [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
-    return [(spec, v) for spec, v in pairs if runs_together(spec, v)]
-
-
-def parse_verifiers(text: str) -> list[VerifierConfig]:
-    """``--verifiers``: rule names separated by ',' (default parameters), or specs with parameters
-    (``name:key=value,...``, as ``scripts/drift.py`` takes them) separated by ';'."""
-    with_params = ";" in text or ":" in text
-    items = [v.strip() for v in text.split(";" if with_params else ",") if v.strip()]
-    try:
-        return [parse_verifier(v) for v in items]
-    except (ValueError, ConfigError) as err:
-        hint = " (specs with parameters are separated by ';')" if with_params else ""
-        raise SystemExit(f"--verifiers {text!r}: {err}{hint}") from None
-
-
-def _cap(text: str) -> int | str | None:
-    return None if text == "none" else "auto" if text == "auto" else int(text)
-
-
-def describe(spec: SpecConfig) -> str:
-    cap = "" if spec.max_batch is None else f" mb={spec.max_batch}" + ("/k" if spec.adaptive_k else "")
-    if spec.mode == "chain":
-        return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}{cap}"
-    if spec.mode == "tree":
-        kind = " sampled" if spec.sampled_tree else ""
-        return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{kind}{cap}"
-    return "off"
-
-
-# rows run on the default engine with one switch off: (owner, attribute)
-SWITCHES = {
-    "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
-    "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
-    "python-layers": (native_layers, "enabled"),  # the layers from Python, not csrc/layer.cpp
-    "python-draft": (native_draft, "enabled"),  # the draft head's forwards from Python
-    "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
-}
-
-
-@contextlib.contextmanager
-def switched_off(owner, name: str):
-    """``owner.name`` is False inside the block, True after it."""
-    setattr(owner, name, False)
-    try:
-        yield
-    finally:
-        setattr(owner, name, True)
-
-
 def run_order(n: int, i: int, order: str) -> list[int]:
     """The order of the ``n`` configurations on batch ``i`` of prompts: rotated by ``i`` or as listed."""
     start = i % n if order == "rotate" else 0
@@ -311,29 +241,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     rows = []
     pad_id = tok.pad_token_id or 0
     for size in (int(b) for b in args.batch_sizes.split(",")):
-        configs = [] if args.no_hf else [("hf generate", "-", None, None, None)]
-        configs.append(("off", "lossless", SpecConfig(mode="off"), VerifierConfig(), None))
-        if args.torch_linear:  # the same target and head, linear layers on torch's GEMM
-            gemm = Engine(target, engine.head, num_threads=torch.get_num_threads(), linear="torch")
-            configs.append(("off [torch linear]", "lossless", SpecConfig(mode="off"), VerifierConfig(), gemm))
-        if args.unshared_prefill:
-            configs.append(("off [unshared prefill]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "unshared"))
-        if args.unfused:
-            configs.append(("off [unfused layers]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "unfused"))
-        backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
-        if set(backends) - {None, "native", "torch"}:
-            raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
-        configs += [(describe(spec) + ("" if be is None else f" [{be}]"), verifier_label(v), spec, v, be)
-                    for spec, v in spec_configs(args) for be in backends]
-        if args.python_layers:
-            configs.append(("off [python layers]", "lossless", SpecConfig(mode="off"), VerifierConfig(), "python-layers"))
-            configs += [(describe(spec) + " [python layers]", verifier_label(v), spec, v, "python-layers")
-                        for spec, v in spec_configs(args)]
-        if args.python_draft:
-            configs += [(describe(spec) + " [python draft]", verifier_label(v), spec, v, "python-draft")
-                        for spec, v in spec_configs(args)]
-        if args.fp32_head:
-            configs += [(describe(spec) + " [fp32 head]", verifier_label(v), spec, v, "fp32-head") for spec, v in spec_configs(args)]
+        configs = row_configs(args, target, engine)
         totals: list[dict] = [{} for _ in configs]
         calls: list[list[float]] = [[] for _ in configs]  # tokens/s of each call, in order
         groups = batches(prompts, size)

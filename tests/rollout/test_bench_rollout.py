@@ -157,7 +157,8 @@ def test_configurations_rotate_and_step_costs_span_the_run(tiny, monkeypatch):
     runs first or last; the step costs are timed on every batch of prompts, after its runs."""
     from rollout.params import SamplingParams
     from scripts import bench_rollout
-    from scripts.bench_rollout import describe, measure, parse_args
+    from scripts.bench_rollout import measure, parse_args
+    from scripts.bench_rows import describe
 
     target, tok, engine = tiny
     events = []
@@ -249,7 +250,8 @@ def test_verifiers_with_parameters_are_rows_of_their_own(tiny):
     """``--verifiers`` takes rule names (',') or specs with parameters (';'); each spec is a row
     labelled with its parameters, and a bad spec exits naming the flag."""
     from rollout.params import SamplingParams
-    from scripts.bench_rollout import measure, parse_args, parse_verifiers
+    from scripts.bench_rollout import measure, parse_args
+    from scripts.bench_rows import parse_verifiers
 
     assert [(v.name, v.params) for v in parse_verifiers("lossless,mars")] == [("lossless", {}), ("mars", {})]
     specs = parse_verifiers("overshoot:lenience=0.5;overshoot:lenience=0.3,min_p=0.1; mars:theta=0.8")
@@ -272,7 +274,8 @@ def test_sampled_trees_run_lossless_rows_with_their_own_draft_steps(tiny):
     (a lossy rule cannot verify it), and its bound counts the shape's head steps."""
     from rollout.params import SamplingParams
     from rollout.sampled_tree import draft_steps, sampled_shape
-    from scripts.bench_rollout import measure, parse_args, spec_configs
+    from scripts.bench_rollout import measure, parse_args
+    from scripts.bench_rows import spec_configs
 
     args = parse_args(["--batch-sizes", "1", "--max-new-tokens", "6", "--modes", "tree", "--no-hf",
                        "--verifiers", "lossless,mars", "--tree", "2,2,4;s4,2,5", "--cost-reps", "2"])

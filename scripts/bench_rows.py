@@ -1,0 +1,114 @@
+"""The rows of ``scripts/bench_rollout.py`` (a helper module of that script, not an entry point):
+which configurations a run measures, how each row is labelled, and the engine switches that
+some rows turn off. A row is ``(mode label, verifier label, spec, verifier, backend)``: spec None
+is HF ``generate``; backend None the default engine, an ``Engine`` another one, ``native`` /
+``torch`` a pinned verifier backend, a :data:`SWITCHES` key the default engine with that switch off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+
+import torch
+
+from rollout import fused_layers, native_draft, native_layers, native_linear
+from rollout.config import ConfigError
+from rollout.engine import Engine
+from rollout.params import SpecConfig, VerifierConfig, runs_together, tree_spec
+from rollout.runner import ModelRunner
+from trainers.drift.study import parse_verifier, verifier_label
+
+
+def row_configs(args, target, engine: Engine) -> list[tuple]:
+    """The rows of one batch size, in run order (the flags of ``bench_rollout.parse_args``)."""
+    off, lossless = SpecConfig(mode="off"), VerifierConfig()
+    rows = [] if args.no_hf else [("hf generate", "-", None, None, None)]
+    rows.append(("off", "lossless", off, lossless, None))
+    if args.torch_linear:  # the same target and head, linear layers on torch's GEMM
+        gemm = Engine(target, engine.head, num_threads=torch.get_num_threads(), linear="torch")
+        rows.append(("off [torch linear]", "lossless", off, lossless, gemm))
+    if args.unshared_prefill:
+        rows.append(("off [unshared prefill]", "lossless", off, lossless, "unshared"))
+    if args.unfused:
+        rows.append(("off [unfused layers]", "lossless", off, lossless, "unfused"))
+    backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
+    if set(backends) - {None, "native", "torch"}:
+        raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
+    pairs = spec_configs(args)
+    rows += [(describe(spec) + ("" if be is None else f" [{be}]"), verifier_label(v), spec, v, be)
+             for spec, v in pairs for be in backends]
+    if args.python_layers:
+        rows.append(("off [python layers]", "lossless", off, lossless, "python-layers"))
+    for flag, switch, label in ((args.python_layers, "python-layers", "python layers"),
+                                (args.python_draft, "python-draft", "python draft"),
+                                (args.fp32_head, "fp32-head", "fp32 head")):
+        if flag:
+            rows += [(f"{describe(spec)} [{label}]", verifier_label(v), spec, v, switch) for spec, v in pairs]
+    return rows
+
+
+def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
+    specs = []
+    for mode in (m for m in args.modes.split(",") if m):
+        if mode == "chain":
+            specs += [SpecConfig(mode="chain", num_draft_tokens=int(k), draft_sampling=args.draft_sampling)
+                      for k in args.chain_k.split(",")]
+        elif mode == "tree":
+            try:
+                specs += [tree_spec(shape) for shape in args.tree.split(";")]
+            except (ValueError, ConfigError) as err:
+                raise SystemExit(f"--tree: {err}") from None
+        else:
+            raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
+    caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
+    specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
+                                 and spec.mode == "chain") for spec in specs for cap in caps or [None]]
+    pairs = [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
+    return [(spec, v) for spec, v in pairs if runs_together(spec, v)]
+
+
+def parse_verifiers(text: str) -> list[VerifierConfig]:
+    """``--verifiers``: rule names separated by ',' (default parameters), or specs with parameters
+    (``name:key=value,...``, as ``scripts/drift.py`` takes them) separated by ';'."""
+    with_params = ";" in text or ":" in text
+    items = [v.strip() for v in text.split(";" if with_params else ",") if v.strip()]
+    try:
+        return [parse_verifier(v) for v in items]
+    except (ValueError, ConfigError) as err:
+        hint = " (specs with parameters are separated by ';')" if with_params else ""
+        raise SystemExit(f"--verifiers {text!r}: {err}{hint}") from None
+
+
+def _cap(text: str) -> int | str | None:
+    return None if text == "none" else "auto" if text == "auto" else int(text)
+
+
+def describe(spec: SpecConfig) -> str:
+    cap = "" if spec.max_batch is None else f" mb={spec.max_batch}" + ("/k" if spec.adaptive_k else "")
+    if spec.mode == "chain":
+        return f"chain K={spec.num_draft_tokens} {spec.draft_sampling}{cap}"
+    if spec.mode == "tree":
+        kind = " sampled" if spec.sampled_tree else ""
+        return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{kind}{cap}"
+    return "off"
+
+
+# rows run on the default engine with one switch off: (owner, attribute)
+SWITCHES = {
+    "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
+    "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
+    "python-layers": (native_layers, "enabled"),  # the layers from Python, not csrc/layer.cpp
+    "python-draft": (native_draft, "enabled"),  # the draft head's forwards from Python
+    "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
+}
+
+
+@contextlib.contextmanager
+def switched_off(owner, name: str):
+    """``owner.name`` is False inside the block, True after it."""
+    setattr(owner, name, False)
+    try:
+        yield
+    finally:
+        setattr(owner, name, True)
