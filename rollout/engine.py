@@ -29,7 +29,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from functools import partial
 
 import torch
 
@@ -37,7 +36,7 @@ from rollout import native_linear
 from rollout.allocator import tune_malloc
 from rollout.kv_cache import fill_from_tail
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_pair
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner, sample_draft
 from rollout.sampled_tree import ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_sampled
@@ -115,7 +114,6 @@ class Engine:
             raise ValueError(f"capture needs plain decoding (spec.mode 'off'), got spec.mode={spec.mode!r}")
         if spec.speculative and self.head is None:
             raise ValueError(f"spec.mode={spec.mode!r} needs a draft head; this engine has none (use mode 'off')")
-        check_pair(spec, verifier)
         if not prompts:
             return GenerationResult([], Timings(), [] if debug else None, [] if capture else None)
         budgets = self._budgets(prompts, sampling.max_new_tokens)
@@ -231,8 +229,8 @@ class Engine:
             call.timings.draft_forwards += spec.depth
         t1 = time.perf_counter()
         logits, feats = runner.verify_forward(tree.tokens, tree.depths, tree.mask)  # [B, T, V], [B, T, 3H]
-        walker = walk_sampled if fused_walk_usable(tree, call.rule, logits.device) else partial(walk, call.rule)
-        res = walker(tree, logits, record=self._record(call), **call.verify_kw)
+        walker = walk_sampled if fused_walk_usable(tree, call.rule, logits.device) else walk
+        res = walker(call.rule, tree, logits, record=self._record(call), **call.verify_kw)
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
         host = res.num_emitted.tolist()
@@ -257,7 +255,7 @@ class Engine:
         self._tick(call, t1 - t0, t2 - t1)
         counts = res.num_emitted
         if call.debug is not None:
-            call.record = [(k, None, logits[:, k], full_draft[:, k] if k < tokens.shape[1] else None)
+            call.record = [(k, None, logits[:, k], None, full_draft[:, k] if k < tokens.shape[1] else None)
                            for k in range(block.shape[1])]
         host = counts.tolist()
         runner.commit(counts, host, res.tokens.clamp(min=0), feats, None)
@@ -323,17 +321,15 @@ class Engine:
         """Turn this round's raw records into DebugRecords (one per emitted token)."""
         live = call.table.live
         counts_h = counts.tolist()
-        for level, rows, logits, extra in call.record:
-            chain = rows is None  # chain entries carry draft logits (None at the bonus position)
-            rows = range(len(live)) if chain else rows.tolist()
+        for level, rows, logits, cands, drafts in call.record:  # rows None: every row
+            rows = range(len(live)) if rows is None else rows.tolist()
             for i, r in enumerate(rows):
                 if level >= counts_h[r]:
                     continue
                 call.debug.append(DebugRecord(
                     row=live[r], index=before[r] + level, step_position=level, token=int(tokens[r, level]),
-                    target_logits=logits[i].clone(),
-                    draft_logits=extra[i].clone() if chain and extra is not None else None,
-                    candidates=None if chain or extra is None else extra[i].clone()))
+                    target_logits=logits[i].clone(), draft_logits=None if drafts is None else drafts[i].clone(),
+                    candidates=None if cands is None else cands[i].clone()))
         call.record = []
 
 

@@ -77,9 +77,10 @@ class SpecConfig:
     total_tokens: drafted tree nodes verified per round (the root is extra).
     tree_candidates: a tree node's children are the head's ``top_k`` tokens (deterministic
         candidates, any verifier; the EAGLE-2 dynamic tree) or ``sampled`` from q without
-        replacement (lossless verifier only; a shape of ``total_tokens`` nodes, at most ``depth``
-        deep and ``top_k`` wide, re-planned during a call from the acceptance it measured,
-        ``rollout.sampled_tree``). At T = 0 a sampled tree drafts the top-k tree instead.
+        replacement (a shape of ``total_tokens`` nodes, at most ``depth`` deep and ``top_k`` wide,
+        re-planned during a call from the acceptance it measured, ``rollout.sampled_tree``; any
+        verifier: a lossy one verifies towards its chain law, so each position's law is that of
+        its sampled chain). At T = 0 a sampled tree drafts the top-k tree instead.
     max_batch: draft only in rounds with at most this many unfinished rows; rounds over
         larger batches decode one plain token per row (the draft catches up on those tokens
         when drafting resumes). On a CPU a forward's cost grows with its tokens once the
@@ -209,21 +210,6 @@ def tree_spec(text: str, **fields) -> SpecConfig:
                       tree_candidates="sampled" if sampled else "top_k", **fields)
 
 
-def runs_together(spec: SpecConfig, verifier: VerifierConfig) -> bool:
-    """Whether ``verifier`` can verify what ``spec`` drafts (sampled trees: the lossless rule only)."""
-    from verifiers.sampled import SAMPLED_RULES
-
-    return not spec.sampled_tree or verifier.name in SAMPLED_RULES
-
-
-def check_pair(spec: SpecConfig, verifier: VerifierConfig) -> None:
-    """Raise ConfigError for a speculation + verifier pair that cannot run together."""
-    if not runs_together(spec, verifier):
-        raise ConfigError("tree_candidates", f"'sampled' trees are verified losslessly only, not by verifier "
-                          f"{verifier.name!r} (a lossy rule's law over sampled candidates is not specified); use "
-                          "tree_candidates 'top_k' or a chain")
-
-
 def drift_warning(spec: SpecConfig, verifier: VerifierConfig) -> str | None:
     """A warning for a speculation + verifier pair that samples far from the target, else None.
 
@@ -232,11 +218,12 @@ def drift_warning(spec: SpecConfig, verifier: VerifierConfig) -> str | None:
     near-greedy rollouts. Measured on held-out arithmetic (README, Status, session 17): tree
     completions a third shorter than plain sampling's, 4.4x the per-token KL of MARS on sampled
     chains, a sequence importance-weight ESS of 0.05."""
-    deterministic = spec.mode == "tree" or (spec.mode == "chain" and spec.draft_sampling == "greedy")
+    deterministic = (spec.mode == "tree" and not spec.sampled_tree
+                     or spec.mode == "chain" and spec.draft_sampling == "greedy")
     if verifier.name != "mars" or not deterministic or verifier.rule().theta >= 1.0:
         return None
     drafts = "tree nodes" if spec.mode == "tree" else "greedy drafts"
     return (f"verifier mars with {drafts} (spec.mode={spec.mode!r}, draft_sampling={spec.draft_sampling!r}) "
             "accepts the target's top-2 tokens outright wherever it relaxes: the rollouts come out near greedy "
             "(on held-out arithmetic: completions a third shorter, sequence IS ESS about 0.05). For training, use "
-            "mars with draft_sampling 'sampled' chains, or overshoot")
+            "mars with draft_sampling 'sampled' chains or tree_candidates 'sampled', or overshoot")

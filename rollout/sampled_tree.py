@@ -1,8 +1,8 @@
-"""Draft trees of sampled candidates (``spec.tree_candidates: sampled``), verified losslessly by
-recursive rejection (``verifiers.sampled``).
+"""Draft trees of sampled candidates (``spec.tree_candidates: sampled``), verified by recursive
+rejection (``verifiers.sampled``) towards p (lossless) or a lossy rule's chain law P_R(p, q).
 
 A node's children are drawn from the head's q at that node without replacement (their draw
-order is their rank), so the verifier's law at the node is exactly p. That holds only if the
+order is their rank), so the verifier's law at the node is exactly p (P_R). That holds only if the
 number of children a node gets never depends on the children's own draws; a budget that kept
 the best-scoring drafted nodes, as the EAGLE-2 tree does, would keep a second child more often
 when its q is high, and bias the law. So each round's tree has a **shape** fixed before its
@@ -15,7 +15,7 @@ lower-ranked siblings. At most ``depth`` levels and ``top_k`` children per node.
 from :data:`RANK_ACCEPT` (the shipped head's rates at T = 1 on held-out prompts: 0.58 for the
 first candidate, 0.09 more for a second, 0.05 for a third) and :class:`ShapePlanner` re-plans
 the shape from the rates its rounds measured (another head or temperature has other rates).
-A round's shape depends only on earlier rounds, so the law at each node stays p.
+A round's shape depends only on earlier rounds, so the law at each node stays p (P_R).
 
 Drafting runs one head step per level: the root's step gives the first level's q, and the
 nodes of level l that have children run in one step at level l (each sees its ancestors'
@@ -30,11 +30,11 @@ from functools import cached_property
 
 import torch
 
-from verifiers import native
+from verifiers import TokenKind, native
 from verifiers.checks import raise_if_bad_rows
-from verifiers.sampled import SAMPLED_RULES, draw_without_replacement, kernel_logits
+from verifiers.sampled import draw_without_replacement, kernel_logits
 
-from .tree import Tree, WalkResult, _ancestor_mask, _children
+from .tree import Tree, WalkResult, _ancestor_mask, _children, record_level
 
 RANK_ACCEPT = (0.58, 0.09, 0.05, 0.03, 0.02)
 PRIOR_TRIALS = 50.0  # weight of RANK_ACCEPT in the measured rates, in nodes
@@ -164,20 +164,21 @@ def draft_sampled_tree(runner, root: torch.Tensor, shape: Shape, temperature: fl
 
 
 def fused_walk_usable(tree: Tree, rule, device: torch.device) -> bool:
-    """Whether :func:`walk_sampled` can verify ``tree`` (a sampled tree, the lossless rule, the
-    C++ verifier on the CPU); else ``rollout.tree.walk`` does, node level by node level."""
+    """Whether :func:`walk_sampled` can verify ``tree`` (a sampled tree, a rule with a kernel id,
+    the C++ verifier on the CPU); else ``rollout.tree.walk`` does, node level by node level."""
     return (tree.draft_logits is not None and tree.draft_ids is not None and device.type == "cpu"
-            and getattr(rule, "name", None) in SAMPLED_RULES and native.enabled())
+            and native.enabled() and native.supports(rule))
 
 
-def walk_sampled(tree: Tree, target_logits: torch.Tensor, *, temperature: float, top_k: int | None,
+def walk_sampled(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, top_k: int | None,
                  top_p: float | None, generator: torch.Generator, record: list | None = None) -> WalkResult:
     """``rollout.tree.walk`` over a sampled tree in one C++ call (``csrc/sampled.cpp``,
     ``hr_walk_sampled``): each row's walk runs the same node step as ``verify_sampled_candidates``
-    (recursive rejection; a leaf's bonus token from p), so the law is p. Its randomness differs
-    from the level-by-level walk's: ``u_accept = rand(B, W, K)``, then ``u_final = rand(B, W)``
-    per round, entry (row, level) used at the row's node of that level. The kernel writes the
-    kinds as ``TokenKind`` values (-1 padding). See :func:`fused_walk_usable` for when it applies."""
+    (recursive rejection towards p, or a lossy rule's P_R; a leaf's bonus token from p). Its
+    randomness differs from the level-by-level walk's: ``u_accept = rand(B, W, K)``, then
+    ``u_final = rand(B, W)`` per round, entry (row, level) used at the row's node of that level.
+    The kernel writes the kinds as ``TokenKind`` values (-1 padding). See :func:`fused_walk_usable`
+    for when it applies."""
     b = target_logits.shape[0]
     w, k = tree.max_depth + 1, tree.children.shape[-1]
     dev = target_logits.device
@@ -185,8 +186,8 @@ def walk_sampled(tree: Tree, target_logits: torch.Tensor, *, temperature: float,
     u_final = torch.rand(b, w, generator=generator, device=dev)
     z, zd, t = kernel_logits(target_logits, tree.draft_logits, temperature, top_k, top_p)
     try:
-        tokens, logp, kinds, path, emitted = native.walk_sampled_native(
-            z, zd, tree.draft_ids, tree.tokens, tree.children[0], u_accept, u_final, t)
+        tokens, logp, target, kinds, path, emitted = native.walk_sampled_native(
+            rule, z, zd, tree.draft_ids, tree.tokens, tree.children[0], u_accept, u_final, t)
     except native.NativeError as err:
         if err.status == 4:
             raise RuntimeError("internal error: a sampled tree node has a child its q gives probability 0") from None
@@ -199,9 +200,10 @@ def walk_sampled(tree: Tree, target_logits: torch.Tensor, *, temperature: float,
             rows = (emitted > level).nonzero()[:, 0]
             if len(rows) == 0:
                 break
-            record.append((level, rows, target_logits[rows, path[rows, level]], None))
-    return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=logp.clone(),
-                      kinds=kinds, relaxed=torch.zeros(b, w, dtype=torch.bool), path=path)
+            record_level(record, level, rows, path[rows, level], target_logits, tree)
+    relaxed = (kinds == int(TokenKind.ACCEPTED)) & (logp > target)  # P_R(y) > p(y) for an accepted child
+    return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=target,
+                      kinds=kinds, relaxed=relaxed, path=path)
 
 
 class ShapePlanner:

@@ -169,13 +169,33 @@ class WalkResult:
     path: torch.Tensor
 
 
+def inner_nodes(tree: Tree) -> torch.Tensor:
+    """[N+1] bool: the nodes with children in a sampled tree (one shape for every row)."""
+    return tree.children[0][:, 0] >= 0
+
+
+def record_level(record: list, level: int, rows: torch.Tensor, nodes: torch.Tensor, target_logits: torch.Tensor,
+                 tree: Tree) -> None:
+    """Debug records of one level of a sampled tree's walk (``rows [n]`` at ``nodes [n]``): the
+    rows at a node with children carry its draft logits over the target vocabulary (their law is
+    the rule's chain law at that q), the rows at a leaf none (a bonus token: p)."""
+    inner = inner_nodes(tree)
+    for has in (True, False):
+        pick = (inner[nodes] == has).nonzero()[:, 0]
+        if len(pick):
+            r, nd = rows[pick], nodes[pick]
+            drafts = tree.to_target(tree.draft_logits[r, nd]) if has else None
+            record.append((level, r, target_logits[r, nd], None, drafts))
+
+
 def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, top_k: int | None,
          top_p: float | None, generator: torch.Generator, record: list | None = None) -> WalkResult:
     """Verify ``tree`` against ``target_logits [B, N+1, V]`` (row of node i = the target's
     prediction after node i), level by level over the rows still walking.
 
-    record: when a list, gets ``(level, rows [n], logits [n, V], candidates [n, k])`` per level
-        (candidates None in a sampled tree: there the verifier's law is p).
+    record: when a list, gets ``(level, rows [n], logits [n, V], candidates [n, k], None)`` per
+        level; in a sampled tree ``(level, rows, logits, None, draft logits [n, V] or None)``
+        (``rollout.sampled_tree.record_level``: the law there is the rule's chain law at q).
     """
     b, _, v = target_logits.shape
     w = tree.max_depth + 1
@@ -209,8 +229,10 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
         out.relaxed[rows, level] = res.relaxed
         out.path[rows, level] = node
         out.num_emitted[rows] += 1
-        if record is not None:
-            record.append((level, rows, logits, cand if tree.draft_logits is None else None))
+        if record is not None and tree.draft_logits is None:
+            record.append((level, rows, logits, cand, None))
+        elif record is not None:
+            record_level(record, level, rows, node, target_logits, tree)
         keep = acc.nonzero()[:, 0]
         if keep.numel() == 0:
             break

@@ -15,7 +15,7 @@ import torch
 from rollout import fused_layers, native_draft, native_layers, native_linear
 from rollout.config import ConfigError
 from rollout.engine import Engine
-from rollout.params import SpecConfig, VerifierConfig, runs_together, tree_spec
+from rollout.params import SpecConfig, VerifierConfig, tree_spec
 from rollout.runner import ModelRunner
 from trainers.drift.study import parse_verifier, verifier_label
 
@@ -64,8 +64,7 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
     caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
-    pairs = [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
-    return [(spec, v) for spec, v in pairs if runs_together(spec, v)]
+    return [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
 
 
 def parse_verifiers(text: str) -> list[VerifierConfig]:

@@ -12,8 +12,11 @@ step against one target decoding step at batch 1 (``rollout.timing``).
 
 ``--tree`` adds trees on the same prompts (``depth,top_k,total_tokens``; an ``s`` in front
 drafts sampled candidates, ``rollout.sampled_tree``, measured at T = 1 only; top-k trees at
-T = 1 and T = 0), lossless, on the same prompts and seeds as the chain (``--seeds N``: N calls
-per set and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chain's.
+T = 1 and T = 0), on the same prompts and seeds as the chain (``--seeds N``: N calls per set
+and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chain's.
+``--verifier`` verifies every chain and tree with another rule (``name`` or
+``name:key=value,...``, e.g. ``overshoot:lenience=0.5``; default lossless); the trivial
+drafter stays lossless.
 """
 
 from __future__ import annotations
@@ -32,8 +35,9 @@ from rollout.eagle3 import DraftOutput, default_head_path, load_eagle3
 from rollout.engine import Engine
 from rollout.models import load_embedded_target
 from rollout.outputs import Timings
-from rollout.params import SamplingParams, SpecConfig, tree_spec
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, tree_spec
 from rollout.timing import step_costs
+from trainers.drift.study import parse_verifier
 from trainers.tasks.general import heldout_prompts
 
 
@@ -69,9 +73,9 @@ def held_out_prompts(tok, n_arith: int, n_general: int, seed: int = 1234) -> dic
 
 
 def measure(target, head, prompts: list[list[int]], *, k: int, temperature: float, max_new_tokens: int,
-            seed: int, spec: SpecConfig | None = None) -> Timings:
+            seed: int, spec: SpecConfig | None = None, verifier: VerifierConfig | None = None) -> Timings:
     """The engine's counters over one call on ``prompts`` (head None: the trivial drafter);
-    ``spec`` None: the chain of ``k`` drafts."""
+    ``spec`` None: the chain of ``k`` drafts; ``verifier`` None: lossless."""
     eos = target.config.eos_token_id
     eos = int(eos[0] if isinstance(eos, list) else eos)
     engine = Engine(target, head if head is not None else RepeatLastDraft(target.vocab_size),
@@ -79,7 +83,7 @@ def measure(target, head, prompts: list[list[int]], *, k: int, temperature: floa
     if spec is None:
         spec = SpecConfig(mode="chain", num_draft_tokens=k, draft_sampling="sampled" if temperature > 0 else "greedy")
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(eos,))
-    return engine.generate(prompts, sampling, spec, seed=seed).timings
+    return engine.generate(prompts, sampling, spec, verifier if head is not None else None, seed=seed).timings
 
 
 def measure_seeds(target, head, prompts: list[list[int]], seeds: range, **kw) -> dict:
@@ -94,7 +98,7 @@ def measure_seeds(target, head, prompts: list[list[int]], seeds: range, **kw) ->
 
 
 def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *, max_new_tokens: int,
-                  seed: int, seeds: int) -> dict:
+                  seed: int, seeds: int, verifier: VerifierConfig | None = None) -> dict:
     """tau of each ``--tree`` config on each prompt set (summed over ``seeds`` calls from ``seed``)."""
     report = {}
     for text in (t for t in trees.split(";") if t.strip()):
@@ -104,7 +108,8 @@ def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *,
             for temperature in temps:
                 key = f"{kind}/T={temperature:g}/tree {text.strip()}"
                 report[key] = measure_seeds(target, head, prompts, range(seed, seed + seeds), k=0,
-                                            temperature=temperature, max_new_tokens=max_new_tokens, spec=spec)
+                                            temperature=temperature, max_new_tokens=max_new_tokens, spec=spec,
+                                            verifier=verifier)
                 print(key, report[key], flush=True)
     return report
 
@@ -122,15 +127,21 @@ def main(argv: list[str] | None = None) -> dict:
                     "'s' in front: sampled candidates)")
     ap.add_argument("--seeds", type=int, default=1,
                     help="calls per set and mode (seeds --seed onwards), counters summed")
+    ap.add_argument("--verifier", default="lossless",
+                    help="the rule chains and trees are verified with: name or name:key=value,...")
     args = ap.parse_args(argv)
     try:
         [tree_spec(t) for t in args.tree.split(";") if t.strip()]
     except (ValueError, ConfigError) as err:
         ap.error(f"--tree: {err}")
+    try:
+        verifier = parse_verifier(args.verifier)
+    except (ValueError, ConfigError) as err:
+        ap.error(f"--verifier: {err}")
     target, tok = load_embedded_target()
     head = load_eagle3(args.head, target)
     sets = held_out_prompts(tok, args.n_arith, args.n_general)
-    report: dict[str, object] = {"k": args.k, "head": args.head}
+    report: dict[str, object] = {"k": args.k, "head": args.head, "verifier": args.verifier}
     for kind, prompts in sets.items():
         for temperature in (1.0, 0.0):
             for name, h in (("eagle3", head), ("trivial", None)):
@@ -138,11 +149,12 @@ def main(argv: list[str] | None = None) -> dict:
                     continue
                 key = f"{kind}/T={temperature:g}/{name}"
                 report[key] = measure_seeds(target, h, prompts, range(args.seed, args.seed + args.seeds), k=args.k,
-                                            temperature=temperature, max_new_tokens=args.max_new_tokens)
+                                            temperature=temperature, max_new_tokens=args.max_new_tokens,
+                                            verifier=verifier)
                 print(key, report[key], flush=True)
     if args.tree:
         report.update(measure_trees(target, head, sets, args.tree, max_new_tokens=args.max_new_tokens,
-                                    seed=args.seed, seeds=args.seeds))
+                                    seed=args.seed, seeds=args.seeds, verifier=verifier))
     costs = step_costs(Engine(target, head, num_threads=torch.get_num_threads()), sets["arithmetic"][:1], [1], 20)
     report["step_costs"] = {"draft_step_s": costs["draft"], "target_step_s": costs[1],
                             "ratio": costs["draft"] / costs[1]}

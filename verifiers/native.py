@@ -108,10 +108,12 @@ def _load_locked() -> ctypes.CDLL | None:
     fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 2
     fn = lib.hr_verify_sampled
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 4
+    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
+                   + [ctypes.c_void_p] * 5)
     fn = lib.hr_walk_sampled
     fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_double] + [ctypes.c_void_p] * 6
+    fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_double, ctypes.POINTER(Params)]
+                   + [ctypes.c_void_p] * 7)
     lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
     lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
     _lib, _tried = lib, True
@@ -265,28 +267,29 @@ def draw_sampled_native(logits: Tensor, u: Tensor, temperature: float) -> Tensor
     return out
 
 
-def verify_sampled_native(z_target: Tensor, z_draft: Tensor, cands: Tensor, u_accept: Tensor, u_final: Tensor,
-                          temperature: float) -> tuple[Tensor, Tensor, Tensor]:
-    """``verifiers.sampled.verify_sampled_candidates`` fused: (tokens, index, log p(y)), each [N]."""
+def verify_sampled_native(rule, z_target: Tensor, z_draft: Tensor, cands: Tensor, u_accept: Tensor,
+                          u_final: Tensor, temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``verifiers.sampled.verify_sampled_candidates`` fused: (tokens, index, log P(y), log p(y)),
+    each [N]; P is p or ``rule``'s chain law (a rule with a kernel id)."""
     lib = _load()
     n, v = z_target.shape
     m = cands.shape[1]
     zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
     cs, ua, uf, tokens, index, bad_rows = _node_buffers(cands, u_accept, u_final)
-    logp = torch.empty(n, dtype=torch.float32)
+    logp, target_lp = torch.empty(n, dtype=torch.float32), torch.empty(n, dtype=torch.float32)
     status = lib.hr_verify_sampled(zt.data_ptr(), zd.data_ptr(), cs.data_ptr(), ua.data_ptr(), uf.data_ptr(), n, m,
-                                   v, float(temperature), tokens.data_ptr(), index.data_ptr(), logp.data_ptr(),
-                                   bad_rows.data_ptr())
+                                   v, float(temperature), ctypes.byref(params(rule)), tokens.data_ptr(),
+                                   index.data_ptr(), logp.data_ptr(), target_lp.data_ptr(), bad_rows.data_ptr())
     if status != 0:
         raise NativeError(int(status), bad_rows)
-    return tokens, index, logp
+    return tokens, index, logp, target_lp
 
 
-def walk_sampled_native(z_target: Tensor, z_draft: Tensor, draft_ids: Tensor, tokens: Tensor, children: Tensor,
-                        u_accept: Tensor, u_final: Tensor, temperature: float) -> tuple[Tensor, ...]:
+def walk_sampled_native(rule, z_target: Tensor, z_draft: Tensor, draft_ids: Tensor, tokens: Tensor,
+                        children: Tensor, u_accept: Tensor, u_final: Tensor, temperature: float) -> tuple[Tensor, ...]:
     """``rollout.sampled_tree.walk_sampled`` fused: z_target [B, N+1, V], z_draft [B, N+1, Vd],
     draft_ids [Vd], tokens [B, N+1], children [N+1, K], u_accept [B, W, K], u_final [B, W]; returns
-    (tokens, log p, kinds, path) [B, W] and emitted [B]."""
+    (tokens, log P, log p, kinds, path) [B, W] and emitted [B] (P: p or ``rule``'s chain law)."""
     lib = _load()
     b, n1, v = z_target.shape
     vd, k, w = z_draft.shape[-1], children.shape[1], u_final.shape[1]
@@ -294,15 +297,15 @@ def walk_sampled_native(z_target: Tensor, z_draft: Tensor, draft_ids: Tensor, to
     ids, toks, kids = draft_ids.long().contiguous(), tokens.long().contiguous(), children.long().contiguous()
     ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
     out = torch.empty(b, w, dtype=torch.long)
-    logp = torch.empty(b, w, dtype=torch.float32)
+    logp, target_lp = torch.empty(b, w, dtype=torch.float32), torch.empty(b, w, dtype=torch.float32)
     kinds = torch.empty(b, w, dtype=torch.long)
     path = torch.empty(b, w, dtype=torch.long)
     emitted = torch.empty(b, dtype=torch.long)
     bad_rows = torch.zeros(b, dtype=torch.uint8)
     status = lib.hr_walk_sampled(zt.data_ptr(), zd.data_ptr(), ids.data_ptr(), toks.data_ptr(), kids.data_ptr(),
-                                 ua.data_ptr(), uf.data_ptr(), b, n1, v, vd, k, w, float(temperature), out.data_ptr(),
-                                 logp.data_ptr(), kinds.data_ptr(), path.data_ptr(), emitted.data_ptr(),
-                                 bad_rows.data_ptr())
+                                 ua.data_ptr(), uf.data_ptr(), b, n1, v, vd, k, w, float(temperature),
+                                 ctypes.byref(params(rule)), out.data_ptr(), logp.data_ptr(), target_lp.data_ptr(),
+                                 kinds.data_ptr(), path.data_ptr(), emitted.data_ptr(), bad_rows.data_ptr())
     if status != 0:
         raise NativeError(int(status), bad_rows)
-    return out, logp, kinds, path, emitted
+    return out, logp, target_lp, kinds, path, emitted

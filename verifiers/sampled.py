@@ -1,5 +1,5 @@
-"""Lossless verification over candidates drawn from q without replacement (verifiers/README.md,
-sampled candidates): one node of a sampled draft tree.
+"""Verification over candidates drawn from q without replacement (verifiers/README.md, sampled
+candidates): one node of a sampled draft tree, towards p or a lossy rule's chain law.
 
 Node n has candidates c_1..c_m in draw order, -1 padded: c_1 ~ q, and c_i ~ q_i, q with
 c_1..c_{i-1} removed and renormalised (sequential sampling without replacement, as
@@ -15,17 +15,24 @@ candidates (even one chosen from the earlier candidates). So the behaviour log-p
 log p(y), as in a lossless chain. Where (s - q_i)+ is empty, s = q_i and the rejection had
 probability 0; s is then kept (a float rounding case).
 
-Only rules that induce the target exactly (``lossless``) take sampled candidates: a lossy
-rule's law over such a node would be a sum over every candidate draw, which no rule of this
-package specifies.
+A lossy rule R verifies sampled candidates **towards its chain law**: the recursion starts from
+s = P_R(p, q) = ``rule.induced(p, q, ctx)``, the closed form of R's chain verification at a
+position with this p and q, instead of p. By the same induction the emitted token's law is P_R:
+per position the law (and so the behaviour log-prob log P_R(y) and the drift) of R's sampled
+chain, reached with more acceptance (each step is the lossless coupling towards P_R, and a node
+has more than one candidate). The target log-prob stays log p(y). For overshoot the one-candidate
+step accepts exactly as the rule's chain does (sum min(q, P) = sum min(q, p / l)); for MARS it
+accepts more (sum min(q, P) > q(v1) + q(v2) where it relaxes). A node without candidates (a
+tree's leaf: a bonus token) emits from p, as a chain's bonus does.
 
 Randomness, in this fixed order from ``generator``: ``u_accept = torch.rand(N, m)`` (c_i is
 accepted iff u_accept[n, i] < its acceptance), then ``u_final = torch.rand(N)`` (the
 fallback by inverse CDF), as in :func:`verifiers.verify_candidates`.
 
 Backends: on the CPU both functions run fused in C++ (:mod:`.native`, ``csrc/sampled.cpp``:
-the same procedure on the same uniforms); the PyTorch code below serves other devices and is
-the fallback.
+the same procedure on the same uniforms; a lossy rule's chain law from the kernel's closed forms,
+``csrc/rules.h``, for the rules with a kernel id); the PyTorch code below serves other devices and
+other rules, and is the fallback.
 """
 
 from __future__ import annotations
@@ -39,7 +46,16 @@ from .induced import checked_softmax
 from .processing import draft_logits as scale_draft, process_logits, sample_inverse_cdf
 from .results import CandidateResult, empty_candidate_result
 
-SAMPLED_RULES = ("lossless",)
+
+def chain_law(rule, z: Tensor, p: Tensor, q: Tensor, drafted: Tensor | None = None) -> Tensor:
+    """P_R [N, V]: what ``rule``'s chain verification induces at positions with processed target
+    logits ``z``, target p and draft q (``rule.induced``); p itself for the lossless rule and at
+    the rows where ``drafted [N]`` is False (no candidates: a bonus token). The law a node of
+    sampled candidates is verified towards."""
+    if getattr(rule, "name", None) == "lossless":
+        return p
+    law = rule.induced(p, q, rule.context(z, p))
+    return law if drafted is None else torch.where(drafted[:, None], law, p)
 
 
 def draw_without_replacement(logits: Tensor, m: int, temperature: float, generator: torch.Generator) -> Tensor:
@@ -122,18 +138,18 @@ def kernel_logits(target: Tensor, draft: Tensor, temperature: float, top_k: int 
     return process_logits(target, temperature, top_k, top_p), scale_draft(draft, temperature), 1.0
 
 
-def _native(raw, draft, cands, u_accept, u_final, temperature, top_k, top_p) -> CandidateResult:
-    """The fused C++ verifier on the same uniforms."""
+def _native(rule, raw, draft, cands, u_accept, u_final, temperature, top_k, top_p) -> CandidateResult:
+    """The fused C++ verifier on the same uniforms (the rule's chain law from its kernel closed form)."""
     z, zd, t = kernel_logits(raw, draft, temperature, top_k, top_p)
     try:
-        tokens, index, logp = native.verify_sampled_native(z, zd, cands, u_accept, u_final, t)
+        tokens, index, logp, target = native.verify_sampled_native(rule, z, zd, cands, u_accept, u_final, t)
     except native.NativeError as err:
         if err.status == 4:
             raise _zero_q_error(torch.softmax(scale_draft(draft, temperature), -1), cands) from None
         name, rows = ("target_logits", raw) if err.status == 1 else ("draft_logits", draft)
         raise_if_bad_rows(name, rows, torch.where(err.bad_rows.bool(), float("nan"), 0.0), temperature)
         raise AssertionError("the C++ verifier flagged a bad row that has none") from None
-    return CandidateResult(tokens, index, logp, logp.clone(), torch.zeros(len(tokens), dtype=torch.bool))
+    return CandidateResult(tokens, index, logp, target, (index >= 0) & (logp > target))
 
 
 def verify_sampled_candidates(rule, target_logits: Tensor, draft_logits: Tensor, candidates: Tensor, *,
@@ -142,21 +158,19 @@ def verify_sampled_candidates(rule, target_logits: Tensor, draft_logits: Tensor,
     """Verify N nodes: ``target_logits [N, V]``, ``draft_logits [N, V]`` (the drafter's logits the
     candidates were drawn from, over the target vocabulary, -inf outside the draft vocabulary;
     q = softmax(draft_logits / T)), ``candidates [N, m]`` in draw order (-1 padded, distinct).
-    The emitted token's law is p; its behaviour and target log-probs are both log p(y)."""
+    The emitted token's law is P_R (:func:`chain_law`; p for the lossless rule, and at a node
+    without candidates, whose token is a bonus token): its behaviour
+    log-prob is log P_R(y), its target log-prob log p(y). ``relaxed``: a candidate was accepted
+    and P_R gives it more than p does."""
     n, m = _check(rule, target_logits, draft_logits, candidates, temperature, top_k, top_p)
     check_generator(generator, temperature, target_logits.device)
     dev = target_logits.device
     u_accept = torch.rand(n, m, generator=generator, device=dev)
     u_final = torch.rand(n, generator=generator, device=dev)
-    return _verify(target_logits, draft_logits, candidates, u_accept, u_final, temperature, top_k, top_p)
+    return _verify(rule, target_logits, draft_logits, candidates, u_accept, u_final, temperature, top_k, top_p)
 
 
 def _check(rule, target_logits, draft_logits, candidates, temperature, top_k, top_p) -> tuple[int, int]:
-    name = getattr(rule, "name", type(rule).__name__)
-    if name not in SAMPLED_RULES:
-        raise ValueError(f"verifier {name!r} cannot verify sampled candidates: only {', '.join(SAMPLED_RULES)} "
-                         "(a lossy rule's law over a sampled tree node is not specified; use its chain or "
-                         "top-k tree)")
     if temperature == 0:
         raise ValueError("sampled candidates need temperature > 0 (at T = 0 draft the top-k)")
     n, m, _ = check_candidate_inputs(rule, target_logits, candidates, temperature, top_k, top_p)
@@ -164,24 +178,25 @@ def _check(rule, target_logits, draft_logits, candidates, temperature, top_k, to
     return n, m
 
 
-def _verify(target_logits: Tensor, draft_logits: Tensor, candidates: Tensor, u_accept: Tensor, u_final: Tensor,
-            temperature: float, top_k: int | None, top_p: float | None) -> CandidateResult:
+def _verify(rule, target_logits: Tensor, draft_logits: Tensor, candidates: Tensor, u_accept: Tensor,
+            u_final: Tensor, temperature: float, top_k: int | None, top_p: float | None) -> CandidateResult:
     """The verification of checked inputs on the uniforms ``u_accept [N, m]``, ``u_final [N]``."""
     n, dev = candidates.shape[0], target_logits.device
     if n == 0:
         return empty_candidate_result(dev, False)
     cands = candidates.long()
     with torch.no_grad():
-        if dev.type == "cpu" and native.enabled():
-            return _native(target_logits, draft_logits, cands, u_accept, u_final, temperature, top_k, top_p)
+        if dev.type == "cpu" and native.enabled() and native.supports(rule):
+            return _native(rule, target_logits, draft_logits, cands, u_accept, u_final, temperature, top_k, top_p)
         z = process_logits(target_logits, temperature, top_k, top_p)
         p = checked_softmax("target_logits", target_logits, z, temperature)
         zq = scale_draft(draft_logits, temperature)
         q = checked_softmax("draft_logits", draft_logits, zq, temperature)
         if bool(((cands >= 0) & (q.gather(1, cands.clamp(min=0)) <= 0)).any()):
             raise _zero_q_error(q, cands)
-        index, s = _recursive_rejection(p, q, cands, u_accept)
+        law = chain_law(rule, z, p, q, cands[:, 0] >= 0)
+        index, s = _recursive_rejection(law, q, cands, u_accept)
         fallback = sample_inverse_cdf(s, u_final).clamp_(max=p.shape[-1] - 1)
         tokens = torch.where(index >= 0, cands.gather(1, index.clamp(min=0)[:, None])[:, 0], fallback)
-        logp = p.gather(1, tokens[:, None])[:, 0].log().float()
-    return CandidateResult(tokens, index, logp, logp.clone(), torch.zeros(n, dtype=torch.bool, device=dev))
+        law_y, p_y = law.gather(1, tokens[:, None])[:, 0], p.gather(1, tokens[:, None])[:, 0]
+    return CandidateResult(tokens, index, law_y.log().float(), p_y.log().float(), (index >= 0) & (law_y > p_y))

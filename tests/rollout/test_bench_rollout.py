@@ -269,9 +269,9 @@ def test_verifiers_with_parameters_are_rows_of_their_own(tiny):
     assert all(r["tokens"] > 0 for r in by_verifier.values())
 
 
-def test_sampled_trees_run_lossless_rows_with_their_own_draft_steps(tiny):
-    """``--tree s4,2,5`` is a tree of sampled candidates: a row for the lossless verifier only
-    (a lossy rule cannot verify it), and its bound counts the shape's head steps."""
+def test_sampled_trees_run_rows_with_their_own_draft_steps(tiny):
+    """``--tree s4,2,5`` is a tree of sampled candidates: a row for each verifier, and its bound
+    counts the shape's head steps."""
     from rollout.params import SamplingParams
     from rollout.sampled_tree import draft_steps, sampled_shape
     from scripts.bench_rollout import measure, parse_args
@@ -280,7 +280,7 @@ def test_sampled_trees_run_lossless_rows_with_their_own_draft_steps(tiny):
     args = parse_args(["--batch-sizes", "1", "--max-new-tokens", "6", "--modes", "tree", "--no-hf",
                        "--verifiers", "lossless,mars", "--tree", "2,2,4;s4,2,5", "--cost-reps", "2"])
     pairs = [(s.tree_candidates, v.name) for s, v in spec_configs(args)]
-    assert pairs == [("top_k", "lossless"), ("top_k", "mars"), ("sampled", "lossless")]
+    assert pairs == [("top_k", "lossless"), ("top_k", "mars"), ("sampled", "lossless"), ("sampled", "mars")]
     target, tok, engine = tiny
     rows = measure(args, target, tok, engine, [[1, 20, 300]], SamplingParams(max_new_tokens=6))
     row = next(r for r in rows if r["mode"] == "tree d=4 k=2 n=5 sampled")

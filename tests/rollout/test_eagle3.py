@@ -235,6 +235,26 @@ def test_measure_trees_reports_each_tree_per_set_and_temperature():
         main(["--tree", "s3,2"])
 
 
+def test_measure_acceptance_verifies_with_the_given_rule():
+    """--verifier reaches the engine for chains and sampled trees: overshoot at lenience 0.2
+    accepts more than lossless on the same prompts and seeds; a bad spec exits."""
+    from rollout.params import VerifierConfig
+    from scripts.measure_acceptance import main, measure_seeds, measure_trees
+
+    target = tiny_target()
+    head, _ = make_head(target, vd=V)
+    sets = {"a": [[5, 9, 3, 7], [4, 8], [11, 6, 2]]}
+    lenient = VerifierConfig("overshoot", {"lenience": 0.2})
+    chain = {name: measure_seeds(target, head, sets["a"], range(3), k=3, temperature=1.0, max_new_tokens=16,
+                                 verifier=v)["tau"] for name, v in (("lossless", None), ("overshoot", lenient))}
+    tree = {name: measure_trees(target, head, sets, "s3,2,4", max_new_tokens=16, seed=0, seeds=3,
+                                verifier=v)["a/T=1/tree s3,2,4"]["tau"]
+            for name, v in (("lossless", None), ("overshoot", lenient))}
+    assert chain["overshoot"] > chain["lossless"] and tree["overshoot"] > tree["lossless"], (chain, tree)
+    with pytest.raises(SystemExit):
+        main(["--verifier", "overshoot:lenience=2"])
+
+
 @pytest.mark.slow
 def test_shipped_head_loads_and_beats_trivial_drafter():
     from rollout.eagle3 import default_head_path

@@ -112,13 +112,6 @@ def test_prompt_errors_and_context_cap(single_thread):
     assert [c.num_tokens for c in res.completions] == [4, 10]  # the first row hits the context
 
 
-def test_sampled_trees_need_the_lossless_verifier(models):
-    target, head = models
-    engine = Engine(target, head, num_threads=1)
-    with pytest.raises(ConfigError, match="'tree_candidates'.*not by verifier 'mars'"):
-        engine.generate(PROMPTS, SamplingParams(max_new_tokens=4), SPECS["tree-sampled"], VerifierConfig("mars"))
-
-
 def test_speculation_needs_a_head(single_thread):
     engine = Engine(tiny_target(), num_threads=1)
     with pytest.raises(ValueError, match="needs a draft head"):

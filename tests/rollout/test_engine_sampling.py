@@ -108,6 +108,31 @@ def test_a_sampled_tree_walked_level_by_level_samples_the_target_distribution(sm
     assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 2 * rows
 
 
+@pytest.mark.parametrize("rule_name", ["mars", "overshoot"])
+def test_a_lossy_sampled_tree_emits_its_chains_law(small, rule_name):
+    """At the first drafted position (the second token) a sampled tree verified towards a lossy
+    rule's chain law and that rule's sampled chain draw from the same law (two-sample chi-square
+    over (y1, y2)), and it is not the target's (the test has the power to see the rule)."""
+    from scipy.stats import chi2_contingency
+
+    target, head = small
+    prompt, rows, v = [1, 5, 2, 7], 3000, target.vocab_size
+    verifier = VerifierConfig(rule_name, {"theta": 0.3} if rule_name == "mars" else {"lenience": 0.3})
+    pairs = {}
+    for name, spec in (("tree", SAMPLED_TREE), ("chain", SPECS["chain-sampled"])):
+        res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=2), spec,
+                                                          verifier, seed=23)
+        ys = torch.tensor([c.completion_ids for c in res.completions])
+        pairs[name] = torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v)
+        if name == "tree":
+            assert sum(c.kinds[1] == TokenKind.ACCEPTED for c in res.completions) > 0.3 * rows
+    table = torch.stack([pairs["tree"], pairs["chain"]])
+    table = table[:, table.sum(0) > 0].numpy()
+    assert chi2_contingency(table).pvalue > 1e-3
+    law = exact_three_token_law(target, prompt).sum(2)
+    assert chi2_pvalue(pairs["tree"], law) < 1e-6, "the rule's law should differ from the target's here"
+
+
 def test_a_scaled_draft_stays_lossless(small):
     """A head with draft_logit_scale != 1 drafts from softmax(scale * logits / T) and the verifier
     sees that same q: lossless rollouts still follow the target's law exactly."""
@@ -152,15 +177,21 @@ def induced_logprob(rule, rec, sampling: SamplingParams) -> float:
     return float(dist[0, rec.token].log())
 
 
-@pytest.mark.parametrize("name", list(SPECS))
+@pytest.mark.parametrize("name", [*SPECS, "tree-sampled", "tree-sampled-python"])
 @pytest.mark.parametrize("rule_name", ["lossless", *LOSSY])
 def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
+    """(tree-sampled: the fused C++ walk; -python: node level by node level.) A sampled tree's
+    records carry each node's q: a lossy rule's law there is its chain law."""
+    from verifiers import native
+
     target, head = models
     engine = Engine(target, head, num_threads=1)
     verifier = VerifierConfig(rule_name, LOSSY.get(rule_name, {}))
     # 32 tokens: MARS (theta 0.5) relaxes 2-10 tokens per call on this model over seeds 0-7
     sampling = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=32)
-    res = engine.generate(PROMPTS, sampling, SPECS[name], verifier, seed=2, debug=True)
+    spec = SPECS.get(name, SAMPLED_TREE)
+    with native.forced(not name.endswith("python")):
+        res = engine.generate(PROMPTS, sampling, spec, verifier, seed=2, debug=True)
     assert len(res.debug) == res.timings.tokens, "one debug record per emitted token"
     rule = verifier.rule()
     for rec in res.debug:
@@ -169,6 +200,9 @@ def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
         assert comp.behaviour_logprobs[rec.index] == pytest.approx(induced_logprob(rule, rec, sampling), abs=1e-4)
         p = target_logprobs(rec.target_logits, sampling.temperature, sampling.top_k)
         assert comp.target_logprobs[rec.index] == pytest.approx(float(p[rec.token]), abs=1e-4)
+    if spec.sampled_tree:
+        assert sum(rec.draft_logits is not None for rec in res.debug) > 0.3 * len(res.debug)
+        assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * len(res.debug)
     relaxed = sum(sum(c.relaxed) for c in res.completions)
     if rule_name in ("mars", "overshoot"):
         assert relaxed > 0, "the lossy branch should fire on this model"

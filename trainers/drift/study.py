@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.config import ConfigError, check_int
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, runs_together
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from verifiers import TruncationSampling
 
 SOURCES = ("tasks", "jsonl", "general")
@@ -147,11 +147,6 @@ class DriftConfig:
         object.__setattr__(self, "difficulties", diffs)
         object.__setattr__(self, "modes", tuple(dict.fromkeys(modes)))
         object.__setattr__(self, "verifiers", self._parsed_verifiers())
-        lossy = [v for v in self.verifiers if not runs_together(self.tree, parse_verifier(v))]
-        if "tree" in self.modes and lossy:
-            raise ConfigError("tree.tree_candidates", f"'sampled' trees are verified losslessly only; the study "
-                              f"also runs {', '.join(lossy)} on its trees: use tree_candidates 'top_k' (or drop "
-                              "those verifiers)")
         self.sampling(None)  # validates temperature / top_k / top_p as ConfigErrors
 
     def _parsed_verifiers(self) -> tuple[str, ...]:

@@ -113,16 +113,12 @@ inline bool chain_exact(const Params& prm, const RuleState& rs) {
 }
 
 // The full-row statistics at one drafted position (``chain_stats`` of the rules with
-// ``full_row_stats``): overshoot's rejected mass and TV, the truncation rules' feed term.
-inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView& dr, const RowStats& ts,
-                            const RowStats& qs, RuleState& rs) {
-  const float tm = ts.zmax, ti = ts.inv_sum, qm = qs.zmax, qi = qs.inv_sum, thr = rs.thr;
-  const float t = tr.temperature;
-  const int64_t V = tr.n;
-  // the rows' pointers in locals: read through the views inside the loops they kept gcc from
-  // vectorising them (a scalar loop, ~13 ns a token: 24 ms of a batch-16 overshoot verification)
-  const float* __restrict td = tr.data;
-  const float* __restrict dd = dr.data;
+// ``full_row_stats``): overshoot's rejected mass and TV, the truncation rules' feed term, over
+// p_at(i), q_at(i) (i < V): from the logits rows (``chain_row_stats``) or from p and q as arrays
+// (a sampled tree node, sampled.cpp).
+template <class PAt, class QAt>
+inline void chain_row_stats_of(const Params& prm, int64_t V, PAt p_at, QAt q_at, RuleState& rs) {
+  const float thr = rs.thr;
   double s1 = 0, s2 = 0;  // float64 sums (see row_stats)
   if (prm.rule == kOvershoot) {
     const double lenience = prm.arg[0], min_p = prm.arg[1];
@@ -130,9 +126,7 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
     const bool gate = min_p > 0;
 #pragma omp simd reduction(+ : s1, s2)
     for (int64_t i = 0; i < V; ++i) {
-      const float zt = t == 1.0f ? td[i] : td[i] / t;
-      const float zq = t == 1.0f ? dd[i] : dd[i] / t;
-      const float p = exp_nonpos(zt - tm) * ti, q = exp_nonpos(zq - qm) * qi;
+      const float p = p_at(i), q = q_at(i);
       const float over = q - p * inv_l;
       s1 += (over > 0 && !(gate && p >= thr)) ? over : 0.0f;
       s2 += p > q ? p - q : 0.0f;
@@ -142,14 +136,25 @@ inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView&
   } else {  // typical, min_p: sum over p < thr of q / (1 - p)
 #pragma omp simd reduction(+ : s1)
     for (int64_t i = 0; i < V; ++i) {
-      const float zt = t == 1.0f ? td[i] : td[i] / t;
-      const float zq = t == 1.0f ? dd[i] : dd[i] / t;
-      const float p = exp_nonpos(zt - tm) * ti, q = exp_nonpos(zq - qm) * qi;
+      const float p = p_at(i), q = q_at(i);
       const float denom = 1.0f - p > 1e-30f ? 1.0f - p : 1e-30f;
       s1 += p < thr ? q / denom : 0.0f;
     }
     rs.feed = static_cast<float>(s1);
   }
+}
+
+inline void chain_row_stats(const Params& prm, const RowView& tr, const RowView& dr, const RowStats& ts,
+                            const RowStats& qs, RuleState& rs) {
+  const float tm = ts.zmax, ti = ts.inv_sum, qm = qs.zmax, qi = qs.inv_sum;
+  const float t = tr.temperature;
+  // the rows' pointers in locals: read through the views inside the loops they kept gcc from
+  // vectorising them (a scalar loop, ~13 ns a token: 24 ms of a batch-16 overshoot verification)
+  const float* __restrict td = tr.data;
+  const float* __restrict dd = dr.data;
+  chain_row_stats_of(
+      prm, tr.n, [=](int64_t i) { return exp_nonpos((t == 1.0f ? td[i] : td[i] / t) - tm) * ti; },
+      [=](int64_t i) { return exp_nonpos((t == 1.0f ? dd[i] : dd[i] / t) - qm) * qi; }, rs);
 }
 
 // The weights a final token is sampled from: p (a bonus, MARS relaxed, or a residual with no
