@@ -169,17 +169,12 @@ class WalkResult:
     path: torch.Tensor
 
 
-def inner_nodes(tree: Tree) -> torch.Tensor:
-    """[N+1] bool: the nodes with children in a sampled tree (one shape for every row)."""
-    return tree.children[0][:, 0] >= 0
-
-
 def record_level(record: list, level: int, rows: torch.Tensor, nodes: torch.Tensor, target_logits: torch.Tensor,
                  tree: Tree) -> None:
     """Debug records of one level of a sampled tree's walk (``rows [n]`` at ``nodes [n]``): the
     rows at a node with children carry its draft logits over the target vocabulary (their law is
     the rule's chain law at that q), the rows at a leaf none (a bonus token: p)."""
-    inner = inner_nodes(tree)
+    inner = tree.children[0][:, 0] >= 0  # [N+1]: the nodes with children (one shape for every row)
     for has in (True, False):
         pick = (inner[nodes] == has).nonzero()[:, 0]
         if len(pick):
@@ -195,7 +190,7 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
 
     record: when a list, gets ``(level, rows [n], logits [n, V], candidates [n, k], None)`` per
         level; in a sampled tree ``(level, rows, logits, None, draft logits [n, V] or None)``
-        (``rollout.sampled_tree.record_level``: the law there is the rule's chain law at q).
+        (:func:`record_level`: the law there is the rule's chain law at q).
     """
     b, _, v = target_logits.shape
     w = tree.max_depth + 1

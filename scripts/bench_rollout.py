@@ -100,7 +100,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
     ap.add_argument("--tree", default="3,4,8", help="depth,top_k,total_tokens (';' separates several); an 's' "
-                    "in front (s6,3,8) drafts sampled candidates (tree_candidates: sampled; lossless rows only)")
+                    "in front (s6,3,8) drafts sampled candidates (tree_candidates: sampled)")
     ap.add_argument("--max-batch", default="none",
                     help="spec.max_batch values (comma list; 'none' = draft in every round, 'auto' = "
                          "decide per round from measured costs): draft only while at most this many rows "

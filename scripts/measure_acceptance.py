@@ -5,7 +5,8 @@
 
 tau = tokens emitted per row per verifying target forward (accepted drafts + the recovered
 or bonus token; the engine's ``Timings.tau``: ``emitted / row_rounds``, reported as
-``emitted`` and ``forwards``), chain of K drafts, lossless verification. Modes: sampled
+``emitted`` and ``forwards``), chain of K drafts, lossless verification (``--verifier``: another
+rule). Modes: sampled
 drafts at T = 1 (x ~ q) and greedy drafts at T = 0. The same engine runs the trivial
 drafter (repeat the last token, q one-hot) for comparison, and the script times one draft
 step against one target decoding step at batch 1 (``rollout.timing``).
