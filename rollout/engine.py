@@ -18,7 +18,8 @@ The engine only glues: :class:`rollout.sequences.SequenceTable` does the bookkee
 :class:`rollout.runner.ModelRunner` owns tensors and runs the models, ``rollout.tree``
 builds and walks trees, ``verifiers`` decides what is emitted. No Ray here.
 
-Sampled chains use ``verify_chain`` (draft x ~ q). Greedy chains and trees use the walk
+Sampled chains use ``verify_chain`` (draft x ~ q; the rule's own test, or with ``verifier.test:
+law`` rejection towards its law). Greedy chains and trees use the walk
 over deterministic candidates (``verify_candidates`` node by node). Randomness: one
 ``torch.Generator`` seeded per call drives the drafts and the verifier, so a call is
 deterministic given its seed (and the batch composition).
@@ -36,7 +37,7 @@ from rollout import native_linear
 from rollout.allocator import tune_malloc
 from rollout.kv_cache import fill_from_tail
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
 from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner, sample_draft
 from rollout.sampled_tree import ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_sampled
@@ -68,6 +69,7 @@ class _Call:
     planner: RoundPlanner | None = None
     drafted_last: bool = False  # the previous round drafted (else the next draft catches up)
     shapes: ShapePlanner | None = None  # sampled trees' shapes (spec.tree_candidates 'sampled', T > 0)
+    test: str = "rule"  # sampled chains' acceptance test (VerifierConfig.test)
 
     @property
     def verify_kw(self) -> dict:
@@ -114,6 +116,7 @@ class Engine:
             raise ValueError(f"capture needs plain decoding (spec.mode 'off'), got spec.mode={spec.mode!r}")
         if spec.speculative and self.head is None:
             raise ValueError(f"spec.mode={spec.mode!r} needs a draft head; this engine has none (use mode 'off')")
+        check_test(spec, verifier, sampling.temperature)
         if not prompts:
             return GenerationResult([], Timings(), [] if debug else None, [] if capture else None)
         budgets = self._budgets(prompts, sampling.max_new_tokens)
@@ -124,7 +127,7 @@ class Engine:
                      table=SequenceTable(prompts, budgets, sampling.stop_token_ids), rule=verifier.rule(),
                      generator=torch.Generator(dev).manual_seed(seed), sampling=sampling, spec=spec,
                      timings=Timings(), debug=[] if debug else None,
-                     planner=self.planner(spec, verifier, sampling) if spec.auto else None)
+                     planner=self.planner(spec, verifier, sampling) if spec.auto else None, test=verifier.test)
         if spec.sampled_tree and sampling.temperature > 0:
             call.shapes = ShapePlanner(spec.total_tokens, spec.depth, spec.top_k)
         with torch.inference_mode(), self.linear_routing(head):
@@ -250,7 +253,7 @@ class Engine:
         offsets = torch.arange(block.shape[1], device=block.device)[None]
         logits, feats = runner.verify_forward(block, offsets, None)  # [B, K+1, V]
         full_draft = self.head.to_target_logits(draft_logits)  # [B, K, V]
-        res = verify_chain(call.rule, logits, full_draft, tokens, **call.verify_kw)
+        res = verify_chain(call.rule, logits, full_draft, tokens, test=call.test, **call.verify_kw)
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)
         counts = res.num_emitted

@@ -10,7 +10,7 @@
   a global top-``top_k`` frontier, the best ``total_tokens`` drafted nodes verified in one
   target forward.
 - :class:`VerifierConfig`: the verification rule by registry name plus its parameters
-  (see ``verifiers.get_rule``); lossless by default.
+  (see ``verifiers.get_rule``) and how sampled chains test drafts (``test``); lossless by default.
 
 Each class validates in ``__post_init__`` and raises :class:`rollout.config.ConfigError`
 naming the field and, where there is a fixed set, the allowed values. They load from YAML
@@ -27,6 +27,7 @@ from rollout.config import ConfigError, check_int, check_number, is_int
 SPEC_MODES = ("off", "chain", "tree")
 DRAFT_SAMPLING = ("sampled", "greedy")
 TREE_CANDIDATES = ("top_k", "sampled")
+TESTS = ("rule", "law")  # VerifierConfig.test (verifiers.verify_chain's tests)
 
 
 @dataclass(frozen=True)
@@ -168,14 +169,24 @@ class SpecConfig:
 @dataclass(frozen=True)
 class VerifierConfig:
     """The verification rule: ``name`` from the ``verifiers`` registry and its ``params``
-    (e.g. ``{"theta": 0.9}`` for mars, ``{"lenience": 0.5}`` for overshoot)."""
+    (e.g. ``{"theta": 0.9}`` for mars, ``{"lenience": 0.5}`` for overshoot).
+
+    ``test``: how sampled chains are verified. ``rule`` (default) runs the rule's own acceptance
+    test; ``law`` runs rejection towards the law that test induces at each position (the same
+    law, behaviour log-probs and drift, with the most acceptance that law allows: more than
+    MARS's own test, the same for lossless and overshoot; ``verifiers.verify_chain``). Trees of
+    sampled candidates always verify towards the law; drafts without q (greedy chains, top-k
+    trees) have no such test, so ``law`` is refused there (:func:`check_test`)."""
 
     name: str = "lossless"
     params: dict[str, Any] = field(default_factory=dict)
+    test: str = "rule"
 
     def __post_init__(self) -> None:
         if not isinstance(self.params, dict):
             raise ConfigError("params", f"must be a mapping of rule parameters, got {self.params!r}")
+        if self.test not in TESTS:
+            raise ConfigError("test", f"unknown acceptance test {self.test!r}", allowed=TESTS)
         self.rule()  # unknown names / bad parameters raise here, naming what is allowed
 
     def rule(self):
@@ -194,6 +205,19 @@ class VerifierConfig:
             if self.name not in RULES:
                 raise ConfigError("name", f"unknown verification rule {self.name!r}", allowed=sorted(RULES)) from None
             raise ConfigError("params", str(err)) from None
+
+
+def check_test(spec: SpecConfig, verifier: VerifierConfig, temperature: float | None = None) -> None:
+    """Refuse ``verifier.test: law`` where the drafts have no q to verify towards the law with:
+    greedy chains and top-k trees (deterministic candidates), unless ``temperature`` is 0 (every
+    test is then the rule's greedy test)."""
+    if verifier.test != "law" or temperature == 0:
+        return
+    if spec.mode == "chain" and spec.draft_sampling == "greedy" or spec.mode == "tree" and not spec.sampled_tree:
+        drafts = "greedy chain drafts" if spec.mode == "chain" else "top-k tree candidates"
+        raise ConfigError("verifier.test", f"'law' needs drafts sampled from q; {drafts} (spec.mode={spec.mode!r}) are "
+                          "deterministic: use spec.draft_sampling 'sampled' (chains) or tree_candidates 'sampled'",
+                          allowed=["rule"])
 
 
 def tree_spec(text: str, **fields) -> SpecConfig:

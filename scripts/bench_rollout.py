@@ -95,7 +95,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--verifiers", default="lossless,mars,overshoot",
                     help="comma list of rule names with their default parameters (mars theta=0.9, overshoot "
                          "lenience=0.5), or ';' list of specs with parameters, e.g. "
-                         "'overshoot:lenience=0.5;overshoot:lenience=0.3'")
+                         "'overshoot:lenience=0.5;overshoot:lenience=0.3' (test=law: rejection towards the rule's "
+                         "law, 'mars:theta=0.9,test=law': chain rows only)")
     ap.add_argument("--modes", default="chain,tree", help="speculative modes to run (comma list)")
     ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))
@@ -305,7 +306,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
     return rows
 
 
-HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<10} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'bound':>6} "
+HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<14} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'bound':>6} "
           f"{'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} {'RSS MB':>7}  {'paired vs AR':<20}")
 
 
@@ -314,7 +315,7 @@ def print_row(row: dict) -> None:
         "speedup_vs_ar", "bound", "of_bound", "decode_vs_ar", "decode_of_bound", "speedup_vs_hf"))
     p = row.get("paired_vs_ar")
     paired = f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] n={p['n']}" if p else "-"
-    print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<10} {row['tokens_per_s']:>8.1f} "
+    print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<14} {row['tokens_per_s']:>8.1f} "
           f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {row['length_vs_ar']:>5.2f} {hf:>6} "
           f"{row['rss_mb']:>7.0f}  {paired}",
           flush=True)

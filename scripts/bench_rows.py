@@ -64,7 +64,10 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
     caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
-    return [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)]
+    # test=law rows run on chains only: a sampled tree always verifies towards the law (the rule's
+    # own row is that row), a top-k tree has no q to do it with (rollout.params.check_test)
+    return [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)
+            if not (spec.mode == "tree" and v.test == "law")]
 
 
 def parse_verifiers(text: str) -> list[VerifierConfig]:

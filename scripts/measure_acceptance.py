@@ -16,8 +16,9 @@ drafts sampled candidates, ``rollout.sampled_tree``, measured at T = 1 only; top
 T = 1 and T = 0), on the same prompts and seeds as the chain (``--seeds N``: N calls per set
 and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chain's.
 ``--verifier`` verifies every chain and tree with another rule (``name`` or
-``name:key=value,...``, e.g. ``overshoot:lenience=0.5``; default lossless); the trivial
-drafter stays lossless.
+``name:key=value,...``, e.g. ``overshoot:lenience=0.5``, or ``mars:theta=0.9,test=law`` for the
+law's test on sampled chains, ``VerifierConfig.test``; default lossless); the trivial drafter
+stays lossless.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from rollout.eagle3 import DraftOutput, default_head_path, load_eagle3
 from rollout.engine import Engine
 from rollout.models import load_embedded_target
 from rollout.outputs import Timings
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, tree_spec
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, tree_spec
 from rollout.timing import step_costs
 from trainers.drift.study import parse_verifier
 from trainers.tasks.general import heldout_prompts
@@ -129,7 +130,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--seeds", type=int, default=1,
                     help="calls per set and mode (seeds --seed onwards), counters summed")
     ap.add_argument("--verifier", default="lossless",
-                    help="the rule chains and trees are verified with: name or name:key=value,...")
+                    help="the rule chains and trees are verified with: name or name:key=value,... "
+                         "(test=law: rejection towards the rule's law on sampled chains)")
     args = ap.parse_args(argv)
     try:
         [tree_spec(t) for t in args.tree.split(";") if t.strip()]
@@ -137,6 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--tree: {err}")
     try:
         verifier = parse_verifier(args.verifier)
+        for text in (t for t in args.tree.split(";") if t.strip()):
+            check_test(tree_spec(text), verifier)
     except (ValueError, ConfigError) as err:
         ap.error(f"--verifier: {err}")
     target, tok = load_embedded_target()

@@ -32,6 +32,9 @@ from .induced import chain_diagnostics, greedy_accepts
 from .processing import CHUNK_ELEMENTS, draft_logits, process_logits, sample_inverse_cdf
 from .results import ChainResult, TokenKind, empty_chain_result
 from .rule_base import Context, VerificationRule
+from .sampled import verify_chain_towards_law
+
+TESTS = ("rule", "law")  # verify_chain's acceptance tests
 
 
 @dataclasses.dataclass
@@ -328,16 +331,24 @@ def _sampled_chain(rule, target, draft, x, temperature, top_k, top_p, generator,
 def verify_chain(rule: VerificationRule, target_logits: Tensor, draft_logits: Tensor,
                  draft_tokens: Tensor, *, temperature: float, top_k: int | None = None,
                  top_p: float | None = None, generator: torch.Generator | None,
-                 diagnostics: bool = False) -> ChainResult:
+                 diagnostics: bool = False, test: str = "rule") -> ChainResult:
     """Verify B drafted chains of K tokens (see the module docstring).
 
     target_logits [B, K+1, V], draft_logits [B, K, V] (over the target vocabulary, -inf
     outside a draft vocabulary), draft_tokens [B, K] with x_j ~ q_j. p uses temperature and
     top-k/top-p; q uses the same temperature only. T = 0 is greedy and needs no generator.
+
+    test: ``"rule"``, the rule's own acceptance test (above); ``"law"``, rejection towards the
+    law the rule's test induces at each position (``verifiers.sampled.verify_chain_towards_law``):
+    the same law and behaviour log-probs, the most acceptance that law allows (more than MARS's
+    own test; the same for lossless and overshoot). At T = 0 both are the rule's greedy test.
     """
+    if test not in TESTS:
+        raise ValueError(f"test must be one of {list(TESTS)}, got {test!r}")
+    towards_law = test == "law" and temperature > 0 and getattr(rule, "name", None) != "lossless"
     fused = native.usable(rule, temperature, target_logits.device)
     b, k, _ = check_chain_inputs(rule, target_logits, draft_logits, draft_tokens,
-                                 temperature, top_k, top_p, contents=not fused)
+                                 temperature, top_k, top_p, contents=not fused or towards_law)
     check_generator(generator, temperature, target_logits.device)
     if b == 0:
         return empty_chain_result(k, target_logits.device, diagnostics)
@@ -345,6 +356,9 @@ def verify_chain(rule: VerificationRule, target_logits: Tensor, draft_logits: Te
     with torch.no_grad():
         if temperature == 0:
             res = _greedy_chain(rule, target_logits, draft_logits, x)
+        elif towards_law:
+            res = verify_chain_towards_law(rule, target_logits, draft_logits, x, temperature=temperature,
+                                           top_k=top_k, top_p=top_p, generator=generator)
         else:
             res = _sampled_chain(rule, target_logits, draft_logits, x, temperature, top_k, top_p,
                                  generator, fused)

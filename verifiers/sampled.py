@@ -41,10 +41,10 @@ import torch
 from torch import Tensor
 
 from . import native
-from .checks import check_candidate_inputs, check_generator, raise_if_bad_rows
+from .checks import check_candidate_inputs, check_generator, check_token_range, raise_if_bad_rows
 from .induced import checked_softmax
 from .processing import draft_logits as scale_draft, process_logits, sample_inverse_cdf
-from .results import CandidateResult, empty_candidate_result
+from .results import CandidateResult, ChainResult, TokenKind, empty_candidate_result
 
 
 def chain_law(rule, z: Tensor, p: Tensor, q: Tensor, drafted: Tensor | None = None) -> Tensor:
@@ -200,3 +200,97 @@ def _verify(rule, target_logits: Tensor, draft_logits: Tensor, candidates: Tenso
         tokens = torch.where(index >= 0, cands.gather(1, index.clamp(min=0)[:, None])[:, 0], fallback)
         law_y, p_y = law.gather(1, tokens[:, None])[:, 0], p.gather(1, tokens[:, None])[:, 0]
     return CandidateResult(tokens, index, law_y.log().float(), p_y.log().float(), (index >= 0) & (law_y > p_y))
+
+
+def verify_chain_towards_law(rule, target_logits: Tensor, draft_logits: Tensor, draft_tokens: Tensor, *,
+                             temperature: float, top_k: int | None, top_p: float | None,
+                             generator: torch.Generator) -> ChainResult:
+    """``verify_chain(..., test="law")`` at T > 0 (checked inputs): a chain of drafts x_j ~ q_j
+    verified as a tree of sampled candidates with one candidate per node. Position j accepts x_j
+    with probability min(1, P_R(x_j) / q_j(x_j)), P_R = :func:`chain_law` at (p_j, q_j); the first
+    rejection emits from norm((P_R - q_j)+); if every draft is accepted a bonus token comes from
+    p_K. Each position's law is P_R, the law of the rule's own chain test there (so the same
+    behaviour log-probs and drift), with acceptance sum min(q, P_R): the most any test of that
+    law can have; for MARS more than its own test, for overshoot the same.
+
+    Randomness, in this order from ``generator``: ``u_accept = rand(B, K+1, 1)``, then
+    ``u_final = rand(B, K+1)``; entry (b, j) is used at row b's position j (the C++ walk and
+    the PyTorch loop below read the same entries: the same tokens)."""
+    b, k1, v = target_logits.shape
+    k, dev = k1 - 1, target_logits.device
+    state = generator.get_state()  # restored if the inputs are rejected
+    u_accept = torch.rand(b, k1, 1, generator=generator, device=dev)
+    u_final = torch.rand(b, k1, generator=generator, device=dev)
+    x = draft_tokens.long()
+    draft = torch.cat([draft_logits, draft_logits.new_zeros(b, 1, v)], dim=1)  # the bonus position has no q
+    try:
+        if dev.type == "cpu" and native.enabled() and native.supports(rule):
+            out = _chain_walk_native(rule, target_logits, draft, x, u_accept, u_final, temperature, top_k, top_p)
+        else:
+            out = _chain_walk(rule, target_logits, draft, x, u_accept, u_final, temperature, top_k, top_p)
+    except ValueError:
+        generator.set_state(state)
+        raise
+    tokens, logp, target, kinds, emitted = out
+    pad = torch.arange(k1, device=dev) >= emitted[:, None]
+    relaxed = (kinds == int(TokenKind.ACCEPTED)) & (logp > target)
+    return ChainResult(tokens.masked_fill(pad, -1), emitted, logp.masked_fill(pad, 0.0),
+                       target.masked_fill(pad, 0.0), kinds.masked_fill(pad, int(TokenKind.PAD)).to(torch.int8),
+                       relaxed & ~pad)
+
+
+def _chain_walk_native(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p):
+    """The chain as a tree for ``hr_walk_sampled`` (``csrc/sampled.cpp``): nodes 0..K, node j's
+    one child j + 1, q over the target vocabulary (identity id map)."""
+    b, k1, v = target.shape
+    z, zd, t = kernel_logits(target, draft, temperature, top_k, top_p)
+    nodes = torch.arange(k1)
+    children = torch.where(nodes < k1 - 1, nodes + 1, -1)[:, None]
+    tokens = torch.cat([x.new_zeros(b, 1), x], dim=1)  # node 0 (the pending token) is never emitted
+    try:
+        out, logp, target_lp, kinds, _, emitted = native.walk_sampled_native(
+            rule, z, zd, torch.arange(v), tokens, children, u_accept, u_final, t)
+    except native.NativeError as err:  # re-checked in PyTorch, which names the row and position
+        _check_chain(target, draft[:, :-1], x, temperature, top_k, top_p)
+        raise AssertionError(f"the C++ walk flagged bad input (status {err.status}) that has none") from None
+    return out, logp, target_lp, kinds, emitted
+
+
+def _chain_walk(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p):
+    """The same walk in PyTorch, position by position over the rows still accepting."""
+    _check_chain(target, draft[:, :-1], x, temperature, top_k, top_p)
+    b, k1, v = target.shape
+    dev = target.device
+    tokens = torch.full((b, k1), -1, dtype=torch.long, device=dev)
+    logp, target_lp = torch.zeros(b, k1, device=dev), torch.zeros(b, k1, device=dev)
+    kinds = torch.full((b, k1), int(TokenKind.PAD), dtype=torch.long, device=dev)
+    emitted = torch.zeros(b, dtype=torch.long, device=dev)
+    live = torch.arange(b, device=dev)
+    for j in range(k1):
+        bonus = j == k1 - 1
+        cands = torch.full((len(live), 1), -1, dtype=torch.long, device=dev) if bonus else x[live, j:j + 1]
+        res = _verify(rule, target[live, j], draft[live, j], cands, u_accept[live, j], u_final[live, j],
+                      temperature, top_k, top_p)
+        acc = res.accepted_index >= 0
+        tokens[live, j], logp[live, j], target_lp[live, j] = res.tokens, res.behaviour_logprobs, res.target_logprobs
+        fail = TokenKind.BONUS if bonus else TokenKind.RECOVERED
+        kinds[live, j] = torch.where(acc, int(TokenKind.ACCEPTED), int(fail))
+        emitted[live] += 1
+        live = live[acc]
+        if len(live) == 0:
+            break
+    return tokens, logp, target_lp, kinds, emitted
+
+
+def _check_chain(target, draft, x, temperature, top_k, top_p) -> None:
+    """Raise for a bad logit row (naming its row and position) or a draft token q gives 0."""
+    raise_if_bad_rows("target_logits", target, process_logits(target, temperature, top_k, top_p).logsumexp(-1),
+                      temperature)
+    if draft.shape[1]:
+        raise_if_bad_rows("draft_logits", draft, scale_draft(draft, temperature).logsumexp(-1), temperature)
+        check_token_range("draft_tokens", x, target.shape[-1], allow_pad=False)
+        zero = (draft.gather(2, x[:, :, None])[..., 0] == -torch.inf).nonzero()
+        if len(zero):
+            row, j = (int(i) for i in zero[0])
+            raise ValueError(f"draft_tokens[{row}, {j}] = {int(x[row, j])} has zero probability under the draft "
+                             "distribution q (chain drafts must be sampled from q at the same temperature)")

@@ -31,7 +31,7 @@ import torch
 
 from rollout.config import ConfigError
 from rollout.outputs import Completion, RolloutBatch, Timings
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
 from rollout.vllm.head import check_head, prepare_head
 from rollout.vllm.verify import decode_rank
 
@@ -197,7 +197,8 @@ class VLLMBackend:
         """Send the rule (None: vLLM's own rejection sampler) and the seed to every worker."""
         from rollout.vllm.verify import configure_worker
 
-        rule = None if verifier is None else {"name": verifier.name, "params": dict(verifier.params)}
+        rule = None if verifier is None else {"name": verifier.name, "params": dict(verifier.params),
+                                              "test": verifier.test}
         return self.llm.collective_rpc(configure_worker, args=(rule, seed, record))
 
     def records(self) -> list[dict]:
@@ -225,6 +226,7 @@ class VLLMBackend:
                  verifier: VerifierConfig, seed: int) -> RolloutBatch:
         self._check_call(sampling, spec)
         verifier.rule()  # an unknown rule / bad parameters raise here, naming the setting
+        check_test(spec, verifier, sampling.temperature)
         start = time.perf_counter()
         self.configure(verifier, seed, self.record)
         outs = self.generate_raw(prompts, sampling, seed)

@@ -60,7 +60,7 @@ def _ours(self, metadata, draft_probs, logits, sampling_metadata):
     out = verify_flat(STATE.rule, list(metadata.num_draft_tokens), logits, metadata.target_logits_indices,
                       metadata.bonus_logits_indices, metadata.draft_token_ids, draft_probs,
                       None if sm.all_greedy else sm.temperature, sm.top_k, sm.top_p,
-                      generator_for(logits.device), STATE.record)
+                      generator_for(logits.device), STATE.record, STATE.test)
     lp = None if sm.max_num_logprobs is None else _logprobs_tensors(out, sm.max_num_logprobs)
     return SamplerOutput(sampled_token_ids=out["tokens"], logprobs_tensors=lp)
 

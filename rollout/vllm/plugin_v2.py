@@ -65,7 +65,7 @@ def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_m
     drafts = verify_draft_sampled[~is_first].clamp(min=0)  # a -1 placeholder draft is never accepted by p
     out = verify_flat(STATE.rule, ks, logits.float(), rows[~is_last], last, drafts, q, temperature,
                              _states(self.sampler, "top_k", idx_mapping), _states(self.sampler, "top_p", idx_mapping),
-                             generator_for(dev), STATE.record)
+                             generator_for(dev), STATE.record, STATE.test)
     _LAST.update(out=out, cu=cu)
     num_sampled = (out["tokens"] >= 0).sum(-1).to(torch.int32)
     width = self.num_speculative_steps + 1  # vLLM's fixed output width

@@ -42,6 +42,7 @@ class PluginState:
 
     rule: Any = None
     rule_spec: dict | None = None
+    test: str = "rule"  # VerifierConfig.test: sampled chains' acceptance test
     generator: torch.Generator | None = None
     seed: int = 0
     record: list | None = None  # when a list: one entry per verified group (tests, debugging)
@@ -61,6 +62,7 @@ def configure(rule_spec: dict | None, seed: int = 0, record: bool = False) -> di
 
     STATE.rule = None if rule_spec is None else VerifierConfig(**rule_spec).rule()
     STATE.rule_spec = rule_spec
+    STATE.test = "rule" if rule_spec is None else rule_spec.get("test", "rule")
     STATE.seed = int(seed)
     STATE.generator = None  # created on the logits' device at first use
     STATE.record = [] if record else None
@@ -103,9 +105,10 @@ def generator_for(device: torch.device) -> torch.Generator:
     return g
 
 
-def verify_group(rule, group: Group, generator: torch.Generator) -> dict[str, Tensor]:
+def verify_group(rule, group: Group, generator: torch.Generator, test: str = "rule") -> dict[str, Tensor]:
     """One group through ``verifiers``: tokens, behaviour / target log-probs, kinds, relaxed,
-    each ``[b, K+1]`` (-1 / 0 after the emitted tokens)."""
+    each ``[b, K+1]`` (-1 / 0 after the emitted tokens); ``test``: sampled chains' acceptance
+    test (``verify_chain``)."""
     from rollout.tree import chain_tree, walk
     from verifiers import verify_chain
 
@@ -115,7 +118,7 @@ def verify_group(rule, group: Group, generator: torch.Generator) -> dict[str, Te
         draft_logits = group.draft_probs.float().log()  # verify_chain takes q = softmax(. / T)
         if s.temperature != 1.0:
             draft_logits.mul_(s.temperature)
-        res = verify_chain(rule, group.target_logits, draft_logits, group.draft_tokens, **kw)
+        res = verify_chain(rule, group.target_logits, draft_logits, group.draft_tokens, test=test, **kw)
         kinds = res.kinds.long()
     else:  # greedy drafts (or none): deterministic candidates along the chain
         root = torch.zeros(group.rows.shape[0], dtype=torch.long, device=group.target_logits.device)
@@ -128,10 +131,10 @@ def verify_group(rule, group: Group, generator: torch.Generator) -> dict[str, Te
 def verify_flat(rule, num_draft_tokens: list[int], logits: Tensor, target_logits_indices: Tensor,
                 bonus_logits_indices: Tensor, draft_token_ids: Tensor, draft_probs: Tensor | None,
                 temperature: Tensor | None, top_k: Tensor | None, top_p: Tensor | None,
-                generator: torch.Generator, record: list | None = None) -> dict[str, Tensor]:
+                generator: torch.Generator, record: list | None = None, test: str = "rule") -> dict[str, Tensor]:
     """Verify one flattened vLLM step (see ``rollout.vllm.layout``); returns ``[R, W]`` tensors
     (W = max K + 1): tokens (int32, -1 placeholders), behaviour, target (float32), kinds (long,
-    -1 pad), relaxed (bool)."""
+    -1 pad), relaxed (bool). ``test``: sampled chains' acceptance test (``verify_chain``)."""
     r, w = len(num_draft_tokens), max(num_draft_tokens, default=0) + 1
     dev = logits.device
     settings = request_settings(num_draft_tokens, temperature, top_k, top_p, logits.shape[-1])
@@ -142,7 +145,7 @@ def verify_flat(rule, num_draft_tokens: list[int], logits: Tensor, target_logits
     for group in groups(settings, logits, target_logits_indices, bonus_logits_indices,
                         draft_token_ids, draft_probs):
         state = generator.get_state() if record is not None else None
-        res = verify_group(rule, group, generator)
+        res = verify_group(rule, group, generator, test)
         for key, val in res.items():
             scatter_tokens(out[key], group.rows, val)
         if record is not None:

@@ -269,6 +269,18 @@ def test_verifiers_with_parameters_are_rows_of_their_own(tiny):
     assert all(r["tokens"] > 0 for r in by_verifier.values())
 
 
+def test_law_test_rows_run_on_chains_only():
+    """``mars:theta=0.9,test=law`` is a row of its own on chains; trees skip it (a sampled tree
+    always verifies towards the law, a top-k tree cannot)."""
+    from scripts.bench_rollout import parse_args
+    from scripts.bench_rows import spec_configs
+
+    args = parse_args(["--modes", "chain,tree", "--chain-k", "3", "--tree", "s4,2,5;3,4,8",
+                       "--verifiers", "mars;mars:theta=0.9,test=law"])
+    pairs = [(s.mode, s.tree_candidates if s.mode == "tree" else "", v.test) for s, v in spec_configs(args)]
+    assert pairs == [("chain", "", "rule"), ("chain", "", "law"), ("tree", "sampled", "rule"), ("tree", "top_k", "rule")]
+
+
 def test_sampled_trees_run_rows_with_their_own_draft_steps(tiny):
     """``--tree s4,2,5`` is a tree of sampled candidates: a row for each verifier, and its bound
     counts the shape's head steps."""

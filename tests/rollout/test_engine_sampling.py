@@ -108,29 +108,35 @@ def test_a_sampled_tree_walked_level_by_level_samples_the_target_distribution(sm
     assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 2 * rows
 
 
+@pytest.mark.parametrize("other", ["tree", "chain-law"])
 @pytest.mark.parametrize("rule_name", ["mars", "overshoot"])
-def test_a_lossy_sampled_tree_emits_its_chains_law(small, rule_name):
+def test_a_lossy_rules_law_test_emits_its_chains_law(small, rule_name, other):
     """At the first drafted position (the second token) a sampled tree verified towards a lossy
-    rule's chain law and that rule's sampled chain draw from the same law (two-sample chi-square
-    over (y1, y2)), and it is not the target's (the test has the power to see the rule)."""
+    rule's chain law, or a sampled chain with ``test: law``, and that rule's sampled chain with
+    its own test draw from the same law (two-sample chi-square over (y1, y2)), and it is not the
+    target's (the test has the power to see the rule)."""
     from scipy.stats import chi2_contingency
 
     target, head = small
     prompt, rows, v = [1, 5, 2, 7], 3000, target.vocab_size
-    verifier = VerifierConfig(rule_name, {"theta": 0.3} if rule_name == "mars" else {"lenience": 0.3})
-    pairs = {}
-    for name, spec in (("tree", SAMPLED_TREE), ("chain", SPECS["chain-sampled"])):
+    params = {"theta": 0.3} if rule_name == "mars" else {"lenience": 0.3}
+    runs = {"chain": (SPECS["chain-sampled"], "rule"),
+            other: (SAMPLED_TREE, "rule") if other == "tree" else (SPECS["chain-sampled"], "law")}
+    pairs, accepted = {}, {}
+    for name, (spec, test) in runs.items():
         res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=2), spec,
-                                                          verifier, seed=23)
+                                                          VerifierConfig(rule_name, params, test), seed=23)
         ys = torch.tensor([c.completion_ids for c in res.completions])
         pairs[name] = torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v)
-        if name == "tree":
-            assert sum(c.kinds[1] == TokenKind.ACCEPTED for c in res.completions) > 0.3 * rows
-    table = torch.stack([pairs["tree"], pairs["chain"]])
+        accepted[name] = sum(c.kinds[1] == TokenKind.ACCEPTED for c in res.completions)
+    assert accepted[other] > 0.3 * rows
+    if rule_name == "mars":  # the law's coupling accepts more than MARS's own test
+        assert accepted[other] > 1.05 * accepted["chain"]
+    table = torch.stack([pairs[other], pairs["chain"]])
     table = table[:, table.sum(0) > 0].numpy()
     assert chi2_contingency(table).pvalue > 1e-3
     law = exact_three_token_law(target, prompt).sum(2)
-    assert chi2_pvalue(pairs["tree"], law) < 1e-6, "the rule's law should differ from the target's here"
+    assert chi2_pvalue(pairs[other], law) < 1e-6, "the rule's law should differ from the target's here"
 
 
 def test_a_scaled_draft_stays_lossless(small):
@@ -177,19 +183,20 @@ def induced_logprob(rule, rec, sampling: SamplingParams) -> float:
     return float(dist[0, rec.token].log())
 
 
-@pytest.mark.parametrize("name", [*SPECS, "tree-sampled", "tree-sampled-python"])
+@pytest.mark.parametrize("name", [*SPECS, "tree-sampled", "tree-sampled-python", "chain-law", "chain-law-python"])
 @pytest.mark.parametrize("rule_name", ["lossless", *LOSSY])
 def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
-    """(tree-sampled: the fused C++ walk; -python: node level by node level.) A sampled tree's
-    records carry each node's q: a lossy rule's law there is its chain law."""
+    """(tree-sampled: the fused C++ walk; -python: node level by node level; chain-law: sampled
+    chains with ``verifier.test: law``.) A sampled tree's records carry each node's q: a lossy
+    rule's law there is its chain law; so is a law-tested chain's."""
     from verifiers import native
 
     target, head = models
     engine = Engine(target, head, num_threads=1)
-    verifier = VerifierConfig(rule_name, LOSSY.get(rule_name, {}))
+    verifier = VerifierConfig(rule_name, LOSSY.get(rule_name, {}), "law" if "law" in name else "rule")
     # 32 tokens: MARS (theta 0.5) relaxes 2-10 tokens per call on this model over seeds 0-7
     sampling = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=32)
-    spec = SPECS.get(name, SAMPLED_TREE)
+    spec = SPECS["chain-sampled"] if "law" in name else SPECS.get(name, SAMPLED_TREE)
     with native.forced(not name.endswith("python")):
         res = engine.generate(PROMPTS, sampling, spec, verifier, seed=2, debug=True)
     assert len(res.debug) == res.timings.tokens, "one debug record per emitted token"

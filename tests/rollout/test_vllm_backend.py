@@ -36,14 +36,15 @@ def backend():
 
 # mars and overshoot with their usual parameters; typical and min_p with their defaults (RULES)
 LOSSY = [("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
-         ("overshoot", {"lenience": 0.5, "min_p": 0.1}), ("typical", {}), ("min_p", {})]
+         ("overshoot", {"lenience": 0.5, "min_p": 0.1}), ("typical", {}), ("min_p", {}), ("mars", {"theta": 0.9}, "law")]
 
 
-@pytest.mark.parametrize("name,params", LOSSY)
-def test_lossy_behaviour_logprobs_equal_the_closed_form(backend, prompt, name, params):
+@pytest.mark.parametrize("name,params,test", [(*case, "rule")[:3] for case in LOSSY])
+def test_lossy_behaviour_logprobs_equal_the_closed_form(backend, prompt, name, params, test):
     """Each emitted token's behaviour log-prob is log P(y) of ``induced_chain`` for the logits
-    and q vLLM verified (the bonus position: P = p); the batch carries those values."""
-    verifier = VerifierConfig(name, params)
+    and q vLLM verified (the bonus position: P = p); the batch carries those values (with
+    ``test`` law too: the same law)."""
+    verifier = VerifierConfig(name, params, test)
     batch, records = generate_recorded(backend, [prompt] * 4, SamplingParams(temperature=1.0, max_new_tokens=24),
                                        SPEC, verifier, seed=5)
     # sampled drafts: every step with drafts comes with q (a step without drafts: P = p)
@@ -56,12 +57,14 @@ def test_lossy_behaviour_logprobs_equal_the_closed_form(backend, prompt, name, p
 
 def test_decisions_equal_the_hf_verifier_on_the_same_uniforms(backend, prompt):
     """The hf engine verifies a sampled chain with ``verify_chain(rule, logits, draft, x,
-    generator=...)``; given the logits and drafts vLLM produced and the same generator state,
-    it emits exactly what the plug-in emitted (tokens, kinds, log-probs, relaxed)."""
-    for name, params in [("lossless", {}), ("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5})]:
+    generator=..., test=...)``; given the logits and drafts vLLM produced and the same generator
+    state, it emits exactly what the plug-in emitted (tokens, kinds, log-probs, relaxed), also
+    with ``VerifierConfig.test`` law (which reaches the workers with the rule)."""
+    for name, params, test in [("lossless", {}, "rule"), ("mars", {"theta": 0.9}, "rule"),
+                               ("overshoot", {"lenience": 0.5}, "rule"), ("mars", {"theta": 0.9}, "law")]:
         rule = get_rule(name, **params)
         _, records = generate_recorded(backend, [prompt] * 3, SamplingParams(temperature=1.0, max_new_tokens=16),
-                                       SPEC, VerifierConfig(name, params), seed=3)
+                                       SPEC, VerifierConfig(name, params, test), seed=3)
         assert any(rec["draft_probs"] is not None for rec in records)
         for rec in records:
             t = rec["setting"].temperature
@@ -70,7 +73,7 @@ def test_decisions_equal_the_hf_verifier_on_the_same_uniforms(backend, prompt):
             g = torch.Generator()
             g.set_state(rec["generator_state"])
             res = verify_chain(rule, rec["target_logits"], rec["draft_probs"].log() * t, rec["draft_tokens"],
-                               temperature=t, generator=g)
+                               temperature=t, generator=g, test=test)
             assert torch.equal(res.tokens, rec["tokens"])
             assert torch.equal(res.kinds.long(), rec["kinds"])
             assert torch.equal(res.relaxed, rec["relaxed"])

@@ -49,7 +49,7 @@ def _flatten(reqs):
             torch.cat(ids).to(torch.int32), None if probs[0] is None else torch.cat(probs))
 
 
-def _expected_sampled(rule, reqs, order, temperature, seed):
+def _expected_sampled(rule, reqs, order, temperature, seed, test: str = "rule"):
     """Per group (requests with equal K, in first-appearance order) through verify_chain."""
     g = torch.Generator().manual_seed(seed)
     out = {}
@@ -61,22 +61,24 @@ def _expected_sampled(rule, reqs, order, temperature, seed):
             tree = chain_tree(torch.zeros(len(group), dtype=torch.long), x)
             res = walk(rule, tree, target, temperature=temperature, top_k=None, top_p=None, generator=g)
         else:
-            res = verify_chain(rule, target, q.log() * temperature, x, temperature=temperature, generator=g)
+            res = verify_chain(rule, target, q.log() * temperature, x, temperature=temperature, generator=g, test=test)
         for j, i in enumerate(group):
             out[i] = (res.tokens[j], res.behaviour_logprobs[j], res.target_logprobs[j], res.kinds[j].long())
     return out
 
 
+@pytest.mark.parametrize("test", ["rule", "law"])
 @pytest.mark.parametrize("name,params", RULES)
-def test_sampled_drafts_match_verify_chain_per_request(name, params):
+def test_sampled_drafts_match_verify_chain_per_request(name, params, test):
+    """(``test``: VerifierConfig.test, which the plug-in's state hands to verify_flat.)"""
     rule = get_rule(name, **params)
     ks = [3, 2, 3, 0, 2]
     reqs = _requests(ks, seed=7)
     logits, tgt_idx, bonus_idx, ids, probs = _flatten(reqs)
     t = 0.8
     out = verify_flat(rule, ks, logits, tgt_idx, bonus_idx, ids, probs, torch.full((5,), t), None, None,
-                      torch.Generator().manual_seed(3))
-    exp = _expected_sampled(rule, reqs, [[0, 2], [1, 4], [3]], t, seed=3)
+                      torch.Generator().manual_seed(3), test=test)
+    exp = _expected_sampled(rule, reqs, [[0, 2], [1, 4], [3]], t, seed=3, test=test)
     assert out["tokens"].shape == (5, 4) and out["tokens"].dtype == torch.int32
     for i, k in enumerate(ks):
         tok, beh, tgt, kinds = exp[i]

@@ -55,24 +55,29 @@ def _value(text: str) -> Any:
 
 
 def parse_verifier(spec: str | dict) -> VerifierConfig:
-    """``"name"`` or ``"name:k=v,k=v"`` (or a mapping ``{name, params}``) -> VerifierConfig."""
+    """``"name"`` or ``"name:k=v,k=v"`` (or a mapping ``{name, params, test}``) -> VerifierConfig;
+    the key ``test`` sets ``VerifierConfig.test`` (``mars:theta=0.9,test=law``), the others are
+    the rule's parameters."""
     if isinstance(spec, dict):
-        return VerifierConfig(spec.get("name"), dict(spec.get("params") or {}))
+        return VerifierConfig(spec.get("name"), dict(spec.get("params") or {}), spec.get("test", "rule"))
     name, _, rest = str(spec).partition(":")
-    params = {}
+    params, test = {}, "rule"
     for part in filter(None, (s.strip() for s in rest.split(","))):
         key, eq, val = part.partition("=")
         if not eq:
             raise ValueError(f"verifier {spec!r}: parameter {part!r} must be key=value")
-        params[key.strip()] = _value(val)
-    return VerifierConfig(name.strip(), params)
+        if key.strip() == "test":
+            test = val.strip()
+        else:
+            params[key.strip()] = _value(val)
+    return VerifierConfig(name.strip(), params, test)
 
 
 def verifier_label(v: VerifierConfig) -> str:
-    """Canonical spec string: ``name`` or ``name:k=v,...`` (parameters in given order)."""
-    if not v.params:
-        return v.name
-    return v.name + ":" + ",".join(f"{k}={_fmt(x)}" for k, x in v.params.items())
+    """Canonical spec string: ``name`` or ``name:k=v,...`` (parameters in given order, then
+    ``test=law`` where it is not the default)."""
+    items = [f"{k}={_fmt(x)}" for k, x in v.params.items()] + ([f"test={v.test}"] if v.test != "rule" else [])
+    return v.name + (":" + ",".join(items) if items else "")
 
 
 def _fmt(x: Any) -> str:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 from rollout.config import ConfigError, check_int, check_number, from_dict, is_number, load_yaml
 from rollout.models import TargetConfig
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, drift_warning
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
 from trainers.grpo.correction import CorrectionConfig
 from trainers.grpo.loss import GRPOConfig
 from trainers.tasks.arithmetic import DIFFICULTIES
@@ -114,6 +114,7 @@ class RolloutConfig:
             raise ConfigError("backend_options", f"must be a mapping, got {self.backend_options!r}")
         if self.backend == "vllm" and self.spec.mode == "tree":
             raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
+        check_test(self.spec, self.verifier, self.sampling.temperature)
         if (message := drift_warning(self.spec, self.verifier)) is not None:
             warnings.warn(f"rollout: {message}", stacklevel=2)
         check_int("num_actors", self.num_actors)

@@ -40,7 +40,7 @@ from rollout.chat import chat_ids
 from rollout.config import check_int
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, drift_warning
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
 
 PLACEMENTS = ("local", "ray")
 
@@ -79,6 +79,7 @@ class RolloutSettings:
             raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=sorted(BACKENDS))
         if self.backend == "vllm" and self.spec.mode == "tree":
             raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
+        check_test(self.spec, self.verifier)
         if (message := drift_warning(self.spec, self.verifier)) is not None:
             warnings.warn(f"rollouts: {message}", stacklevel=2)
         if self.placement not in PLACEMENTS:
