@@ -112,6 +112,16 @@ def test_plan_adds_lossless_and_matched_baselines():
     assert runs["mars:theta=0.9@chain"].secondary is None
 
 
+def test_plan_runs_the_law_test_on_chains_only():
+    """``mars:theta=0.9,test=law`` is a chain run of its own with MARS's baseline; no tree run
+    (a sampled tree's own run is that run, a top-k tree cannot)."""
+    cfg = DriftConfig(verifiers=("mars:theta=0.9", "mars:theta=0.9,test=law"), modes=("chain", "tree"))
+    runs = {r.key: r for r in plan_runs(cfg)}
+    assert runs["mars:theta=0.9,test=law@chain"].verifier.test == "law"
+    assert runs["mars:theta=0.9,test=law@chain"].baseline == runs["mars:theta=0.9@chain"].baseline
+    assert "mars:theta=0.9,test=law@tree" not in runs and "mars:theta=0.9@tree" in runs
+
+
 # ----------------------------------------------------------------------------- per-token drift
 def _records(n: int = 400, v: int = 40, seed: int = 0, chain: bool = True) -> list[DebugRecord]:
     g = torch.Generator().manual_seed(seed)
