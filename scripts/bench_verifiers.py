@@ -1,6 +1,7 @@
 """Time chain verification against one softmax over the same logits and one target forward.
 
     python -m scripts.bench_verifiers [--json OUT] [--repeats 30] [--threads 2] [--backend native,torch]
+        [--test rule,law]
 
 For B in {1, 8, 64}, K = 7, V = 49152 (the embedded SmolLM2's vocabulary), every rule:
 ``verify_chain`` without diagnostics (median of repeats after a warm-up), next to one
@@ -15,7 +16,8 @@ against one softmax over the same [N, V] logits.
 
 ``--backend``: ``native`` is the fused C++ verifier that ``verify_chain`` uses on the CPU
 (verifiers/native.py), ``torch`` the PyTorch one (other devices, and the fallback); both
-listed: timed side by side in the same interleaved rounds.
+listed: timed side by side in the same interleaved rounds. ``--test rule,law`` adds each rule
+with ``verify_chain(..., test="law")`` (rejection towards the rule's law; rows ``[test=law]``).
 
 Inputs: target logits 15 + 3 N(0, 1) (positive, like SmolLM2's, so MARS's ratio test
 relaxes some positions), draft logits = target + N(0, 1), drafts sampled from q.
@@ -89,15 +91,20 @@ def _time_rules(size_key: str, size: int, softmax, verify, summary: tuple[str, o
             for key, val in outcome.items()]
 
 
-def bench_verification(batches, k, v, temperature, repeats, backends=("native",)) -> list[dict]:
-    """Chain verification of B rows of K drafts against one softmax over the [B, K+1, V] logits."""
+def bench_verification(batches, k, v, temperature, repeats, backends=("native",), tests=("rule",)) -> list[dict]:
+    """Chain verification of B rows of K drafts against one softmax over the [B, K+1, V] logits,
+    with each of ``verify_chain``'s ``tests`` (rows of ``law`` are labelled ``[test=law]``)."""
     rows = []
     for b in batches:
         target, draft, x = _inputs(b, k, v, temperature)
-        rows += _time_rules(
-            "B", b, lambda: torch.softmax(target, -1),
-            lambda rule, gen: verify_chain(rule, target, draft, x, temperature=temperature, generator=gen),
-            ("mean_emitted", lambda res: float(res.num_emitted.float().mean())), repeats, backends)
+        for test in tests:
+            found = _time_rules(
+                "B", b, lambda: torch.softmax(target, -1),
+                lambda rule, gen, test=test: verify_chain(rule, target, draft, x, temperature=temperature,
+                                                          generator=gen, test=test),
+                ("mean_emitted", lambda res: float(res.num_emitted.float().mean())), repeats, backends)
+            rows += [r | {"test": test, "rule": r["rule"] + ("" if test == "rule" else f" [test={test}]")}
+                     for r in found]
     return rows
 
 
@@ -149,12 +156,12 @@ def bench_target_forward(batch: int, new: int, prefix: int, repeats: int) -> flo
 
 
 def _table(rows: list[dict], forward_ms: float | None) -> str:
-    head = f"{'B':>3} {'backend':<7} {'rule':<36} {'verify ms':>10} {'softmax ms':>11} {'ratio':>6} {'emitted':>8}"
+    head = f"{'B':>3} {'backend':<7} {'rule':<48} {'verify ms':>10} {'softmax ms':>11} {'ratio':>6} {'emitted':>8}"
     if forward_ms is not None:
         head += f" {'% fwd':>6}"
     lines = [head, "-" * len(head)]
     for r in rows:
-        line = (f"{r['B']:>3} {r['backend']:<7} {r['rule']:<36} {r['verify_ms']:>10.2f} {r['softmax_ms']:>11.2f} "
+        line = (f"{r['B']:>3} {r['backend']:<7} {r['rule']:<48} {r['verify_ms']:>10.2f} {r['softmax_ms']:>11.2f} "
                 f"{r['ratio']:>6.2f} {r['mean_emitted']:>8.2f}")
         if forward_ms is not None:
             line += f" {100 * r['verify_ms'] / forward_ms:>5.1f}%" if r["B"] == 8 else f" {'':>6}"
@@ -173,6 +180,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--backend", default="native",
                     help="comma-separated: native (fused C++, what the CPU uses), torch (PyTorch)")
+    ap.add_argument("--test", default="rule",
+                    help="comma-separated verify_chain tests: rule (each rule's own), law (rejection towards its law)")
     ap.add_argument("--nodes", type=int, nargs="*", default=[1, 8, 64],
                     help="node counts for the candidate (tree node) table; none: skip it")
     ap.add_argument("--candidates", type=int, default=4, help="candidates per node")
@@ -185,7 +194,10 @@ def main(argv: list[str] | None = None) -> dict:
     backends = [name.strip() for name in args.backend.split(",") if name.strip()]
     if not backends or set(backends) - {"native", "torch"}:
         ap.error(f"--backend: a comma-separated list of native, torch; got {args.backend!r}")
-    rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats, backends)
+    tests = [name.strip() for name in args.test.split(",") if name.strip()]
+    if not tests or set(tests) - {"rule", "law"}:
+        ap.error(f"--test: a comma-separated list of rule, law; got {args.test!r}")
+    rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats, backends, tests)
     node_rows = bench_nodes(args.nodes, args.candidates, args.vocab, args.temperature, args.repeats, backends)
     forward_ms = None if args.no_model else bench_target_forward(8, 8, 200, max(5, args.repeats // 3))
     load = os.getloadavg()

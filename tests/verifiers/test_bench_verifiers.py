@@ -40,3 +40,25 @@ def test_bench_verifiers_times_both_backends_side_by_side(tmp_path, capsys):
     assert "candidate verification (tree nodes)" in printed and "native" in printed
     with pytest.raises(SystemExit):
         main(["--backend", "gpu", "--no-model"])
+
+
+def test_bench_verifiers_adds_the_law_test_rows(capsys):
+    """``--test rule,law``: each rule once more with ``verify_chain(..., test="law")``, labelled;
+    lossless's law rows are its own test (the same outcome)."""
+    import torch
+
+    from scripts.bench_verifiers import RULES, main
+
+    threads = torch.get_num_threads()
+    try:
+        result = main(["--threads", "1", "--batch", "4", "--nodes", "--vocab", "600", "--repeats", "2",
+                       "--no-model", "--test", "rule,law", "--malloc", "default"])
+    finally:
+        torch.set_num_threads(threads)
+    rows = result["rows"]
+    assert len(rows) == 2 * len(RULES) and {r["test"] for r in rows} == {"rule", "law"}
+    by = {r["rule"]: r["mean_emitted"] for r in rows}
+    assert by["lossless [test=law]"] == by["lossless"]
+    assert "mars(theta=0.9) [test=law]" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        main(["--test", "best", "--no-model"])
