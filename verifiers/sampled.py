@@ -217,7 +217,7 @@ def verify_chain_towards_law(rule, target_logits: Tensor, draft_logits: Tensor, 
     ``u_final = rand(B, K+1)``; entry (b, j) is used at row b's position j (the C++ walk and
     the PyTorch loop below read the same entries: the same tokens)."""
     b, k1, v = target_logits.shape
-    k, dev = k1 - 1, target_logits.device
+    dev = target_logits.device
     state = generator.get_state()  # restored if the inputs are rejected
     u_accept = torch.rand(b, k1, 1, generator=generator, device=dev)
     u_final = torch.rand(b, k1, generator=generator, device=dev)
@@ -259,7 +259,7 @@ def _chain_walk_native(rule, target, draft, x, u_accept, u_final, temperature, t
 def _chain_walk(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p):
     """The same walk in PyTorch, position by position over the rows still accepting."""
     _check_chain(target, draft[:, :-1], x, temperature, top_k, top_p)
-    b, k1, v = target.shape
+    b, k1, _ = target.shape
     dev = target.device
     tokens = torch.full((b, k1), -1, dtype=torch.long, device=dev)
     logp, target_lp = torch.zeros(b, k1, device=dev), torch.zeros(b, k1, device=dev)
