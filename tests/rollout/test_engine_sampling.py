@@ -183,12 +183,14 @@ def induced_logprob(rule, rec, sampling: SamplingParams) -> float:
     return float(dist[0, rec.token].log())
 
 
-@pytest.mark.parametrize("name", [*SPECS, "tree-sampled", "tree-sampled-python", "chain-law", "chain-law-python"])
+@pytest.mark.parametrize("name", [*SPECS, "tree-sampled", "tree-sampled-python", "chain-law", "chain-law-python",
+                                  "chain-law-auto"])
 @pytest.mark.parametrize("rule_name", ["lossless", *LOSSY])
 def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
     """(tree-sampled: the fused C++ walk; -python: node level by node level; chain-law: sampled
-    chains with ``verifier.test: law``.) A sampled tree's records carry each node's q: a lossy
-    rule's law there is its chain law; so is a law-tested chain's."""
+    chains with ``verifier.test: law``, -auto: with ``max_batch: auto`` and adaptive K.) A sampled
+    tree's records carry each node's q: a lossy rule's law there is its chain law; so is a
+    law-tested chain's."""
     from verifiers import native
 
     target, head = models
@@ -197,6 +199,8 @@ def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
     # 32 tokens: MARS (theta 0.5) relaxes 2-10 tokens per call on this model over seeds 0-7
     sampling = SamplingParams(temperature=0.8, top_k=40, max_new_tokens=32)
     spec = SPECS["chain-sampled"] if "law" in name else SPECS.get(name, SAMPLED_TREE)
+    if name.endswith("auto"):
+        spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto", adaptive_k=True)
     with native.forced(not name.endswith("python")):
         res = engine.generate(PROMPTS, sampling, spec, verifier, seed=2, debug=True)
     assert len(res.debug) == res.timings.tokens, "one debug record per emitted token"
@@ -207,6 +211,9 @@ def test_behaviour_logprob_is_the_induced_distribution(models, name, rule_name):
         assert comp.behaviour_logprobs[rec.index] == pytest.approx(induced_logprob(rule, rec, sampling), abs=1e-4)
         p = target_logprobs(rec.target_logits, sampling.temperature, sampling.top_k)
         assert comp.target_logprobs[rec.index] == pytest.approx(float(p[rec.token]), abs=1e-4)
+    if spec.auto:  # the planner drafted in some rounds (their tokens carry q) and decoded plainly in others
+        assert res.timings.plain_rounds < res.timings.rounds
+        assert sum(rec.draft_logits is not None for rec in res.debug) >= 4
     if spec.sampled_tree:
         assert sum(rec.draft_logits is not None for rec in res.debug) > 0.3 * len(res.debug)
         assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * len(res.debug)
