@@ -23,11 +23,11 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.config import ConfigError, check_int, check_number, is_int
+from verifiers.chain import TESTS  # VerifierConfig.test: verify_chain's acceptance tests
 
 SPEC_MODES = ("off", "chain", "tree")
 DRAFT_SAMPLING = ("sampled", "greedy")
 TREE_CANDIDATES = ("top_k", "sampled")
-TESTS = ("rule", "law")  # VerifierConfig.test (verifiers.verify_chain's tests)
 
 
 @dataclass(frozen=True)

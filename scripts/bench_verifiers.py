@@ -35,6 +35,7 @@ import torch
 
 from rollout.allocator import tune_malloc
 from verifiers import get_rule, native, verify_candidates, verify_chain
+from verifiers.chain import TESTS
 
 RULES = [("lossless", {}), ("mars", {"theta": 0.9}), ("overshoot", {"lenience": 0.5}),
          ("overshoot", {"lenience": 0.5, "min_p": 0.1}), ("typical", {}), ("min_p", {}),
@@ -169,6 +170,14 @@ def _table(rows: list[dict], forward_ms: float | None) -> str:
     return "\n".join(lines)
 
 
+def _choices(ap: argparse.ArgumentParser, flag: str, text: str, allowed) -> list[str]:
+    """A comma-separated flag value as a list of names from ``allowed`` (exits naming the flag)."""
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    if not names or set(names) - set(allowed):
+        ap.error(f"{flag}: a comma-separated list of {', '.join(allowed)}; got {text!r}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the results to this JSON file")
@@ -191,12 +200,8 @@ def main(argv: list[str] | None = None) -> dict:
     args = ap.parse_args(argv)
     torch.set_num_threads(args.threads)
     tuned = args.malloc == "tuned" and tune_malloc()
-    backends = [name.strip() for name in args.backend.split(",") if name.strip()]
-    if not backends or set(backends) - {"native", "torch"}:
-        ap.error(f"--backend: a comma-separated list of native, torch; got {args.backend!r}")
-    tests = [name.strip() for name in args.test.split(",") if name.strip()]
-    if not tests or set(tests) - {"rule", "law"}:
-        ap.error(f"--test: a comma-separated list of rule, law; got {args.test!r}")
+    backends = _choices(ap, "--backend", args.backend, ("native", "torch"))
+    tests = _choices(ap, "--test", args.test, TESTS)
     rows = bench_verification(args.batch, args.k, args.vocab, args.temperature, args.repeats, backends, tests)
     node_rows = bench_nodes(args.nodes, args.candidates, args.vocab, args.temperature, args.repeats, backends)
     forward_ms = None if args.no_model else bench_target_forward(8, 8, 200, max(5, args.repeats // 3))

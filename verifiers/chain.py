@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .checks import check_chain_inputs, check_generator, check_token_range, raise_if_bad_rows
+from .checks import check_chain_inputs, check_generator, check_token_range, raise_if_bad_rows, zero_q_draft_error
 from .induced import chain_diagnostics, greedy_accepts
 from .processing import CHUNK_ELEMENTS, draft_logits, process_logits, sample_inverse_cdf
 from .results import ChainResult, TokenKind, empty_chain_result
@@ -180,12 +180,6 @@ def _verify_rows(rule, target, draft, x, u_accept, u_final, temperature, top_k, 
     return _Rows(p_x, q_x, p_probe, q_probe, ctx_k, a, n_acc, stats, *fin)
 
 
-def _zero_q_error(x: Tensor, b: int, j: int) -> ValueError:
-    return ValueError(f"draft_tokens[{b}, {j}] = {int(x[b, j])} has zero probability under the draft "
-                      "distribution q (chain drafts must be sampled from q at the same temperature; "
-                      "use verify_candidates for deterministic drafts)")
-
-
 def _check_rows(rows: _Rows, target, draft, x, temperature: float) -> None:
     """Raise for NaN/+inf/all -inf logit rows and for draft tokens that q gives zero mass
     (one host sync: NaN propagates through the probe sums)."""
@@ -197,7 +191,7 @@ def _check_rows(rows: _Rows, target, draft, x, temperature: float) -> None:
         return
     raise_if_bad_rows("target_logits", target, rows.p_probe, temperature)
     raise_if_bad_rows("draft_logits", draft, rows.q_probe, temperature)
-    raise _zero_q_error(x, *(rows.q_x <= 0).nonzero()[0].tolist())
+    raise zero_q_draft_error(x, *(rows.q_x <= 0).nonzero()[0].tolist())
 
 
 def _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u_final) -> ChainResult:
@@ -213,7 +207,7 @@ def _native_chain(rule, target, draft, x, temperature, top_k, top_p, u_accept, u
         return native.verify_chain_native(rule, z, d, x, u_accept, u_final, t)
     except native.NativeError as err:
         if err.status == 2:
-            raise _zero_q_error(x, *err.bad_token) from None
+            raise zero_q_draft_error(x, *err.bad_token) from None
         if err.status == 3:
             raise RuntimeError("internal error: a row's final-token weights have no mass") from None
         if err.status == 4:

@@ -148,3 +148,10 @@ def raise_if_bad_rows(name: str, raw: Tensor, row_stat: Tensor, temperature: flo
         what = "is all -inf (no token has positive probability)"
     where = ", ".join(f"{axis} {i}" for axis, i in zip(("row", "position"), index))
     raise ValueError(f"{name}: the logit vector at {where} {what}")
+
+
+def zero_q_draft_error(x: Tensor, b: int, j: int) -> ValueError:
+    """The error for chain draft ``x[b, j]`` that q gives probability 0."""
+    return ValueError(f"draft_tokens[{b}, {j}] = {int(x[b, j])} has zero probability under the draft "
+                      "distribution q (chain drafts must be sampled from q at the same temperature; "
+                      "use verify_candidates for deterministic drafts)")

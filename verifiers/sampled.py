@@ -41,7 +41,7 @@ import torch
 from torch import Tensor
 
 from . import native
-from .checks import check_candidate_inputs, check_generator, check_token_range, raise_if_bad_rows
+from .checks import check_candidate_inputs, check_generator, check_token_range, raise_if_bad_rows, zero_q_draft_error
 from .induced import checked_softmax
 from .processing import draft_logits as scale_draft, process_logits, sample_inverse_cdf
 from .results import CandidateResult, ChainResult, TokenKind, empty_candidate_result
@@ -291,6 +291,4 @@ def _check_chain(target, draft, x, temperature, top_k, top_p) -> None:
         check_token_range("draft_tokens", x, target.shape[-1], allow_pad=False)
         zero = (draft.gather(2, x[:, :, None])[..., 0] == -torch.inf).nonzero()
         if len(zero):
-            row, j = (int(i) for i in zero[0])
-            raise ValueError(f"draft_tokens[{row}, {j}] = {int(x[row, j])} has zero probability under the draft "
-                             "distribution q (chain drafts must be sampled from q at the same temperature)")
+            raise zero_q_draft_error(x, *zero[0].tolist())
