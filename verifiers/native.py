@@ -112,7 +112,7 @@ def _load_locked() -> ctypes.CDLL | None:
                    + [ctypes.c_void_p] * 5)
     fn = lib.hr_walk_sampled
     fn.restype = ctypes.c_int64
-    fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 6 + [ctypes.c_double, ctypes.POINTER(Params)]
+    fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_double, ctypes.POINTER(Params)]
                    + [ctypes.c_void_p] * 7)
     lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
     lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
@@ -287,12 +287,15 @@ def verify_sampled_native(rule, z_target: Tensor, z_draft: Tensor, cands: Tensor
 
 def walk_sampled_native(rule, z_target: Tensor, z_draft: Tensor, draft_ids: Tensor, tokens: Tensor,
                         children: Tensor, u_accept: Tensor, u_final: Tensor, temperature: float) -> tuple[Tensor, ...]:
-    """``rollout.sampled_tree.walk_sampled`` fused: z_target [B, N+1, V], z_draft [B, N+1, Vd],
+    """``rollout.sampled_tree.walk_sampled`` fused: z_target [B, N+1, V], z_draft [B, ND, Vd] (row i:
+    node i; ND <= N+1 when the nodes from ND on are leaves, as a chain's last node),
     draft_ids [Vd], tokens [B, N+1], children [N+1, K], u_accept [B, W, K], u_final [B, W]; returns
     (tokens, log P, log p, kinds, path) [B, W] and emitted [B] (P: p or ``rule``'s chain law)."""
     lib = _load()
     b, n1, v = z_target.shape
-    vd, k, w = z_draft.shape[-1], children.shape[1], u_final.shape[1]
+    nd, vd, k, w = z_draft.shape[1], z_draft.shape[-1], children.shape[1], u_final.shape[1]
+    if not nd <= n1 or bool((children[nd:] >= 0).any()):
+        raise ValueError(f"z_draft has {nd} node rows, but a node from {nd} on has children (nodes: {n1})")
     zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
     ids, toks, kids = draft_ids.long().contiguous(), tokens.long().contiguous(), children.long().contiguous()
     ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
@@ -303,7 +306,7 @@ def walk_sampled_native(rule, z_target: Tensor, z_draft: Tensor, draft_ids: Tens
     emitted = torch.empty(b, dtype=torch.long)
     bad_rows = torch.zeros(b, dtype=torch.uint8)
     status = lib.hr_walk_sampled(zt.data_ptr(), zd.data_ptr(), ids.data_ptr(), toks.data_ptr(), kids.data_ptr(),
-                                 ua.data_ptr(), uf.data_ptr(), b, n1, v, vd, k, w, float(temperature),
+                                 ua.data_ptr(), uf.data_ptr(), b, n1, nd, v, vd, k, w, float(temperature),
                                  ctypes.byref(params(rule)), out.data_ptr(), logp.data_ptr(), target_lp.data_ptr(),
                                  kinds.data_ptr(), path.data_ptr(), emitted.data_ptr(), bad_rows.data_ptr())
     if status != 0:

@@ -222,11 +222,12 @@ def verify_chain_towards_law(rule, target_logits: Tensor, draft_logits: Tensor, 
     u_accept = torch.rand(b, k1, 1, generator=generator, device=dev)
     u_final = torch.rand(b, k1, generator=generator, device=dev)
     x = draft_tokens.long()
-    draft = torch.cat([draft_logits, draft_logits.new_zeros(b, 1, v)], dim=1)  # the bonus position has no q
     try:
         if dev.type == "cpu" and native.enabled() and native.supports(rule):
-            out = _chain_walk_native(rule, target_logits, draft, x, u_accept, u_final, temperature, top_k, top_p)
+            out = _chain_walk_native(rule, target_logits, draft_logits, x, u_accept, u_final, temperature, top_k,
+                                     top_p)
         else:
+            draft = torch.cat([draft_logits, draft_logits.new_zeros(b, 1, v)], dim=1)  # the bonus position: no q
             out = _chain_walk(rule, target_logits, draft, x, u_accept, u_final, temperature, top_k, top_p)
     except ValueError:
         generator.set_state(state)
@@ -241,7 +242,8 @@ def verify_chain_towards_law(rule, target_logits: Tensor, draft_logits: Tensor, 
 
 def _chain_walk_native(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p):
     """The chain as a tree for ``hr_walk_sampled`` (``csrc/sampled.cpp``): nodes 0..K, node j's
-    one child j + 1, q over the target vocabulary (identity id map)."""
+    one child j + 1, q over the target vocabulary (identity id map); ``draft`` [B, K, V] (node K, a
+    leaf, has no draft row)."""
     b, k1, v = target.shape
     z, zd, t = kernel_logits(target, draft, temperature, top_k, top_p)
     nodes = torch.arange(k1)
@@ -251,7 +253,7 @@ def _chain_walk_native(rule, target, draft, x, u_accept, u_final, temperature, t
         out, logp, target_lp, kinds, _, emitted = native.walk_sampled_native(
             rule, z, zd, torch.arange(v), tokens, children, u_accept, u_final, t)
     except native.NativeError as err:  # re-checked in PyTorch, which names the row and position
-        _check_chain(target, draft[:, :-1], x, temperature, top_k, top_p)
+        _check_chain(target, draft, x, temperature, top_k, top_p)
         raise AssertionError(f"the C++ walk flagged bad input (status {err.status}) that has none") from None
     return out, logp, target_lp, kinds, emitted
 

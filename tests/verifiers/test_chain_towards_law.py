@@ -140,3 +140,22 @@ def test_bad_input_and_t0():
     greedy = {test: verify_chain(rule, target.expand(b, -1, -1), draft.expand(b, -1, -1), draft.argmax(-1).expand(b, -1),
                                  temperature=0.0, generator=None, test=test) for test in ("rule", "law")}
     assert torch.equal(greedy["rule"].tokens, greedy["law"].tokens)
+
+
+def test_the_walk_refuses_draft_rows_missing_for_nodes_with_children():
+    """The C++ walk reads a draft row only at nodes with children (a chain passes K rows, its
+    node K is a leaf); fewer rows than that is refused, not read past the end."""
+    rule = get_rule("mars", theta=0.5)
+    target, draft = _chain_case(3.0)
+    b, v = 2, target.shape[-1]
+    x = _drafts(draft, 1.0, b, 1)
+    tokens = torch.cat([x.new_zeros(b, 1), x], 1)
+    children = torch.tensor([[1], [2], [-1]])
+    u_accept, u_final = torch.rand(b, K + 1, 1), torch.rand(b, K + 1)
+    args = (target.expand(b, -1, -1), draft.expand(b, -1, -1), torch.arange(v), tokens, children, u_accept, u_final,
+            1.0)
+    with native.forced(True):
+        assert native.walk_sampled_native(rule, *args)[-1].ge(1).all()
+        short = (args[0], draft[:1].expand(b, -1, -1)) + args[2:]
+        with pytest.raises(ValueError, match="z_draft has 1 node rows, but a node from 1 on has children"):
+            native.walk_sampled_native(rule, *short)

@@ -168,7 +168,8 @@ inline WeightKind rejected_weights(const Params& prm, const RuleState& rs) {
   return kResidual;
 }
 
-// P(y) at a non-exact position from the rule's closed form (``prob_at``).
+// P(y) at a non-exact position from the rule's closed form (``prob_at``). Branch-free selects,
+// not std::fmin / fmax (library calls without -ffinite-math-only): loops over it vectorise.
 inline double chain_prob_at(const Params& prm, double p_y, double q_y, int64_t y, const RuleState& rs,
                             const RowStats& ts) {
   switch (prm.rule) {
@@ -180,15 +181,17 @@ inline double chain_prob_at(const Params& prm, double p_y, double q_y, int64_t y
     case kOvershoot: {
       const double lenience = prm.arg[0], min_p = prm.arg[1];
       const bool gate = min_p > 0 && p_y >= rs.thr;
-      const double g = gate ? q_y : std::fmin(q_y, p_y / lenience);
-      const double r = rs.tv > 0 ? std::fmax(p_y - q_y, 0.0) / rs.tv : p_y;
+      const double cap = p_y / lenience;
+      const double g = gate || q_y < cap ? q_y : cap;
+      const double r = rs.tv > 0 ? (p_y > q_y ? p_y - q_y : 0.0) / rs.tv : p_y;
       return g + static_cast<double>(rs.rejected) * r;
     }
     case kTypical:
     case kMinP: {
       const bool in_a = p_y >= rs.thr;
-      const double t_y = in_a ? 0.0 : q_y / std::fmax(1.0 - p_y, 1e-30);
-      return (in_a ? q_y : 0.0) + p_y * std::fmax(static_cast<double>(rs.feed) - t_y, 0.0);
+      const double t_y = in_a ? 0.0 : q_y / (1.0 - p_y > 1e-30 ? 1.0 - p_y : 1e-30);
+      const double left = static_cast<double>(rs.feed) - t_y;
+      return (in_a ? q_y : 0.0) + p_y * (left > 0 ? left : 0.0);
     }
     case kCos: {
       const double lam = prm.arg[0];

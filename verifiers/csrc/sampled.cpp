@@ -9,6 +9,13 @@
 //   s = norm((s - q_i)+); the fallback y ~ s;
 // - hr_walk_sampled: the whole walk over a sampled tree, one task per row (the same node step).
 //
+// The node step (verify_node) tests the first candidate from the rows' statistics alone (max and
+// normaliser of the target and draft rows, the rule's closed form P_R(c_1) = chain_prob_at; a
+// vocabulary pass for the rules whose law needs row sums): most nodes accept it, and then no
+// vocabulary-sized row is written. p, q and P_R are written out only when c_1 is rejected; the
+// recursion then goes on from the state after that rejection. The same procedure, on the same
+// uniforms, as the PyTorch code (which tests c_1 against the written rows: equal up to rounding).
+//
 // One task per row; a row's sums accumulate in float64 on one thread.
 
 #include <ATen/Parallel.h>
@@ -93,6 +100,13 @@ float* scratch(int which, int64_t n) {
   return rows[which].data();
 }
 
+double* block_scratch(int64_t V) {  // per-thread block sums (ceil(V / kBlock))
+  thread_local std::vector<double> sums;
+  const int64_t n = (V + kBlock - 1) / kBlock;
+  if (static_cast<int64_t>(sums.size()) < n) sums.resize(n);
+  return sums.data();
+}
+
 // law[y] = P_R(y) over a row; returns the mass. R: the rule as a compile-time constant, so that
 // the rule's switch folds and the loop vectorises (-1: prm's own rule).
 template <int64_t R>
@@ -110,36 +124,27 @@ double law_row(const Params& prm, const RuleState& rs, const RowStats& ts, const
   return sum;
 }
 
-// The law a node verifies towards, given its target row tr, p and q [V] (normalised): p itself
-// (lossless; a rule that induces p here), else the rule's chain law P_R(y) = chain_prob_at
-// (rules.h, ``induced``; its statistics over the p and q arrays) written into law, with its mass.
-const float* node_law(const Params& prm, const RowView& tr, const float* __restrict p, const float* __restrict q,
-                      float* __restrict law, double& mass) {
-  mass = 1.0;
-  if (prm.rule == kLossless) return p;
-  const RowStats ts = row_stats(tr, wants_top2(prm), wants_entropy(prm));
-  RuleState rs;
-  rule_context(prm, ts, rs.relax, rs.thr);
-  if (prm.rule == kMars) rs.q12 = q[ts.v1] + q[ts.v2];
-  if (chain_exact(prm, rs)) return p;
-  const int64_t V = tr.n;
-  if (full_row_stats(prm)) chain_row_stats_of(prm, V, [=](int64_t i) { return p[i]; }, [=](int64_t i) { return q[i]; }, rs);
+// law [V] = P_R over the node's p and q arrays (rs: the rule's context and row statistics at the
+// node); returns its mass.
+double law_of(const Params& prm, const RuleState& rs, const RowStats& ts, const float* __restrict p,
+              const float* __restrict q, float* __restrict law, int64_t V) {
   switch (prm.rule) {
-    case kMars: mass = law_row<kMars>(prm, rs, ts, p, q, law, V); break;
-    case kOvershoot: mass = law_row<kOvershoot>(prm, rs, ts, p, q, law, V); break;
-    case kTypical: mass = law_row<kTypical>(prm, rs, ts, p, q, law, V); break;
-    case kMinP: mass = law_row<kMinP>(prm, rs, ts, p, q, law, V); break;
-    case kCos: mass = law_row<kCos>(prm, rs, ts, p, q, law, V); break;
-    default: mass = law_row<-1>(prm, rs, ts, p, q, law, V); break;
+    case kMars: return law_row<kMars>(prm, rs, ts, p, q, law, V);
+    case kOvershoot: return law_row<kOvershoot>(prm, rs, ts, p, q, law, V);
+    case kTypical: return law_row<kTypical>(prm, rs, ts, p, q, law, V);
+    case kMinP: return law_row<kMinP>(prm, rs, ts, p, q, law, V);
+    case kCos: return law_row<kCos>(prm, rs, ts, p, q, law, V);
+    default: return law_row<-1>(prm, rs, ts, p, q, law, V);
   }
-  return law;
 }
 
 // Recursive rejection at one node towards law [V] (mass law_mass), q in rest [V] (normalised;
 // changed: the candidates are removed), s [V] scratch; candidates c[0..M) (-1 padded), uniforms
-// u_acc[0..M) and u_fin. Returns the emitted token; accepted = the accepted candidate's index or -1.
+// u_acc[0..M) and u_fin; the candidates before index first were already rejected (not tested
+// again: only the state moves past them). Returns the emitted token; accepted = the accepted
+// candidate's index or -1.
 int64_t recursive_rejection(const float* law, double law_mass, float* s, float* rest, int64_t V, const int64_t* c,
-                            int64_t M, const float* u_acc, float u_fin, int64_t& accepted) {
+                            int64_t M, const float* u_acc, float u_fin, int64_t first, int64_t& accepted) {
 #pragma omp simd
   for (int64_t j = 0; j < V; ++j) s[j] = law[j];
   double s_mass = law_mass, rest_mass = 0;
@@ -151,7 +156,7 @@ int64_t recursive_rejection(const float* law, double law_mass, float* s, float* 
     const float inv_s = static_cast<float>(1.0 / s_mass);
     const float q_c = rest[c[i]] * inv_rest;
     const float ratio = (s[c[i]] * inv_s) / q_c;
-    if (u_acc[i] < ratio) {
+    if (i >= first && u_acc[i] < ratio) {
       accepted = i;
       break;
     }
@@ -177,6 +182,170 @@ int64_t recursive_rejection(const float* law, double law_mass, float* s, float* 
     }
   }
   return accepted >= 0 ? c[accepted] : inverse_cdf(s, V, s_mass, u_fin);
+}
+
+// A node's draft row: logits over the draft vocabulary [Vd] and the target ids of its entries
+// (ids [Vd] and inv [V], the draft index of a target id or -1; both nullptr: the identity, Vd = V).
+struct DraftRow {
+  RowView rv;
+  const int64_t* ids;
+  const int32_t* inv;
+  int64_t index(int64_t y) const { return inv ? inv[y] : y; }
+};
+
+// Per-thread rows of vocabulary size a node step writes into (only when its first candidate is
+// rejected, or for a leaf's bonus token).
+struct NodeScratch {
+  float *p, *s, *rest, *qd, *law;
+  double* sums;  // block sums, ceil(V / kBlock)
+};
+
+// After the one candidate of a node is rejected: y ~ norm((P_R - q)+), from the logits rows
+// (p_at, q_at: a token's p and q) without writing a row: block sums of the weights, then a scan
+// of one block (common.h's sample_blocks). R: the law as a compile-time rule id, so that
+// chain_prob_at's switch folds and the loop vectorises (kLossless: P_R = p). residual = false
+// samples P_R itself (where P_R = q: the rejection had probability 0).
+template <int64_t R, class PAt, class QAt>
+int64_t draw_after_rejection(const Params& prm, const RuleState& rs, const RowStats& ts, PAt p_at, QAt q_at,
+                             int64_t V, bool residual, double u, double* sums) {
+  Params fixed = prm;
+  fixed.rule = R;
+  const float keep_q = residual ? 1.0f : 0.0f;
+  auto weight = [=, &rs, &ts](int64_t i) {
+    const float p = p_at(i), q = q_at(i);
+    const float law = R == kLossless ? p : static_cast<float>(chain_prob_at(fixed, p, q, i, rs, ts));
+    const float w = law - keep_q * q;
+    return w > 0 ? w : 0.0f;
+  };
+  const int64_t nblocks = (V + kBlock - 1) / kBlock;
+  for (int64_t start = 0, blk = 0; start < V; start += kBlock, ++blk) {
+    const int64_t end = start + kBlock < V ? start + kBlock : V;
+    double s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = start; i < end; ++i) s += weight(i);
+    sums[blk] = s;
+  }
+  double r_y = 0;
+  return sample_blocks(sums, nblocks, V, weight, u, r_y);
+}
+
+// draw_after_rejection for the law at this node: p where the rule induces p (exact), else P_R.
+template <class PAt, class QAt>
+int64_t draw_after_rejection_of(const Params& prm, bool exact, const RuleState& rs, const RowStats& ts, PAt p_at,
+                                QAt q_at, int64_t V, bool residual, double u, double* sums) {
+  switch (exact ? kLossless : prm.rule) {
+    case kLossless: return draw_after_rejection<kLossless>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+    case kMars: return draw_after_rejection<kMars>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+    case kOvershoot: return draw_after_rejection<kOvershoot>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+    case kTypical: return draw_after_rejection<kTypical>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+    case kMinP: return draw_after_rejection<kMinP>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+    default: return draw_after_rejection<kCos>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+  }
+}
+
+struct NodeResult {
+  int64_t y = -1, accepted = -1;  // the emitted token, the accepted candidate's index (-1: none)
+  float logp = 0, target_lp = 0;  // log P(y) (the law verified towards), log p(y)
+  int status = 0;                 // 1 a bad target row, 2 a bad draft row, 4 a candidate with q = 0
+};
+
+// One node: y ~ p at a leaf (m = 0); else recursive rejection over the candidates c[0..m) towards
+// p (lossless) or the rule's chain law P_R(p, q).
+NodeResult verify_node(const Params& prm, const RowView& tr, const DraftRow& dr, const int64_t* c, int64_t m,
+                       const float* u_acc, float u_fin, const NodeScratch& sc) {
+  NodeResult out;
+  const int64_t V = tr.n;
+  if (m == 0) {  // a bonus token
+    if (!softmax_row(tr.data, V, tr.temperature, sc.p)) {
+      out.status = 1;
+      return out;
+    }
+    double total = 0;
+#pragma omp simd reduction(+ : total)
+    for (int64_t j = 0; j < V; ++j) total += sc.p[j];
+    out.y = inverse_cdf(sc.p, V, total, u_fin);
+    out.logp = out.target_lp = std::log(sc.p[out.y]);
+    return out;
+  }
+  const bool lossy = prm.rule != kLossless;
+  const RowStats ts = row_stats(tr, lossy && wants_top2(prm), lossy && wants_entropy(prm));
+  if (ts.bad) {
+    out.status = 1;
+    return out;
+  }
+  const RowStats qs = row_stats(dr.rv, false, false);
+  if (qs.bad) {
+    out.status = 2;
+    return out;
+  }
+  auto q_at = [&](int64_t y) {
+    const int64_t d = dr.index(y);
+    return d >= 0 ? prob(dr.rv, qs, d) : 0.0f;
+  };
+  for (int64_t i = 0; i < m; ++i)
+    if (!(q_at(c[i]) > 0)) out.status = 4;
+  if (out.status) return out;
+  RuleState rs;
+  bool exact = true;  // the law is p here
+  if (lossy) {
+    rule_context(prm, ts, rs.relax, rs.thr);
+    if (prm.rule == kMars) rs.q12 = q_at(ts.v1) + q_at(ts.v2);
+    exact = chain_exact(prm, rs);
+  }
+  bool written = false;  // p and q (in rest, over the target vocabulary) written out
+  auto write_rows = [&] {
+    softmax_row(tr.data, V, tr.temperature, sc.p);
+    if (!dr.ids) {
+      softmax_row(dr.rv.data, V, dr.rv.temperature, sc.rest);
+    } else {
+      softmax_row(dr.rv.data, dr.rv.n, dr.rv.temperature, sc.qd);
+      std::fill(sc.rest, sc.rest + V, 0.0f);
+      for (int64_t j = 0; j < dr.rv.n; ++j) sc.rest[dr.ids[j]] = sc.qd[j];
+    }
+    written = true;
+  };
+  if (!exact && full_row_stats(prm)) {
+    if (!dr.ids) {  // q over the target vocabulary: the sums straight from the logits
+      chain_row_stats(prm, tr, dr.rv, ts, qs, rs);
+    } else {
+      write_rows();
+      const float *p = sc.p, *q = sc.rest;
+      chain_row_stats_of(prm, V, [=](int64_t i) { return p[i]; }, [=](int64_t i) { return q[i]; }, rs);
+    }
+  }
+  // the first candidate, from the closed form
+  const float p_c = prob(tr, ts, c[0]), q_c = q_at(c[0]);
+  const double law_c = exact ? static_cast<double>(p_c) : chain_prob_at(prm, p_c, q_c, c[0], rs, ts);
+  if (u_acc[0] < static_cast<float>(law_c / q_c)) {
+    out.y = c[0];
+    out.accepted = 0;
+    out.target_lp = std::log(p_c);
+    out.logp = exact ? out.target_lp : static_cast<float>(std::log(law_c));
+    return out;
+  }
+  if (m == 1 && !dr.ids) {  // a chain's position: y ~ norm((P_R - q)+) without writing rows
+    const float *td = tr.data, *dd = dr.rv.data;
+    const float t = tr.temperature, tm = ts.zmax, ti = ts.inv_sum, qm = qs.zmax, qi = qs.inv_sum;
+    auto p_at = [=](int64_t i) { return exp_nonpos((t == 1.0f ? td[i] : td[i] / t) - tm) * ti; };
+    auto q_at_row = [=](int64_t i) { return exp_nonpos((t == 1.0f ? dd[i] : dd[i] / t) - qm) * qi; };
+    double* sums = sc.sums;
+    out.y = draw_after_rejection_of(prm, exact, rs, ts, p_at, q_at_row, V, true, u_fin, sums);
+    if (out.y < 0)  // P_R <= q everywhere: P_R = q, the rejection had probability 0 (kept: y ~ P_R)
+      out.y = draw_after_rejection_of(prm, exact, rs, ts, p_at, q_at_row, V, false, u_fin, sums);
+    const float p_y = p_at(out.y);
+    out.target_lp = std::log(p_y);
+    out.logp = exact ? out.target_lp
+                     : static_cast<float>(std::log(chain_prob_at(prm, p_y, q_at_row(out.y), out.y, rs, ts)));
+    return out;
+  }
+  if (!written) write_rows();
+  double mass = 1.0;
+  const float* to = exact ? sc.p : sc.law;
+  if (!exact) mass = law_of(prm, rs, ts, sc.p, sc.rest, sc.law, V);
+  out.y = recursive_rejection(to, mass, sc.s, sc.rest, V, c, m, u_acc, u_fin, 1, out.accepted);
+  out.target_lp = std::log(sc.p[out.y]);
+  out.logp = exact ? out.target_lp : static_cast<float>(std::log(to[out.y] / mass));
+  return out;
 }
 
 }  // namespace
@@ -224,28 +393,23 @@ int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t
   std::vector<uint8_t> status(N, 0);
   const float t = static_cast<float>(temperature);
   at::parallel_for(0, N, 1, [&](int64_t begin, int64_t end) {
-    float *p = scratch(0, V), *s = scratch(1, V), *rest = scratch(2, V), *law = scratch(4, V);
+    const NodeScratch sc{scratch(0, V), scratch(1, V), scratch(2, V), nullptr, scratch(4, V), block_scratch(V)};
     for (int64_t n = begin; n < end; ++n) {
-      if (!softmax_row(target + n * V, V, t, p)) {
-        status[n] = 1;
-        continue;
-      }
-      if (!softmax_row(draft + n * V, V, t, rest)) {
-        status[n] = 2;
-        continue;
-      }
       const int64_t* c = cands + n * M;
-      for (int64_t i = 0; i < M && c[i] >= 0; ++i)
-        if (!(rest[c[i]] > 0)) status[n] = 4;
-      if (status[n]) continue;
-      double mass = 1.0;
-      const float* to = M > 0 && c[0] >= 0 ? node_law(*prm, RowView{target + n * V, V, t}, p, rest, law, mass) : p;
-      int64_t accepted = -1;
-      const int64_t y = recursive_rejection(to, mass, s, rest, V, c, M, u_acc + n * M, u_fin[n], accepted);
-      tokens[n] = y;
-      index[n] = accepted;
-      target_lp[n] = std::log(p[y]);
-      logp[n] = to == p ? target_lp[n] : static_cast<float>(std::log(to[y] / mass));
+      int64_t m = 0;
+      while (m < M && c[m] >= 0) ++m;
+      const DraftRow dr{RowView{draft + n * V, V, t}, nullptr, nullptr};
+      if (m == 0 && row_stats(dr.rv, false, false).bad) {  // a bonus node's draft row is checked too
+        status[n] = row_stats(RowView{target + n * V, V, t}, false, false).bad ? 1 : 2;
+        continue;
+      }
+      const NodeResult r = verify_node(*prm, RowView{target + n * V, V, t}, dr, c, m, u_acc + n * M, u_fin[n], sc);
+      status[n] = static_cast<uint8_t>(r.status);
+      if (r.status) continue;
+      tokens[n] = r.y;
+      index[n] = r.accepted;
+      target_lp[n] = r.target_lp;
+      logp[n] = r.logp;
     }
   });
   int64_t worst = 0;
@@ -259,7 +423,8 @@ int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t
 
 // The walk over a sampled tree for every row at once (rollout/sampled_tree.py, walk_sampled):
 // target [B, N+1, V] float32 logits (row of node i = the target's prediction after node i; already
-// truncated), draft [B, N+1, Vd] the draft logits each node's children were drawn from, draft_ids
+// truncated), draft [B, ND, Vd] the draft logits each node's children were drawn from (row i: node i;
+// ND >= every node with children, N+1 for a tree, K for a chain whose last node is a leaf), draft_ids
 // [Vd] their target ids, tokens [B, N+1] the nodes' target ids, children [N+1, K] (-1 padded),
 // u_acc [B, W, K], u_fin [B, W] float32, prm the rule. At each node: a leaf emits a bonus token from
 // p (u_fin); otherwise recursive rejection over its children towards p or the rule's chain law
@@ -269,15 +434,18 @@ int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t
 // target / draft row: bad_rows[b] set), 4 (a child with q = 0).
 int64_t hr_walk_sampled(const float* target, const float* draft, const int64_t* draft_ids, const int64_t* tokens,
                         const int64_t* children, const float* u_acc, const float* u_fin, int64_t B, int64_t N1,
-                        int64_t V, int64_t Vd, int64_t K, int64_t W, double temperature, const Params* prm,
+                        int64_t ND, int64_t V, int64_t Vd, int64_t K, int64_t W, double temperature, const Params* prm,
                         int64_t* out_tokens, float* logp, float* target_lp, int64_t* kinds, int64_t* path,
                         int64_t* emitted, uint8_t* bad_rows) {
   std::vector<uint8_t> status(B, 0);
   const float t = static_cast<float>(temperature);
-  const bool lossy = prm->rule != kLossless;
+  bool identity = Vd == V;  // draft ids 0..V-1 (a chain walked as a tree): q needs no scatter
+  for (int64_t j = 0; identity && j < Vd; ++j) identity = draft_ids[j] == j;
+  std::vector<int32_t> inv(identity ? 0 : V, -1);
+  for (int64_t j = 0; !identity && j < Vd; ++j) inv[draft_ids[j]] = static_cast<int32_t>(j);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
-    float *p = scratch(0, V), *s = scratch(1, V), *rest = scratch(2, V), *qd = scratch(3, Vd);
-    float* law = lossy ? scratch(4, V) : nullptr;
+    const NodeScratch sc{scratch(0, V), scratch(1, V), scratch(2, V), identity ? nullptr : scratch(3, Vd),
+                         scratch(4, V), block_scratch(V)};
     std::vector<int64_t> cands(K);
     for (int64_t b = begin; b < end; ++b) {
       for (int64_t l = 0; l < W; ++l) {
@@ -286,43 +454,25 @@ int64_t hr_walk_sampled(const float* target, const float* draft, const int64_t* 
       }
       int64_t node = 0, n = 0;
       for (int64_t level = 0; level < W; ++level) {
-        if (!softmax_row(target + (b * N1 + node) * V, V, t, p)) {
-          status[b] = 1;
-          break;
-        }
         const int64_t* kids = children + node * K;
         int64_t m = 0;
         while (m < K && kids[m] >= 0) cands[m] = tokens[b * N1 + kids[m]], ++m;
-        int64_t y, accepted = -1;
-        const float* to = p;
-        double mass = 1.0;
-        if (m == 0) {
-          double total = 0;
-#pragma omp simd reduction(+ : total)
-          for (int64_t j = 0; j < V; ++j) total += p[j];
-          y = inverse_cdf(p, V, total, u_fin[b * W + level]);
-        } else {
-          if (!softmax_row(draft + (b * N1 + node) * Vd, Vd, t, qd)) {
-            status[b] = 2;
-            break;
-          }
-          std::fill(rest, rest + V, 0.0f);
-          for (int64_t j = 0; j < Vd; ++j) rest[draft_ids[j]] = qd[j];
-          for (int64_t i = 0; i < m; ++i)
-            if (!(rest[cands[i]] > 0)) status[b] = 4;
-          if (status[b]) break;
-          if (lossy) to = node_law(*prm, RowView{target + (b * N1 + node) * V, V, t}, p, rest, law, mass);
-          y = recursive_rejection(to, mass, s, rest, V, cands.data(), m, u_acc + (b * W + level) * K,
-                                  u_fin[b * W + level], accepted);
+        const DraftRow dr{RowView{draft + (b * ND + (m > 0 ? node : 0)) * Vd, Vd, t}, identity ? nullptr : draft_ids,
+                          identity ? nullptr : inv.data()};
+        const NodeResult r = verify_node(*prm, RowView{target + (b * N1 + node) * V, V, t}, dr, cands.data(), m,
+                                         u_acc + (b * W + level) * K, u_fin[b * W + level], sc);
+        if (r.status) {
+          status[b] = static_cast<uint8_t>(r.status);
+          break;
         }
-        out_tokens[b * W + level] = y;
-        target_lp[b * W + level] = std::log(p[y]);
-        logp[b * W + level] = to == p ? target_lp[b * W + level] : static_cast<float>(std::log(to[y] / mass));
-        kinds[b * W + level] = accepted >= 0 ? 0 : (m > 0 ? 1 : 2);
+        out_tokens[b * W + level] = r.y;
+        target_lp[b * W + level] = r.target_lp;
+        logp[b * W + level] = r.logp;
+        kinds[b * W + level] = r.accepted >= 0 ? 0 : (m > 0 ? 1 : 2);
         path[b * W + level] = node;
         ++n;
-        if (accepted < 0) break;
-        node = kids[accepted];
+        if (r.accepted < 0) break;
+        node = kids[r.accepted];
       }
       emitted[b] = n;
     }
