@@ -296,6 +296,10 @@ def walk_sampled_native(rule, z_target: Tensor, z_draft: Tensor, draft_ids: Tens
     nd, vd, k, w = z_draft.shape[1], z_draft.shape[-1], children.shape[1], u_final.shape[1]
     if not nd <= n1 or bool((children[nd:] >= 0).any()):
         raise ValueError(f"z_draft has {nd} node rows, but a node from {nd} on has children (nodes: {n1})")
+    bad = draft_ids[(draft_ids < 0) | (draft_ids >= v)]
+    if len(draft_ids) != vd or len(bad):
+        raise ValueError(f"draft_ids must hold one target id in [0, {v}) per draft logit ({vd}); got "
+                         f"{len(draft_ids)} ids" + (f", {int(bad[0])} among them" if len(bad) else ""))
     zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
     ids, toks, kids = draft_ids.long().contiguous(), tokens.long().contiguous(), children.long().contiguous()
     ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()

@@ -142,9 +142,10 @@ def test_bad_input_and_t0():
     assert torch.equal(greedy["rule"].tokens, greedy["law"].tokens)
 
 
-def test_the_walk_refuses_draft_rows_missing_for_nodes_with_children():
+def test_the_walk_refuses_missing_draft_rows_and_bad_draft_ids():
     """The C++ walk reads a draft row only at nodes with children (a chain passes K rows, its
-    node K is a leaf); fewer rows than that is refused, not read past the end."""
+    node K is a leaf); fewer rows than that is refused, not read past the end, and so are draft
+    ids outside the target vocabulary."""
     rule = get_rule("mars", theta=0.5)
     target, draft = _chain_case(3.0)
     b, v = 2, target.shape[-1]
@@ -159,3 +160,8 @@ def test_the_walk_refuses_draft_rows_missing_for_nodes_with_children():
         short = (args[0], draft[:1].expand(b, -1, -1)) + args[2:]
         with pytest.raises(ValueError, match="z_draft has 1 node rows, but a node from 1 on has children"):
             native.walk_sampled_native(rule, *short)
+        ids = torch.arange(v)
+        ids[3] = v  # past the target vocabulary
+        with pytest.raises(ValueError, match=rf"draft_ids must hold one target id in \[0, {v}\) per draft logit "
+                                             rf"\({v}\); got {v} ids, {v} among them"):
+            native.walk_sampled_native(rule, *args[:2], ids, *args[3:])

@@ -203,13 +203,13 @@ struct NodeScratch {
 // After the one candidate of a node is rejected: y ~ norm((P_R - q)+), from the logits rows
 // (p_at, q_at: a token's p and q) without writing a row: block sums of the weights, then a scan
 // of one block (common.h's sample_blocks). R: the law as a compile-time rule id, so that
-// chain_prob_at's switch folds and the loop vectorises (kLossless: P_R = p). residual = false
+// chain_prob_at's switch folds and the loop vectorises (kLossless: P_R = p; -1: prm's own rule). residual = false
 // samples P_R itself (where P_R = q: the rejection had probability 0).
 template <int64_t R, class PAt, class QAt>
 int64_t draw_after_rejection(const Params& prm, const RuleState& rs, const RowStats& ts, PAt p_at, QAt q_at,
                              int64_t V, bool residual, double u, double* sums) {
   Params fixed = prm;
-  fixed.rule = R;
+  if (R >= 0) fixed.rule = R;
   const float keep_q = residual ? 1.0f : 0.0f;
   auto weight = [=, &rs, &ts](int64_t i) {
     const float p = p_at(i), q = q_at(i);
@@ -239,7 +239,8 @@ int64_t draw_after_rejection_of(const Params& prm, bool exact, const RuleState& 
     case kOvershoot: return draw_after_rejection<kOvershoot>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
     case kTypical: return draw_after_rejection<kTypical>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
     case kMinP: return draw_after_rejection<kMinP>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-    default: return draw_after_rejection<kCos>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+    case kCos: return draw_after_rejection<kCos>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+    default: return draw_after_rejection<-1>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
   }
 }
 
