@@ -14,6 +14,7 @@ packs the shipped bf16-valued head as bf16 panels: the same draft logits, half t
     python -m scripts.bench_rollout --batch-sizes 1,8,32 --max-new-tokens 128 --prompts 32 \\
         --verifiers lossless,mars,overshoot --json OUT.json
     python -m scripts.bench_rollout --quick          # a small smoke run
+    python -m scripts.bench_rollout ... --plot speed.png   # speedups next to their bounds (scripts.bench_plot)
 
 Target: the embedded SmolLM2-135M-Instruct; drafter: the shipped EAGLE-3 head (or
 ``--head``). Prompts: held-out arithmetic word problems with the chat template. For each
@@ -72,6 +73,7 @@ import argparse  # noqa: E402
 import contextlib  # noqa: E402
 import json  # noqa: E402
 import resource  # noqa: E402
+from pathlib import Path  # noqa: E402
 from statistics import median  # noqa: E402
 import sys  # noqa: E402
 import time  # noqa: E402
@@ -83,6 +85,7 @@ from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
+from scripts.bench_plot import plot_rows  # noqa: E402
 from scripts.bench_rows import SWITCHES, describe, row_configs, spec_configs, switched_off  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
@@ -149,10 +152,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
+    ap.add_argument("--plot", default=None, metavar="PNG",
+                    help="draw each row's speedup next to its bound here (scripts.bench_plot; also from a --json file)")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2")
     args = ap.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
+    for flag, out in (("--json", args.json), ("--plot", args.plot)):  # refused now, not after the run
+        if out and not Path(out).resolve().parent.is_dir():
+            raise SystemExit(f"error: {flag} {out}: the folder {Path(out).resolve().parent} does not exist")
     return args
 
 
@@ -241,8 +249,11 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     rows = []
     pad_id = tok.pad_token_id or 0
-    for size in (int(b) for b in args.batch_sizes.split(",")):
+    for n, size in enumerate(int(b) for b in args.batch_sizes.split(",")):
         configs = row_configs(args, target, engine)
+        if n == 0:
+            width = widths(configs)
+            print(header(width), flush=True)
         totals: list[dict] = [{} for _ in configs]
         calls: list[list[float]] = [[] for _ in configs]  # tokens/s of each call, in order
         groups = batches(prompts, size)
@@ -302,20 +313,27 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["decode_vs_ar"] = mine / decode[("off", "lossless")] if mine is not None else None
             row["decode_of_bound"] = row["decode_vs_ar"] / row["bound"] if row["bound"] and mine else None
             rows.append(row)
-            print_row(row)
+            print_row(row, width)
     return rows
 
 
-HEADER = (f"{'batch':>5} {'mode':<27} {'verifier':<14} {'tok/s':>8} {'tau':>5} {'vs AR':>6} {'bound':>6} "
-          f"{'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} {'RSS MB':>7}  {'paired vs AR':<20}")
+def widths(configs: list[tuple]) -> tuple[int, int]:
+    """The mode and verifier columns' widths: the longest labels of these rows (at least 27 and 14)."""
+    return max(27, *(len(c[0]) for c in configs)), max(14, *(len(c[1]) for c in configs))
 
 
-def print_row(row: dict) -> None:
+def header(width: tuple[int, int] = (27, 14)) -> str:
+    return (f"{'batch':>5} {'mode':<{width[0]}} {'verifier':<{width[1]}} {'tok/s':>8} {'tau':>5} {'vs AR':>6} "
+            f"{'bound':>6} {'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} {'RSS MB':>7}  "
+            f"{'paired vs AR':<20}")
+
+
+def print_row(row: dict, width: tuple[int, int] = (27, 14)) -> None:
     ar, bd, of, dar, dof, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in (
         "speedup_vs_ar", "bound", "of_bound", "decode_vs_ar", "decode_of_bound", "speedup_vs_hf"))
     p = row.get("paired_vs_ar")
     paired = f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] n={p['n']}" if p else "-"
-    print(f"{row['batch']:>5} {row['mode']:<27} {row['verifier']:<14} {row['tokens_per_s']:>8.1f} "
+    print(f"{row['batch']:>5} {row['mode']:<{width[0]}} {row['verifier']:<{width[1]}} {row['tokens_per_s']:>8.1f} "
           f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {row['length_vs_ar']:>5.2f} {hf:>6} "
           f"{row['rss_mb']:>7.0f}  {paired}",
           flush=True)
@@ -348,7 +366,6 @@ def main(argv: list[str] | None = None) -> None:
           f"T={args.temperature}, max_new_tokens={args.max_new_tokens}, threads={torch.get_num_threads()}, "
           f"MKL_CBWR={os.environ.get('MKL_CBWR', '-')}")
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), SpecConfig(mode="chain"))  # warm-up
-    print(HEADER)
     rows = measure(args, target, tok, engine, prompts, sampling)
     report = {"args": vars(args), "results": rows}
     if args.repeat:
@@ -357,6 +374,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)
         print(f"wrote {args.json}")
+    if args.plot:
+        print(f"wrote {plot_rows(rows, args.plot)}")
 
 
 if __name__ == "__main__":

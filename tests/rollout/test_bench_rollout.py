@@ -300,3 +300,70 @@ def test_sampled_trees_run_rows_with_their_own_draft_steps(tiny):
     steps = draft_steps(sampled_shape(5, 4, 2))
     assert steps == 4 and row["tokens"] > 0
     assert row["bound"] == pytest.approx(row["tau"] * costs["1"] / (costs["6"] + steps * costs["draft"]))
+
+
+def _bench_rows() -> list[dict]:
+    """Rows as ``measure`` writes them: HF, our autoregressive mode, a chain with a bound, an
+    ``auto`` row without one, and a second batch size."""
+    base = {"tau": 1.0, "decode_vs_ar": None, "bound": None}
+    return [{**base, "batch": 1, "mode": "hf generate", "verifier": "-", "speedup_vs_ar": 0.8},
+            {**base, "batch": 1, "mode": "off", "verifier": "lossless", "speedup_vs_ar": 1.0, "decode_vs_ar": 1.0},
+            {**base, "batch": 1, "mode": "chain K=4 sampled", "verifier": "mars:theta=0.9,test=law",
+             "speedup_vs_ar": 1.55, "tau": 2.33, "decode_vs_ar": 1.67, "bound": 1.73},
+            {**base, "batch": 1, "mode": "chain K=3 sampled mb=auto", "verifier": "overshoot",
+             "speedup_vs_ar": 1.4, "tau": 2.1, "decode_vs_ar": 1.5},
+            {**base, "batch": 8, "mode": "off", "verifier": "lossless", "speedup_vs_ar": 1.0, "decode_vs_ar": 1.0},
+            {**base, "batch": 8, "mode": "chain K=2 sampled", "verifier": "overshoot", "speedup_vs_ar": 1.12,
+             "tau": 2.26, "decode_vs_ar": 1.2, "bound": 1.18}]
+
+
+def test_plot_data_keeps_each_batch_size_in_run_order_and_leaves_out_hf():
+    from scripts.bench_plot import plot_data
+
+    data = plot_data(list(reversed(_bench_rows())))  # batch 8's rows first: panels still ascend
+    assert list(data) == [1, 8]
+    assert [d["label"] for d in data[1]] == ["chain K=3 sampled mb=auto  overshoot",
+                                             "chain K=4 sampled  mars:theta=0.9,test=law", "off  lossless"]
+    chain = data[1][1]
+    assert (chain["speedup"], chain["decode"], chain["bound"], chain["tau"]) == (1.55, 1.67, 1.73, 2.33)
+    assert data[1][0]["bound"] is None and [d["plain"] for d in data[8]] == [False, True]
+    with pytest.raises(ValueError, match="no rows"):
+        plot_data(_bench_rows()[:1])
+
+
+def test_plot_is_written_from_a_run_and_from_its_json(tmp_path, capsys):
+    import json
+
+    from scripts.bench_plot import main, plot_rows
+
+    out = plot_rows(_bench_rows(), tmp_path / "speed.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    src = tmp_path / "run.json"
+    src.write_text(json.dumps({"args": {}, "results": _bench_rows()}))
+    main([str(src)])
+    assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG" and "wrote" in capsys.readouterr().out
+    bad = tmp_path / "other.json"
+    bad.write_text(json.dumps({"rows": []}))
+    with pytest.raises(SystemExit, match="not a bench_rollout --json file"):
+        main([str(bad)])
+    with pytest.raises(SystemExit, match="cannot read"):
+        main([str(tmp_path / "missing.json")])
+
+
+def test_output_folders_are_checked_before_the_run_and_the_columns_fit_the_labels(tmp_path, tiny, capsys):
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args
+
+    with pytest.raises(SystemExit, match="--plot .*does not exist"):
+        parse_args(["--plot", str(tmp_path / "no" / "speed.png")])
+    with pytest.raises(SystemExit, match="--json .*does not exist"):
+        parse_args(["--json", str(tmp_path / "no" / "run.json")])
+    target, tok, engine = tiny
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "3", "--modes", "tree", "--tree", "s2,2,3",
+                       "--max-batch", "auto", "--verifiers", "lossless;overshoot:lenience=0.5,min_p=0.1",
+                       "--no-hf", "--plot", str(tmp_path / "speed.png")])
+    measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)], SamplingParams(max_new_tokens=3))
+    lines = [ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(("batch", "    2 "))]
+    assert len(lines) == 4 and "tree d=2 k=2 n=3 sampled mb=auto" in lines[-1]
+    col = lines[0].index("tok/s") + len("tok/s")  # right-aligned: every row's speed ends under the header
+    assert all(ln[col - 1] != " " and ln[col] == " " for ln in lines[1:]), lines
