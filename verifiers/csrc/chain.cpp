@@ -55,19 +55,13 @@ struct Kernel {
       return;
     }
     const float tm = ts.zmax, ti = ts.inv_sum, t = temperature, qm = qs->zmax, qi = qs->inv_sum;
-    const float* dd = drow(b, n).data;
-    for (int64_t start = 0, blk = 0; start < V; start += kBlock, ++blk) {
-      const int64_t end = start + kBlock < V ? start + kBlock : V;
-      double s = 0;
-#pragma omp simd reduction(+ : s)
-      for (int64_t i = start; i < end; ++i) {
-        const float zt = t == 1.0f ? tr.data[i] : tr.data[i] / t;
-        const float zq = t == 1.0f ? dd[i] : dd[i] / t;
-        const float w = exp_nonpos(zt - tm) * ti - exp_nonpos(zq - qm) * qi;
-        s += w > 0 ? static_cast<double>(w) : 0.0;
-      }
-      sums[blk] = s > 0 ? s : 0.0;
-    }
+    const float *td = tr.data, *dd = drow(b, n).data;
+    weight_block_sums(V, [=](int64_t i) {
+      const float zt = t == 1.0f ? td[i] : td[i] / t;
+      const float zq = t == 1.0f ? dd[i] : dd[i] / t;
+      const float w = exp_nonpos(zt - tm) * ti - exp_nonpos(zq - qm) * qi;
+      return w > 0 ? w : 0.0f;
+    }, sums);
   }
 
   float weight(int64_t b, int64_t n, int kind, const RowStats& ts, const RowStats* qs, int64_t i) const {

@@ -171,23 +171,31 @@ inline float prob(const RowView& rv, const RowStats& st, int64_t v) {
   return exp_nonpos(rv.z(v) - st.zmax) * st.inv_sum;
 }
 
+// sums[k] = the sum of weight(i) over block k (tokens [k kBlock, (k+1) kBlock) of V), in float64;
+// ceil(V / kBlock) entries, as sample_blocks reads them. weight(i) >= 0.
+template <class Weight>
+void weight_block_sums(int64_t V, Weight weight, double* sums) {
+  for (int64_t start = 0, blk = 0; start < V; start += kBlock, ++blk) {
+    const int64_t end = start + kBlock < V ? start + kBlock : V;
+    double s = 0;
+#pragma omp simd reduction(+ : s)
+    for (int64_t i = start; i < end; ++i) s += static_cast<double>(weight(i));
+    sums[blk] = s;
+  }
+}
+
 // Sums of p over blocks of kBlock tokens (ceil(V / kBlock) entries), without the tokens in
 // skip[0..nskip) (their p is subtracted from their block's sum).
 static void p_block_sums(const RowView& rv, const RowStats& st, const int64_t* skip, int64_t nskip, double* sums) {
   const float zmax = st.zmax, inv = st.inv_sum, t = rv.temperature;
   const float* data = rv.data;  // locals: read through rv, the loads below are not vectorised contiguously
-  const int64_t n = rv.n;
-  for (int64_t start = 0, blk = 0; start < n; start += kBlock, ++blk) {
-    const int64_t end = start + kBlock < n ? start + kBlock : n;
-    double s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = start; i < end; ++i) {
-      const float z = t == 1.0f ? data[i] : data[i] / t;
-      s += static_cast<double>(exp_nonpos(z - zmax) * inv);
-    }
-    for (int64_t k = 0; k < nskip; ++k)
-      if (skip[k] >= start && skip[k] < end) s -= static_cast<double>(prob(rv, st, skip[k]));
-    sums[blk] = s > 0 ? s : 0.0;
+  weight_block_sums(rv.n, [=](int64_t i) { return exp_nonpos((t == 1.0f ? data[i] : data[i] / t) - zmax) * inv; },
+                    sums);
+  for (int64_t k = 0; k < nskip; ++k) {
+    if (skip[k] < 0 || skip[k] >= rv.n) continue;
+    double& s = sums[skip[k] / kBlock];
+    s -= static_cast<double>(prob(rv, st, skip[k]));
+    s = s > 0 ? s : 0.0;
   }
 }
 

@@ -10,11 +10,29 @@
 
 #pragma once
 
+#include <type_traits>
+
 #include "common.h"
 
 namespace {
 
 enum RuleId : int64_t { kLossless = 0, kMars = 1, kOvershoot = 2, kTypical = 3, kMinP = 4, kCos = 5 };
+
+// f(std::integral_constant<int64_t, R>{}) with R = rule as a compile-time id (-1 for an id not
+// listed: the callee then reads the rule at run time), so that a loop in f over chain_prob_at
+// folds its switch and vectorises.
+template <class F>
+auto with_rule_id(int64_t rule, F&& f) {
+  switch (rule) {
+    case kLossless: return f(std::integral_constant<int64_t, kLossless>{});
+    case kMars: return f(std::integral_constant<int64_t, kMars>{});
+    case kOvershoot: return f(std::integral_constant<int64_t, kOvershoot>{});
+    case kTypical: return f(std::integral_constant<int64_t, kTypical>{});
+    case kMinP: return f(std::integral_constant<int64_t, kMinP>{});
+    case kCos: return f(std::integral_constant<int64_t, kCos>{});
+    default: return f(std::integral_constant<int64_t, -1>{});
+  }
+}
 
 struct RuleInfo {
   const char* name;  // the rule's registered name in verifiers/rules.py

@@ -128,14 +128,7 @@ double law_row(const Params& prm, const RuleState& rs, const RowStats& ts, const
 // node); returns its mass.
 double law_of(const Params& prm, const RuleState& rs, const RowStats& ts, const float* __restrict p,
               const float* __restrict q, float* __restrict law, int64_t V) {
-  switch (prm.rule) {
-    case kMars: return law_row<kMars>(prm, rs, ts, p, q, law, V);
-    case kOvershoot: return law_row<kOvershoot>(prm, rs, ts, p, q, law, V);
-    case kTypical: return law_row<kTypical>(prm, rs, ts, p, q, law, V);
-    case kMinP: return law_row<kMinP>(prm, rs, ts, p, q, law, V);
-    case kCos: return law_row<kCos>(prm, rs, ts, p, q, law, V);
-    default: return law_row<-1>(prm, rs, ts, p, q, law, V);
-  }
+  return with_rule_id(prm.rule, [&](auto r) { return law_row<decltype(r)::value>(prm, rs, ts, p, q, law, V); });
 }
 
 // Recursive rejection at one node towards law [V] (mass law_mass), q in rest [V] (normalised;
@@ -217,31 +210,18 @@ int64_t draw_after_rejection(const Params& prm, const RuleState& rs, const RowSt
     const float w = law - keep_q * q;
     return w > 0 ? w : 0.0f;
   };
-  const int64_t nblocks = (V + kBlock - 1) / kBlock;
-  for (int64_t start = 0, blk = 0; start < V; start += kBlock, ++blk) {
-    const int64_t end = start + kBlock < V ? start + kBlock : V;
-    double s = 0;
-#pragma omp simd reduction(+ : s)
-    for (int64_t i = start; i < end; ++i) s += weight(i);
-    sums[blk] = s;
-  }
+  weight_block_sums(V, weight, sums);
   double r_y = 0;
-  return sample_blocks(sums, nblocks, V, weight, u, r_y);
+  return sample_blocks(sums, (V + kBlock - 1) / kBlock, V, weight, u, r_y);
 }
 
 // draw_after_rejection for the law at this node: p where the rule induces p (exact), else P_R.
 template <class PAt, class QAt>
 int64_t draw_after_rejection_of(const Params& prm, bool exact, const RuleState& rs, const RowStats& ts, PAt p_at,
                                 QAt q_at, int64_t V, bool residual, double u, double* sums) {
-  switch (exact ? kLossless : prm.rule) {
-    case kLossless: return draw_after_rejection<kLossless>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-    case kMars: return draw_after_rejection<kMars>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-    case kOvershoot: return draw_after_rejection<kOvershoot>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-    case kTypical: return draw_after_rejection<kTypical>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-    case kMinP: return draw_after_rejection<kMinP>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-    case kCos: return draw_after_rejection<kCos>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-    default: return draw_after_rejection<-1>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
-  }
+  return with_rule_id(exact ? kLossless : prm.rule, [&](auto r) {
+    return draw_after_rejection<decltype(r)::value>(prm, rs, ts, p_at, q_at, V, residual, u, sums);
+  });
 }
 
 struct NodeResult {
