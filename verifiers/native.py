@@ -294,12 +294,14 @@ def walk_sampled_native(rule, z_target: Tensor, z_draft: Tensor, draft_ids: Tens
     lib = _load()
     b, n1, v = z_target.shape
     nd, vd, k, w = z_draft.shape[1], z_draft.shape[-1], children.shape[1], u_final.shape[1]
-    if not nd <= n1 or bool((children[nd:] >= 0).any()):
-        raise ValueError(f"z_draft has {nd} node rows, but a node from {nd} on has children (nodes: {n1})")
-    bad = draft_ids[(draft_ids < 0) | (draft_ids >= v)]
-    if len(draft_ids) != vd or len(bad):
-        raise ValueError(f"draft_ids must hold one target id in [0, {v}) per draft logit ({vd}); got "
-                         f"{len(draft_ids)} ids" + (f", {int(bad[0])} among them" if len(bad) else ""))
+
+    def bad_ids() -> ValueError:
+        bad = draft_ids[(draft_ids < 0) | (draft_ids >= v)]
+        return ValueError(f"draft_ids must hold one target id in [0, {v}) per draft logit ({vd}); got "
+                          f"{len(draft_ids)} ids" + (f", {int(bad[0])} among them" if len(bad) else ""))
+
+    if len(draft_ids) != vd:
+        raise bad_ids()
     zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
     ids, toks, kids = draft_ids.long().contiguous(), tokens.long().contiguous(), children.long().contiguous()
     ua, uf = u_accept.float().contiguous(), u_final.float().contiguous()
@@ -313,6 +315,10 @@ def walk_sampled_native(rule, z_target: Tensor, z_draft: Tensor, draft_ids: Tens
                                  ua.data_ptr(), uf.data_ptr(), b, n1, nd, v, vd, k, w, float(temperature),
                                  ctypes.byref(params(rule)), out.data_ptr(), logp.data_ptr(), target_lp.data_ptr(),
                                  kinds.data_ptr(), path.data_ptr(), emitted.data_ptr(), bad_rows.data_ptr())
+    if status == 6:  # checked by the kernel (a few microseconds), not by torch ops on every call
+        raise ValueError(f"z_draft has {nd} node rows, but a node from {nd} on has children (nodes: {n1})")
+    if status == 5:
+        raise bad_ids()
     if status != 0:
         raise NativeError(int(status), bad_rows)
     return out, logp, target_lp, kinds, path, emitted

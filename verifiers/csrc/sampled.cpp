@@ -412,16 +412,24 @@ int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t
 // P_R(p, q); an accepted child moves the walk on. Outputs [B, W]: out_tokens (-1 padded), logp
 // (log P(y); 0 padded), target_lp (log p(y); 0 padded), kinds (0 accepted, 1 recovered, 2 bonus, -1
 // padded), path (the node whose row was used; 0 padded); emitted [B]. Returns 0, or 1 / 2 (a bad
-// target / draft row: bad_rows[b] set), 4 (a child with q = 0).
+// target / draft row: bad_rows[b] set), 4 (a child with q = 0), and before any walk 5 (a draft id
+// outside [0, V): the inverse map would be written past its end) or 6 (ND > N+1, or a node from ND
+// on has children: its draft row would be read past the end).
 int64_t hr_walk_sampled(const float* target, const float* draft, const int64_t* draft_ids, const int64_t* tokens,
                         const int64_t* children, const float* u_acc, const float* u_fin, int64_t B, int64_t N1,
                         int64_t ND, int64_t V, int64_t Vd, int64_t K, int64_t W, double temperature, const Params* prm,
                         int64_t* out_tokens, float* logp, float* target_lp, int64_t* kinds, int64_t* path,
                         int64_t* emitted, uint8_t* bad_rows) {
+  if (ND > N1) return 6;
+  for (int64_t i = ND * K; i < N1 * K; ++i)
+    if (children[i] >= 0) return 6;
+  bool identity = Vd == V;  // draft ids 0..V-1 (a chain walked as a tree): q needs no scatter
+  for (int64_t j = 0; j < Vd; ++j) {
+    if (draft_ids[j] < 0 || draft_ids[j] >= V) return 5;
+    identity = identity && draft_ids[j] == j;
+  }
   std::vector<uint8_t> status(B, 0);
   const float t = static_cast<float>(temperature);
-  bool identity = Vd == V;  // draft ids 0..V-1 (a chain walked as a tree): q needs no scatter
-  for (int64_t j = 0; identity && j < Vd; ++j) identity = draft_ids[j] == j;
   std::vector<int32_t> inv(identity ? 0 : V, -1);
   for (int64_t j = 0; !identity && j < Vd; ++j) inv[draft_ids[j]] = static_cast<int32_t>(j);
   at::parallel_for(0, B, 1, [&](int64_t begin, int64_t end) {
