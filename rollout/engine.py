@@ -96,6 +96,7 @@ class Engine:
         self.prefill_tokens = prefill_tokens
         self.use_native_linear = target.device.type == "cpu" and native_linear.resolve(linear)
         self._planners: dict[tuple, RoundPlanner] = {}  # see planner()
+        self._trace_plans = False  # see trace_plans()
         if target.device.type == "cpu":
             torch.set_num_threads(num_threads or available_cores())
             tune_malloc()  # vocabulary-sized temporaries reuse freed memory (rollout/allocator.py)
@@ -148,13 +149,33 @@ class Engine:
         the step costs it measured stay, its acceptance counts decay at each call
         (``RoundPlanner.new_call``). One per speculation config, verifier and sampling setting
         (they set the acceptance); :meth:`forget_plans` drops them all."""
-        key = (repr(spec), repr(verifier), sampling.temperature, sampling.top_k, sampling.top_p)
+        key = self._plan_key(spec, verifier, sampling)
         planner = self._planners.get(key)
         if planner is None:
             planner = self._planners[key] = RoundPlanner.for_spec(spec)
+            planner.trace = [] if self._trace_plans else None
         else:
             planner.new_call()
         return planner
+
+    @staticmethod
+    def _plan_key(spec: SpecConfig, verifier: VerifierConfig, sampling: SamplingParams) -> tuple:
+        return repr(spec), repr(verifier), sampling.temperature, sampling.top_k, sampling.top_p
+
+    def trace_plans(self, on: bool = True) -> None:
+        """Have the planners of ``max_batch: auto`` calls record every round (``RoundPlanner.trace``:
+        the choice, why, the rates compared, the round's seconds and emitted tokens; read them with
+        :meth:`plan_trace`). Planners already made start recording now; ``on=False`` stops and drops
+        the records."""
+        self._trace_plans = on
+        for planner in self._planners.values():
+            planner.trace = ([] if planner.trace is None else planner.trace) if on else None
+
+    def plan_trace(self, spec: SpecConfig, verifier: VerifierConfig, sampling: SamplingParams) -> list[dict] | None:
+        """The round records of the planner for these settings (None: no such planner, or not
+        tracing); the list itself, so a caller can slice it per run. Starts no call."""
+        planner = self._planners.get(self._plan_key(spec, verifier, sampling))
+        return planner.trace if planner is not None else None
 
     def forget_plans(self) -> None:
         """Drop what the planners learned (e.g. after moving the engine to another machine)."""

@@ -78,6 +78,11 @@ further. Intervals count the bucket's own rounds: rows finish during a call, so 
 buckets see a few rounds per call, and counted in all rounds every option there was due again
 at each visit. Each cost is judged on its measurements of the 48 rounds before its newest one.
 
+Why it chose what it chose: with ``trace`` set to a list (``Engine.trace_plans``, ``bench_rollout
+--planner-trace``), every round appends a record (its call, batch, choice, the reason, the rates
+it compared, then its measured seconds and the tokens each row emitted); :func:`trace_summary`
+counts the rounds by choice and reason.
+
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),
 so later calls do not pay the probes again; the acceptance counts are scaled down at each
@@ -97,6 +102,14 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rollout.planner_costs import Recent, covers, pooled_curve, read_curve
+
+
+# why a round was chosen (``RoundPlanner.trace``)
+NEW_BUCKET = "new bucket"  # the first plain round / cheapest draft measured at this batch bucket
+BEST = "best"  # the best rate (speculative: by a clear gain)
+NO_CLEAR_GAIN = "no clear gain"  # plain: a speculative option was best, but by less than hold / stay
+REPROBE = "re-probe"  # an alternative run again to keep its measurements fresh
+REASONS = (NEW_BUCKET, BEST, NO_CLEAR_GAIN, REPROBE)
 
 
 def bucket(batch: int) -> int:
@@ -139,6 +152,8 @@ class RoundPlanner:
     _bucket_rounds: dict[int, int] = field(default_factory=dict)  # rounds run per bucket
     _round: int = 0
     _curve_memo: tuple | None = None  # (_curve(),) until the next observed round
+    _calls: int = 0  # calls started (new_call)
+    trace: list[dict] | None = None  # when a list: a record per round (see the module docstring)
 
     def __post_init__(self) -> None:
         assert self.options and min(self.options) >= 1, self.options
@@ -152,6 +167,7 @@ class RoundPlanner:
         self._accepts = [a * self.carry for a in self._accepts]
         self._tree = [x * self.carry for x in self._tree]
         self._drafting = False  # a call's first draft consumes its prompt
+        self._calls += 1
 
     @classmethod
     def for_spec(cls, spec, adaptive_k: bool | None = None) -> RoundPlanner:
@@ -236,19 +252,29 @@ class RoundPlanner:
     def choose(self, b: int) -> int:
         """Draft length of the next round over ``b`` live rows (0 = plain)."""
         self._round += 1
+        k, why, rates = self._choose(b)
+        if self.trace is not None:
+            self.trace.append({"call": self._calls, "round": self._round, "batch": b, "k": k, "why": why,
+                               "rates": {str(o): r for o, r in rates.items()}})
+        return k
+
+    def _choose(self, b: int) -> tuple[int, str, dict[int, float]]:
+        """The choice, why (one of ``REASONS``) and the rates compared (none in a new bucket)."""
         bk = bucket(b)
         self._bucket_rounds[bk] = self._bucket_rounds.get(bk, 0) + 1
         for k in (0, min(self.options)):  # in a new bucket: a plain round, then the cheapest draft
             if (bk, k) not in self._last_run and not (k and (self._covered(b, k) or self._deferred(bk, k))):
-                return self._mark(bk, k)
+                return self._mark(bk, k), NEW_BUCKET, {}
         rates = self.rates(b)
         best = max(rates, key=lambda k: rates[k])
+        why = BEST
         if best and 0 in rates and rates[best] < (1 + (self.stay if self._drafting else self.hold)) * rates[0]:
-            best = 0  # draft only for a clear gain (measurement noise must not flip it, nor cost)
+            # draft only for a clear gain (measurement noise must not flip it, nor cost)
+            best, why = 0, NO_CLEAR_GAIN
         due = [k for k in rates if k != best and self._due(b, k, rates[k] / rates[best], best)]
         if due:  # keep the alternatives' measurements fresh (the nearest first)
-            return self._mark(bk, max(due, key=lambda k: rates[k]))
-        return self._mark(bk, best)
+            return self._mark(bk, max(due, key=lambda k: rates[k])), REPROBE, rates
+        return self._mark(bk, best), why, rates
 
     def _covered(self, b: int, k: int) -> bool:
         """Whether the cost curve has measured points on both sides of option k's block rows at
@@ -339,6 +365,8 @@ class RoundPlanner:
         not typical: what it costs beyond a typical draft is the switch cost)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
+        if self.trace and self.trace[-1]["round"] == self._round and "round_s" not in self.trace[-1]:
+            self.trace[-1].update(round_s=round_s, draft_s=draft_s, emitted=list(emitted), catch_up=catch_up)
         self._curve_memo = None
         self._round_cost.setdefault((bk, n), Recent()).add(max(round_s, 1e-9), self._round)
         self._round_rows.setdefault((bk, n), Recent()).add(float(b), self._round)
@@ -359,3 +387,19 @@ class RoundPlanner:
             for j in range(1, min(accepted + 1, k) + 1):  # depth j was tried when j - 1 were accepted
                 self._attempts[j] += 1
                 self._accepts[j] += j <= accepted
+
+
+def trace_summary(trace: list[dict]) -> dict:
+    """Rounds of a planner trace (``RoundPlanner.trace``, or a slice of it) by choice and reason:
+    ``{"rounds": n, "plain": {reason: n}, "draft": {reason: n}, "tokens": {"plain": t, "draft": t},
+    "seconds": {"plain": s, "draft": s}}`` (tokens and seconds over the rounds that were measured;
+    seconds include drafting)."""
+    out = {"rounds": len(trace), "plain": {}, "draft": {}, "tokens": {"plain": 0, "draft": 0},
+           "seconds": {"plain": 0.0, "draft": 0.0}}
+    for r in trace:
+        side = "draft" if r["k"] else "plain"
+        out[side][r["why"]] = out[side].get(r["why"], 0) + 1
+        if "round_s" in r:
+            out["tokens"][side] += sum(r["emitted"])
+            out["seconds"][side] += r["round_s"] + r["draft_s"]
+    return out

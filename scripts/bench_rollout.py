@@ -15,6 +15,7 @@ packs the shipped bf16-valued head as bf16 panels: the same draft logits, half t
         --verifiers lossless,mars,overshoot --json OUT.json
     python -m scripts.bench_rollout --quick          # a small smoke run
     python -m scripts.bench_rollout ... --plot speed.png   # speedups next to their bounds (scripts.bench_plot)
+    python -m scripts.bench_rollout ... --max-batch auto --planner-trace plans.json   # why auto chose what
 
 Target: the embedded SmolLM2-135M-Instruct; drafter: the shipped EAGLE-3 head (or
 ``--head``). Prompts: held-out arithmetic word problems with the chat template. For each
@@ -31,6 +32,10 @@ seen after a run of the configuration, peak_rss_mb the process peak.
 ``--group N`` repeats each prompt N times in a row, as GRPO samples a group per prompt (the
 engine prefills identical prompts once; ``--unshared-prefill`` adds our autoregressive
 mode with every row prefilled on its own as a row).
+``--planner-trace OUT.json``: the planner of every ``max_batch: auto`` row records each round (its
+choice, why, the rates it compared, its seconds and emitted tokens; ``RoundPlanner.trace``); after
+each batch size a line per auto row counts its rounds by choice and reason, and the records go to
+OUT.json per row (calls in order; ``call`` numbers them within the row's planner).
 ``--repeat N`` then reruns one speculative configuration N times and reports the RSS
 after each run (memory growth check).
 
@@ -84,6 +89,7 @@ from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
+from rollout.planner import trace_summary  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from scripts.bench_plot import plot_rows  # noqa: E402
 from scripts.bench_rows import SWITCHES, describe, row_configs, spec_configs, switched_off  # noqa: E402
@@ -154,11 +160,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--plot", default=None, metavar="PNG",
                     help="draw each row's speedup next to its bound here (scripts.bench_plot; also from a --json file)")
+    ap.add_argument("--planner-trace", default=None, metavar="JSON",
+                    help="record the rounds of every max_batch auto row's planner here, and count them by reason")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2")
     args = ap.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
-    for flag, out in (("--json", args.json), ("--plot", args.plot)):  # refused now, not after the run
+    for flag, out in (("--json", args.json), ("--plot", args.plot), ("--planner-trace", args.planner_trace)):
         if out and not Path(out).resolve().parent.is_dir():
             raise SystemExit(f"error: {flag} {out}: the folder {Path(out).resolve().parent} does not exist")
     return args
@@ -249,6 +257,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     rows = []
     pad_id = tok.pad_token_id or 0
+    if getattr(args, "planner_trace", None):
+        engine.trace_plans()
     for n, size in enumerate(int(b) for b in args.batch_sizes.split(",")):
         configs = row_configs(args, target, engine)
         if n == 0:
@@ -263,6 +273,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             for c in configs:
                 if c[2] is not None and c[2].auto:
                     run_config(c, target, engine, groups[0], sampling, pad_id, args.seed + 10_000 + w)
+        traced = plan_marks(engine, configs, sampling)  # where each auto row's timed rounds begin
         for i, group in ((p * len(groups) + g, group) for p in range(args.passes) for g, group in enumerate(groups)):
             for c in run_order(len(configs), i, args.order):
                 tot = totals[c]
@@ -314,7 +325,40 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["decode_of_bound"] = row["decode_vs_ar"] / row["bound"] if row["bound"] and mine else None
             rows.append(row)
             print_row(row, width)
+        for c, start in traced.items():
+            trace = engine.plan_trace(configs[c][2], configs[c][3], sampling)
+            if trace is None:  # not tracing
+                continue
+            row = next(r for r in rows if r["batch"] == size and (r["mode"], r["verifier"]) == keys[c])
+            row["planner"] = trace_summary(trace[start:])
+            row["planner_trace"] = trace[start:]
+            print(plan_line(row), flush=True)
     return rows
+
+
+def plan_marks(engine: Engine, configs: list[tuple], sampling) -> dict[int, int]:
+    """For each ``max_batch: auto`` row on the default engine: where its planner's records of the
+    coming runs begin (0 while the planner is not made: its first call makes it)."""
+    out = {}
+    for c, (_, _, spec, verifier, backend) in enumerate(configs):
+        if spec is not None and spec.auto and not isinstance(backend, Engine):
+            out[c] = len(engine.plan_trace(spec, verifier, sampling) or [])
+    return out
+
+
+def plan_line(row: dict) -> str:
+    """One line: an auto row's rounds by choice and reason, and each side's tokens per second."""
+    p = row["planner"]
+    n = max(1, p["rounds"])
+
+    def side(name: str) -> str:
+        count = sum(p[name].values())
+        reasons = ", ".join(f"{why} {k / n:.1%}" for why, k in sorted(p[name].items(), key=lambda x: -x[1]))
+        speed = p["tokens"][name] / p["seconds"][name] if p["seconds"][name] else 0.0
+        return f"{name} {count / n:.1%}" + (f" ({reasons}; {speed:.1f} tok/s)" if count else "")
+
+    return f"  planner, batch {row['batch']} {row['mode']} {row['verifier']}: {p['rounds']} rounds; " \
+           f"{side('draft')}; {side('plain')}"
 
 
 def widths(configs: list[tuple]) -> tuple[int, int]:
@@ -367,6 +411,12 @@ def main(argv: list[str] | None = None) -> None:
           f"MKL_CBWR={os.environ.get('MKL_CBWR', '-')}")
     engine.generate(prompts[:2], SamplingParams(max_new_tokens=4), SpecConfig(mode="chain"))  # warm-up
     rows = measure(args, target, tok, engine, prompts, sampling)
+    traces = [{"batch": r["batch"], "mode": r["mode"], "verifier": r["verifier"], "rounds": r.pop("planner_trace")}
+              for r in rows if "planner_trace" in r]
+    if args.planner_trace:
+        with open(args.planner_trace, "w") as f:
+            json.dump(traces, f)
+        print(f"wrote {args.planner_trace} ({sum(len(t['rounds']) for t in traces)} rounds of {len(traces)} rows)")
     report = {"args": vars(args), "results": rows}
     if args.repeat:
         report["memory"] = memory_check(args, engine, prompts, sampling)

@@ -358,6 +358,8 @@ def test_output_folders_are_checked_before_the_run_and_the_columns_fit_the_label
         parse_args(["--plot", str(tmp_path / "no" / "speed.png")])
     with pytest.raises(SystemExit, match="--json .*does not exist"):
         parse_args(["--json", str(tmp_path / "no" / "run.json")])
+    with pytest.raises(SystemExit, match="--planner-trace .*does not exist"):
+        parse_args(["--planner-trace", str(tmp_path / "no" / "plans.json")])
     target, tok, engine = tiny
     args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "3", "--modes", "tree", "--tree", "s2,2,3",
                        "--max-batch", "auto", "--verifiers", "lossless;overshoot:lenience=0.5,min_p=0.1",
@@ -367,3 +369,44 @@ def test_output_folders_are_checked_before_the_run_and_the_columns_fit_the_label
     assert len(lines) == 4 and "tree d=2 k=2 n=3 sampled mb=auto" in lines[-1]
     col = lines[0].index("tok/s") + len("tok/s")  # right-aligned: every row's speed ends under the header
     assert all(ln[col - 1] != " " and ln[col] == " " for ln in lines[1:]), lines
+
+
+def test_planner_trace_counts_each_auto_rows_rounds_per_batch_size(tiny, capsys):
+    """``--planner-trace``: each ``max_batch: auto`` row carries its planner's rounds of that batch
+    size (the second batch size's records follow the first's), their count by choice and reason,
+    and a printed line; rows that do not plan have none. Without the flag nothing is recorded."""
+    from rollout.engine import Engine
+    from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+    from rollout.planner import trace_summary
+    from scripts.bench_rollout import measure, parse_args, plan_line
+
+    target, tok, _ = tiny
+    engine = Engine(target, tiny[2].head, num_threads=1)  # a fresh engine: no planner made yet
+    sampling = SamplingParams(max_new_tokens=6)
+    base = ["--max-new-tokens", "6", "--modes", "chain", "--no-hf", "--verifiers", "lossless",
+            "--max-batch", "none,auto", "--cost-reps", "0"]
+    prompts = [[1, 20 + i, 300 + i] for i in range(4)]
+    rows = measure(parse_args(["--batch-sizes", "2,4", *base, "--planner-trace", "x.json"]), target, tok, engine,
+                   prompts, sampling)
+    auto = [r for r in rows if r["mode"].endswith("mb=auto")]
+    assert [r["batch"] for r in auto] == [2, 4]
+    assert all("planner" not in r for r in rows if r not in auto)
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto")
+    whole = engine.plan_trace(spec, VerifierConfig(), sampling)
+    assert auto[0]["planner_trace"] + auto[1]["planner_trace"] == whole
+    assert {r["batch"] for r in auto[0]["planner_trace"]} <= {1, 2}
+    assert max(r["batch"] for r in auto[1]["planner_trace"]) == 4
+    for r in auto:
+        assert r["planner"] == trace_summary(r["planner_trace"])
+        assert r["planner"]["rounds"] == len(r["planner_trace"]) > 0
+        assert sum(r["planner"]["plain"].values()) + sum(r["planner"]["draft"].values()) == r["planner"]["rounds"]
+        # every token but each row's first (sampled with the prefill), before the length cut
+        assert r["planner"]["tokens"]["draft"] + r["planner"]["tokens"]["plain"] >= r["tokens"] - len(prompts)
+    out = capsys.readouterr().out
+    assert plan_line(auto[0]) in out and plan_line(auto[1]) in out
+    head = f"  planner, batch 2 {auto[0]['mode']} lossless: {auto[0]['planner']['rounds']} rounds; draft "
+    assert plan_line(auto[0]).startswith(head)
+    quiet = Engine(target, tiny[2].head, num_threads=1)
+    rows = measure(parse_args(["--batch-sizes", "2", *base]), target, tok, quiet, prompts[:2], sampling)
+    assert all("planner" not in r for r in rows) and quiet.plan_trace(spec, VerifierConfig(), sampling) is None
+

@@ -248,3 +248,29 @@ def test_a_catch_up_computes_draft_logits_at_each_rows_last_pair_only(models):
         ref = head(tokens[i:i + 1, :n], feats[i:i + 1, :n], pos, causal_mask(1, n))
         torch.testing.assert_close(root.logits[i], ref.logits[0, -1], atol=1e-5, rtol=1e-5)
         torch.testing.assert_close(root.hidden[i], ref.hidden[0, -1], atol=1e-5, rtol=1e-5)
+
+
+def test_the_engine_traces_its_planners_rounds_on_request(models):
+    """``Engine.trace_plans``: a record per planner round of each call (a round per target forward
+    after the prefill's), with its seconds, emitted tokens and reason; ``plan_trace`` reads them
+    without starting a call; ``trace_plans(False)`` stops and drops them. Outputs are the same."""
+    target, head = models
+    engine = Engine(target, head, num_threads=1)
+    sampling = SamplingParams(temperature=0, max_new_tokens=16)
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto")
+    ref = engine.generate(PROMPTS, sampling, spec)
+    assert engine.plan_trace(spec, VerifierConfig(), sampling) is None  # not tracing
+    engine.forget_plans()
+    engine.trace_plans()
+    res = engine.generate(PROMPTS, sampling, spec)
+    assert [c.completion_ids for c in res.completions] == [c.completion_ids for c in ref.completions]
+    trace = engine.plan_trace(spec, VerifierConfig(), sampling)
+    t = res.timings
+    assert len(trace) == t.rounds == t.target_forwards - 1 and sum(r["k"] == 0 for r in trace) == t.plain_rounds
+    assert all(r["call"] == 0 and r["round_s"] > 0 and r["batch"] >= 1 and len(r["emitted"]) == r["batch"]
+               for r in trace)
+    assert engine.plan_trace(spec, VerifierConfig(), sampling) is trace  # no call started
+    engine.generate(PROMPTS, sampling, spec)
+    assert len(trace) > t.rounds and trace[-1]["call"] == 1
+    engine.trace_plans(False)
+    assert engine.plan_trace(spec, VerifierConfig(), sampling) is None

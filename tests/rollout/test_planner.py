@@ -382,3 +382,43 @@ def test_a_new_bucket_reads_the_cost_curve_instead_of_probing():
         else:  # (12% behind: re-run after reprobe_interval rounds, as if measured at the bucket's start)
             wait = int(planner.reprobe_interval(0.88))
             assert chosen[1:wait] == [0] * (wait - 1) and chosen.count(1) <= 2, chosen
+
+
+def test_the_trace_says_why_and_changes_nothing():
+    """With ``trace`` a list, every round leaves a record: the same choices as without it, each
+    with its reason (a new bucket's two probes, then plain by rate at 64 rows; a near chain re-run
+    now and then at batch 1; a chain ahead of plain by less than ``hold`` left out as no clear
+    gain), the rates compared, the measured seconds and emitted tokens; ``trace_summary`` counts
+    them."""
+    from rollout.planner import BEST, NEW_BUCKET, NO_CLEAR_GAIN, REASONS, REPROBE, trace_summary
+
+    spec = SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto")
+    e3 = 1 + 0.6 + 0.36 + 0.216
+    near = lambda b, k: 1.0 if k == 0 else 1.95  # noqa: E731  (plain within margin of the chain)
+    tie = lambda b, k: 1.0 if k == 0 else e3 / 1.03  # noqa: E731  (the chain 3% ahead of plain)
+    for batch, cost, expect in ((64, cpu_like, BEST), (1, near, REPROBE), (8, tie, NO_CLEAR_GAIN)):
+        plain_run = simulate(RoundPlanner.for_spec(spec), batch, 60, cost, accept=0.6)
+        planner = RoundPlanner.for_spec(spec)
+        planner.trace = []
+        assert simulate(planner, batch, 60, cost, accept=0.6) == plain_run
+        trace = planner.trace
+        assert [r["k"] for r in trace] == plain_run and [r["round"] for r in trace] == list(range(1, 61))
+        assert [r["why"] for r in trace[:2]] == [NEW_BUCKET, NEW_BUCKET] and trace[0]["rates"] == {}
+        assert all(r["why"] in REASONS and r["batch"] == batch and r["call"] == 0 for r in trace)
+        assert all(r["round_s"] == cost(batch, r["k"]) and len(r["emitted"]) == batch * (8 if r["k"] else 1)
+                   for r in trace)  # (simulate splits a drafting round's rows eightfold)
+        assert expect in {r["why"] for r in trace[2:]}, (batch, [r["why"] for r in trace])
+        for r in trace[2:]:
+            assert set(r["rates"]) == {"0", "3"}
+            if r["why"] == BEST:
+                assert str(r["k"]) == max(r["rates"], key=r["rates"].get)
+            if r["why"] == NO_CLEAR_GAIN:
+                assert r["k"] == 0 and r["rates"]["3"] > r["rates"]["0"]
+        summary = trace_summary(trace)
+        assert summary["rounds"] == 60
+        assert sum(summary["plain"].values()) == plain_run.count(0)
+        assert sum(summary["draft"].values()) == 60 - plain_run.count(0)
+        assert summary["tokens"]["plain"] == batch * plain_run.count(0)
+    planner.new_call()
+    simulate(planner, 8, 2, tie, accept=0.6)
+    assert [r["call"] for r in planner.trace[-2:]] == [1, 1]
