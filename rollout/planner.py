@@ -79,9 +79,12 @@ buckets see a few rounds per call, and counted in all rounds every option there 
 at each visit. Each cost is judged on its measurements of the 48 rounds before its newest one.
 
 Why it chose what it chose: with ``trace`` set to a list (``Engine.trace_plans``, ``bench_rollout
---planner-trace``), every round appends a record (its call, batch, choice, the reason, the rates
-it compared, then its measured seconds and the tokens each row emitted); :func:`trace_summary`
-counts the rounds by choice and reason.
+--planner-trace``), every round appends a record: ``call`` (numbered from 0 by ``new_call``),
+``round``, ``batch``, ``k``, ``why`` (``REASONS``), ``rates`` (the expected tokens per second per
+row of each option compared, keyed by k as text; empty in a new bucket), then ``round_s``,
+``draft_s``, ``emitted`` (per row) and ``catch_up`` as ``observe`` got them. :func:`trace_summary`
+counts the rounds by choice and reason. The records grow by one per round: for diagnosis, not
+for a long training run.
 
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),
