@@ -1,13 +1,19 @@
 """A PNG of ``scripts/bench_rollout.py``'s rows: each configuration's speedup over our
-autoregressive mode next to the bound its measured tau and step costs allow.
+autoregressive mode next to the bound its measured tau and step costs allow; or of its
+``--planner-trace`` file: what the ``max_batch: auto`` planner chose, round by round, and why.
 
     python -m scripts.bench_rollout ... --plot speed.png        # at the end of a run
     python -m scripts.bench_plot OUT.json [--out speed.png]     # from a run's --json file
+    python -m scripts.bench_plot plans.json [--out plans.png]   # from a run's --planner-trace file
 
 One panel per batch size; per row a bar for the whole call's speedup, a dot for the decoding
 alone (``dec AR``) and a black tick for the bound (rows without one, e.g. ``max_batch: auto``,
 have none). The gap between bar and tick is the engine's distance from its own cost model;
 the line at 1.0 is our autoregressive mode.
+
+A planner trace: one panel per auto row and batch size; each round a dot at its draft length
+(0: plain), coloured by the reason (``rollout.planner.REASONS``), a dotted line where a call
+begins, and on the right axis the tokens each row emitted, averaged over 8 rounds.
 """
 
 from __future__ import annotations
@@ -67,9 +73,63 @@ def plot_rows(rows: list[dict], path: str | Path) -> Path:
     return _save(fig, Path(path))
 
 
+REASON_COLOURS = {"best": "tab:blue", "re-probe": "tab:orange", "no clear gain": "tab:red",
+                  "new bucket": "tab:grey"}
+
+
+def plan_data(traces: list[dict]) -> list[dict]:
+    """Per traced row (a ``--planner-trace`` file's entries, in order): ``label``, ``k``, ``why`` and
+    ``tokens`` (mean tokens a row emitted; None where the round was not measured) per round,
+    ``starts`` (the round indices where a call begins) and ``plain`` (the share of plain rounds).
+    ValueError for entries without rounds or not shaped like the file's."""
+    out = []
+    for t in traces:
+        if not isinstance(t, dict) or not {"batch", "mode", "verifier", "rounds"} <= set(t) or not t["rounds"]:
+            raise ValueError("not a bench_rollout --planner-trace entry (batch, mode, verifier and rounds)")
+        rounds = t["rounds"]
+        calls = [r["call"] for r in rounds]
+        out.append({
+            "label": f"batch {t['batch']}  {t['mode']}  {t['verifier']}",
+            "k": [r["k"] for r in rounds], "why": [r["why"] for r in rounds],
+            "tokens": [sum(r["emitted"]) / len(r["emitted"]) if r.get("emitted") else None for r in rounds],
+            "starts": [i for i in range(1, len(calls)) if calls[i] != calls[i - 1]],
+            "plain": sum(r["k"] == 0 for r in rounds) / len(rounds)})
+    if not out:
+        raise ValueError("no traced rows to plot")
+    return out
+
+
+def plot_plans(traces: list[dict], path: str | Path, window: int = 8) -> Path:
+    """Write the figure of a planner trace (``bench_rollout --planner-trace``'s list) to ``path``."""
+    data = plan_data(traces)
+    plt = _plt()
+    fig, axes = plt.subplots(len(data), 1, figsize=(11, 0.6 + 2.2 * len(data)), squeeze=False)
+    for ax, d in zip(axes[:, 0], data):
+        for x in d["starts"]:
+            ax.axvline(x, color="grey", lw=0.4, ls=":")
+        for why, colour in REASON_COLOURS.items():
+            pts = [(i, k) for i, (k, w) in enumerate(zip(d["k"], d["why"])) if w == why]
+            if pts:
+                ax.plot(*zip(*pts), ls="none", marker="o", ms=2.5, color=colour, label=why)
+        ax.set_ylabel("draft length (0 = plain)", fontsize=7)
+        ax.set_ylim(-0.5, max(d["k"]) + 1.5)  # (room for the legend above the longest draft)
+        ax.set_title(f"{d['label']}: {len(d['k'])} rounds, {d['plain']:.1%} plain", fontsize=9)
+        ax.legend(fontsize=7, loc="upper right", ncol=4, markerscale=2)
+        pts = [(i, t) for i, t in enumerate(d["tokens"]) if t is not None]
+        if pts:
+            xs, ts = zip(*pts)
+            spans = [ts[max(0, j - window + 1):j + 1] for j in range(len(ts))]
+            mean = [sum(x) / len(x) for x in spans]
+            right = ax.twinx()
+            right.plot(xs, mean, color="tab:green", lw=0.8, alpha=0.7)
+            right.set_ylabel(f"tokens a row emitted ({window}-round mean)", fontsize=7, color="tab:green")
+    axes[-1, 0].set_xlabel("planner round (dotted: a call begins)")
+    return _save(fig, Path(path))
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("json", help="a bench_rollout --json file")
+    ap.add_argument("json", help="a bench_rollout --json file, or its --planner-trace file")
     ap.add_argument("--out", default=None, help="the PNG (default: the JSON's name with .png)")
     args = ap.parse_args(argv)
     src = Path(args.json)
@@ -77,10 +137,15 @@ def main(argv: list[str] | None = None) -> None:
         report = json.loads(src.read_text())
     except (OSError, json.JSONDecodeError) as err:
         raise SystemExit(f"error: cannot read {src}: {err}") from None
-    if not isinstance(report, dict) or "results" not in report:
-        raise SystemExit(f"error: {src} is not a bench_rollout --json file (no 'results')")
+    if isinstance(report, list):  # a --planner-trace file
+        draw, what = plot_plans, report
+    elif isinstance(report, dict) and "results" in report:
+        draw, what = plot_rows, report["results"]
+    else:
+        raise SystemExit(f"error: {src} is neither a bench_rollout --json file (no 'results') nor a "
+                         "--planner-trace file (a list)")
     try:
-        out = plot_rows(report["results"], args.out or src.with_suffix(".png"))
+        out = draw(what, args.out or src.with_suffix(".png"))
     except ValueError as err:
         raise SystemExit(f"error: {src}: {err}") from None
     print(f"wrote {out}")

@@ -344,7 +344,7 @@ def test_plot_is_written_from_a_run_and_from_its_json(tmp_path, capsys):
     assert (tmp_path / "run.png").read_bytes()[:4] == b"\x89PNG" and "wrote" in capsys.readouterr().out
     bad = tmp_path / "other.json"
     bad.write_text(json.dumps({"rows": []}))
-    with pytest.raises(SystemExit, match="not a bench_rollout --json file"):
+    with pytest.raises(SystemExit, match="neither a bench_rollout --json file"):
         main([str(bad)])
     with pytest.raises(SystemExit, match="cannot read"):
         main([str(tmp_path / "missing.json")])
@@ -410,3 +410,45 @@ def test_planner_trace_counts_each_auto_rows_rounds_per_batch_size(tiny, capsys)
     rows = measure(parse_args(["--batch-sizes", "2", *base]), target, tok, quiet, prompts[:2], sampling)
     assert all("planner" not in r for r in rows) and quiet.plan_trace(spec, VerifierConfig(), sampling) is None
 
+
+
+def _plan_trace() -> list[dict]:
+    """A --planner-trace file's entries: two rows, calls 0-1 and 3."""
+    def rec(call, k, why, emitted=None):
+        r = {"call": call, "round": 0, "batch": 2, "k": k, "why": why, "rates": {}}
+        return r | ({"round_s": 0.02, "draft_s": 0.004 * k, "emitted": emitted, "catch_up": False} if emitted else {})
+    return [{"batch": 2, "mode": "chain K=3 sampled mb=auto", "verifier": "lossless",
+             "rounds": [rec(0, 0, "new bucket", [1, 1]), rec(0, 3, "new bucket", [4, 2]), rec(1, 3, "best", [3, 1]),
+                        rec(1, 0, "re-probe", [1, 1]), rec(1, 3, "best")]},
+            {"batch": 4, "mode": "chain K=3 sampled mb=auto", "verifier": "overshoot",
+             "rounds": [rec(3, 0, "no clear gain", [1, 1, 1, 1])]}]
+
+
+def test_plan_data_and_figure_from_a_planner_trace(tmp_path):
+    import json
+
+    from scripts.bench_plot import main, plan_data, plot_plans
+
+    data = plan_data(_plan_trace())
+    assert [d["label"] for d in data] == ["batch 2  chain K=3 sampled mb=auto  lossless",
+                                          "batch 4  chain K=3 sampled mb=auto  overshoot"]
+    first = data[0]
+    assert first["k"] == [0, 3, 3, 0, 3] and first["why"][3] == "re-probe"
+    assert first["tokens"] == [1.0, 3.0, 2.0, 1.0, None]  # per row; the last round not measured
+    assert first["starts"] == [2] and first["plain"] == pytest.approx(0.4) and data[1]["starts"] == []
+    with pytest.raises(ValueError, match="planner-trace entry"):
+        plan_data([{"batch": 2, "mode": "x", "verifier": "y", "rounds": []}])
+    with pytest.raises(ValueError, match="no traced rows"):
+        plan_data([])
+    out = plot_plans(_plan_trace(), tmp_path / "plans.png")
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    src = tmp_path / "plans.json"
+    src.write_text(json.dumps(_plan_trace()))
+    main([str(src)])
+    assert (tmp_path / "plans.png").stat().st_size > 1000
+    src.write_text(json.dumps({"rows": []}))
+    with pytest.raises(SystemExit, match="neither a bench_rollout --json file"):
+        main([str(src)])
+    src.write_text(json.dumps([{"batch": 1}]))
+    with pytest.raises(SystemExit, match="not a bench_rollout --planner-trace entry"):
+        main([str(src)])
