@@ -22,6 +22,7 @@ import argparse
 import json
 from pathlib import Path
 
+from rollout.planner import BEST, NEW_BUCKET, NO_CLEAR_GAIN, REPROBE
 from trainers.drift.plots import _plt, _save
 
 
@@ -73,8 +74,7 @@ def plot_rows(rows: list[dict], path: str | Path) -> Path:
     return _save(fig, Path(path))
 
 
-REASON_COLOURS = {"best": "tab:blue", "re-probe": "tab:orange", "no clear gain": "tab:red",
-                  "new bucket": "tab:grey"}
+REASON_COLOURS = {BEST: "tab:blue", REPROBE: "tab:orange", NO_CLEAR_GAIN: "tab:red", NEW_BUCKET: "tab:grey"}
 
 
 def plan_data(traces: list[dict]) -> list[dict]:

@@ -257,7 +257,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         raise SystemExit(f"--passes must be >= 1, got {args.passes}")
     rows = []
     pad_id = tok.pad_token_id or 0
-    if getattr(args, "planner_trace", None):
+    if args.planner_trace:
         engine.trace_plans()
     for n, size in enumerate(int(b) for b in args.batch_sizes.split(",")):
         configs = row_configs(args, target, engine)

@@ -427,8 +427,10 @@ def _plan_trace() -> list[dict]:
 def test_plan_data_and_figure_from_a_planner_trace(tmp_path):
     import json
 
-    from scripts.bench_plot import main, plan_data, plot_plans
+    from rollout.planner import REASONS
+    from scripts.bench_plot import REASON_COLOURS, main, plan_data, plot_plans
 
+    assert set(REASON_COLOURS) == set(REASONS)  # every reason is drawn
     data = plan_data(_plan_trace())
     assert [d["label"] for d in data] == ["batch 2  chain K=3 sampled mb=auto  lossless",
                                           "batch 4  chain K=3 sampled mb=auto  overshoot"]
