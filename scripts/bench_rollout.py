@@ -92,7 +92,8 @@ from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.planner import trace_summary  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from scripts.bench_plot import plot_rows  # noqa: E402
-from scripts.bench_rows import SWITCHES, describe, row_configs, spec_configs, switched_off  # noqa: E402
+from scripts.bench_rows import (SWITCHES, describe, header, plan_line, print_row, row_configs,  # noqa: E402
+                                spec_configs, switched_off, widths)
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
@@ -344,43 +345,6 @@ def plan_marks(engine: Engine, configs: list[tuple], sampling) -> dict[int, int]
         if spec is not None and spec.auto and not isinstance(backend, Engine):
             out[c] = len(engine.plan_trace(spec, verifier, sampling) or [])
     return out
-
-
-def plan_line(row: dict) -> str:
-    """One line: an auto row's rounds by choice and reason, and each side's tokens per second."""
-    p = row["planner"]
-    n = max(1, p["rounds"])
-
-    def side(name: str) -> str:
-        count = sum(p[name].values())
-        reasons = ", ".join(f"{why} {k / n:.1%}" for why, k in sorted(p[name].items(), key=lambda x: -x[1]))
-        speed = p["tokens"][name] / p["seconds"][name] if p["seconds"][name] else 0.0
-        return f"{name} {count / n:.1%}" + (f" ({reasons}; {speed:.1f} tok/s)" if count else "")
-
-    return f"  planner, batch {row['batch']} {row['mode']} {row['verifier']}: {p['rounds']} rounds; " \
-           f"{side('draft')}; {side('plain')}"
-
-
-def widths(configs: list[tuple]) -> tuple[int, int]:
-    """The mode and verifier columns' widths: the longest labels of these rows (at least 27 and 14)."""
-    return max(27, *(len(c[0]) for c in configs)), max(14, *(len(c[1]) for c in configs))
-
-
-def header(width: tuple[int, int] = (27, 14)) -> str:
-    return (f"{'batch':>5} {'mode':<{width[0]}} {'verifier':<{width[1]}} {'tok/s':>8} {'tau':>5} {'vs AR':>6} "
-            f"{'bound':>6} {'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} {'RSS MB':>7}  "
-            f"{'paired vs AR':<20}")
-
-
-def print_row(row: dict, width: tuple[int, int] = (27, 14)) -> None:
-    ar, bd, of, dar, dof, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in (
-        "speedup_vs_ar", "bound", "of_bound", "decode_vs_ar", "decode_of_bound", "speedup_vs_hf"))
-    p = row.get("paired_vs_ar")
-    paired = f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] n={p['n']}" if p else "-"
-    print(f"{row['batch']:>5} {row['mode']:<{width[0]}} {row['verifier']:<{width[1]}} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {row['length_vs_ar']:>5.2f} {hf:>6} "
-          f"{row['rss_mb']:>7.0f}  {paired}",
-          flush=True)
 
 
 def memory_check(args, engine, prompts, sampling) -> dict:

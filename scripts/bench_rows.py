@@ -1,6 +1,6 @@
 """The rows of ``scripts/bench_rollout.py`` (a helper module of that script, not an entry point):
-which configurations a run measures, how each row is labelled, and the engine switches that
-some rows turn off. A row is ``(mode label, verifier label, spec, verifier, backend)``: spec None
+which configurations a run measures, how each row is labelled and printed, and the engine
+switches that some rows turn off. A row is ``(mode label, verifier label, spec, verifier, backend)``: spec None
 is HF ``generate``; backend None the default engine, an ``Engine`` another one, ``native`` /
 ``torch`` a pinned verifier backend, a :data:`SWITCHES` key the default engine with that switch off.
 """
@@ -114,3 +114,40 @@ def switched_off(owner, name: str):
         yield
     finally:
         setattr(owner, name, True)
+
+
+def plan_line(row: dict) -> str:
+    """One line: an auto row's rounds by choice and reason, and each side's tokens per second."""
+    p = row["planner"]
+    n = max(1, p["rounds"])
+
+    def side(name: str) -> str:
+        count = sum(p[name].values())
+        reasons = ", ".join(f"{why} {k / n:.1%}" for why, k in sorted(p[name].items(), key=lambda x: -x[1]))
+        speed = p["tokens"][name] / p["seconds"][name] if p["seconds"][name] else 0.0
+        return f"{name} {count / n:.1%}" + (f" ({reasons}; {speed:.1f} tok/s)" if count else "")
+
+    return f"  planner, batch {row['batch']} {row['mode']} {row['verifier']}: {p['rounds']} rounds; " \
+           f"{side('draft')}; {side('plain')}"
+
+
+def widths(configs: list[tuple]) -> tuple[int, int]:
+    """The mode and verifier columns' widths: the longest labels of these rows (at least 27 and 14)."""
+    return max(27, *(len(c[0]) for c in configs)), max(14, *(len(c[1]) for c in configs))
+
+
+def header(width: tuple[int, int] = (27, 14)) -> str:
+    return (f"{'batch':>5} {'mode':<{width[0]}} {'verifier':<{width[1]}} {'tok/s':>8} {'tau':>5} {'vs AR':>6} "
+            f"{'bound':>6} {'of bd':>6} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} {'RSS MB':>7}  "
+            f"{'paired vs AR':<20}")
+
+
+def print_row(row: dict, width: tuple[int, int] = (27, 14)) -> None:
+    ar, bd, of, dar, dof, hf = (f"{row[k]:.2f}" if row.get(k) is not None else "-" for k in (
+        "speedup_vs_ar", "bound", "of_bound", "decode_vs_ar", "decode_of_bound", "speedup_vs_hf"))
+    p = row.get("paired_vs_ar")
+    paired = f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] n={p['n']}" if p else "-"
+    print(f"{row['batch']:>5} {row['mode']:<{width[0]}} {row['verifier']:<{width[1]}} {row['tokens_per_s']:>8.1f} "
+          f"{row['tau']:>5.2f} {ar:>6} {bd:>6} {of:>6} {dar:>6} {dof:>6} {row['length_vs_ar']:>5.2f} {hf:>6} "
+          f"{row['rss_mb']:>7.0f}  {paired}",
+          flush=True)
