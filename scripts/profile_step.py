@@ -1,6 +1,6 @@
 """Where a plain decoding step of the target goes, next to the memory-bandwidth floor.
 
-    python -m scripts.profile_step [--threads 2] [--reps 20] [--json OUT.json]
+    python -m scripts.profile_step [--threads 2] [--reps 20] [--rows 16] [--json OUT.json]
 
 Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved), once with the
 linear layers on torch's GEMM (``linear torch``) and three times on the decoding kernel of
@@ -18,6 +18,12 @@ the model's own decoder stack (``linear native own stack``) and with those and t
 - ``ops``: the profiler's self CPU time per op category over ``--reps`` forwards
   (matmul, attention, elementwise/norm/rope, copies and views, other), in percent; the
   kernel's calls count as matmul.
+
+``--rows N`` also times the decoding kernel alone at every row count 1..N, for each distinct
+shape of the target's linear layers (the weight reread from cache, so the tile's arithmetic
+shows, not the memory): a row count slower than the next larger one is flagged, as it points
+at a register tile the compiler handled badly (GCC 12 once spilled the 7-row tile's panel rows
+to the stack: 2x slower than 8 rows).
 """
 
 from __future__ import annotations
@@ -129,11 +135,46 @@ def _measure(target, prompt: list[int], reps: int, bandwidth: float | None, line
     return out
 
 
+def linear_rows(target, max_rows: int, reps: int = 7) -> dict[str, list[float]]:
+    """Microseconds of one kernel call per row count 1..max_rows (median of ``reps`` timings of a
+    loop of calls), for each distinct ``[N, K]`` of the target's linear layers (key ``"NxK"``)."""
+    shapes = sorted({tuple(m.weight.shape) for m in target.modules() if isinstance(m, torch.nn.Linear)})
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for n, k in shapes:
+        w = torch.randn(n, k, generator=gen)
+        panels = native_linear.pack(w)
+        calls = max(1, int(2e7 // (n * k)))  # about 80 MB of weights read per timing
+        warm = torch.randn(1, k, generator=gen)
+        for _ in range(calls):
+            native_linear.linear(warm, w, None, panels)
+        row = []
+        for m in range(1, max_rows + 1):
+            x = torch.randn(m, k, generator=gen)
+            native_linear.linear(x, w, None, panels)
+            times = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                for _ in range(calls):
+                    native_linear.linear(x, w, None, panels)
+                times.append((time.perf_counter() - t0) / calls * 1e6)
+            row.append(_median(times))
+        out[f"{n}x{k}"] = row
+    return out
+
+
+def slow_rows(times: list[float], slack: float = 1.3) -> list[int]:
+    """Row counts (1-based) whose time exceeds ``slack`` x the next larger row count's."""
+    return [m + 1 for m in range(len(times) - 1) if times[m] > slack * times[m + 1]]
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--threads", type=int, default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None, help="write {linear mode: figures} here")
+    ap.add_argument("--rows", type=int, default=0,
+                    help="also time the native kernel alone at 1..ROWS input rows per layer shape")
     args = ap.parse_args(argv)
     from rollout.engine import available_cores
     from rollout.models import load_embedded_target
@@ -151,6 +192,14 @@ def main(argv: list[str] | None = None) -> dict:
               f"forward {r['forward_ms']:.1f} ms, lm_head {r['lm_head_ms']:.1f} ms; "
               f"floor {r['floor_ms']:.1f} ms ({r['weight_mb']:.0f} MB fp32 at {r['bandwidth_gbs']:.1f} GB/s); "
               f"self CPU time by op category (%): {r['ops']}")
+    if args.rows and native_linear.available():
+        rows = linear_rows(target, args.rows)
+        print(f"native kernel alone, us per call at 1..{args.rows} rows (weights from cache):")
+        for shape, times in rows.items():
+            flag = slow_rows(times)
+            print(f"  {shape:>10}: " + " ".join(f"{t:.0f}" for t in times)
+                  + (f"   SLOWER THAN THE NEXT ROW COUNT at {flag} rows" if flag else ""))
+        res["linear_rows_us"] = rows
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -3,6 +3,10 @@ and the engine's outputs with the kernel against the torch path."""
 
 from __future__ import annotations
 
+import re
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -15,6 +19,7 @@ from rollout.engine import Engine
 from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
+from verifiers import cbuild
 
 needs_kernel = pytest.mark.skipif(not native_linear.available(),
                                   reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
@@ -33,6 +38,24 @@ def test_kernel_matches_torch(n, k, bias):
         x = torch.randn(m, k, generator=g)
         out = native_linear.linear(x, w, b)
         torch.testing.assert_close(out, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+
+
+@needs_kernel
+def test_register_tiles_keep_their_operands_in_registers():
+    """Regression: GCC 12 allocated the 7-row tile's registers badly and kept its two panel rows
+    on the stack, reloading them for every FMA; that tile ran at half speed (7 rows cost more
+    than 8; ``python -m scripts.profile_step --rows 16`` shows it). No tile's FMA reads the stack."""
+    objdump = shutil.which("objdump")
+    if objdump is None:
+        pytest.skip("objdump (binutils) is not installed")
+    lib = cbuild.library_path("linear", native_linear.SOURCES)
+    asm = subprocess.run([objdump, "-d", "--no-show-raw-insn", "-C", str(lib)], capture_output=True, text=True,
+                         check=True).stdout
+    functions = re.split(r"\n(?=[0-9a-f]+ <)", asm)
+    tiles = [f for f in functions if "::tile<" in f.split("\n", 1)[0]]
+    assert len(tiles) == 2 * (16 + 12), len(tiles)  # fp32 and bf16 panels: 1-16 rows alone, 1-12 with a unit
+    stack_fma = re.compile(r"vfmadd\w*\s+-?(0x[0-9a-f]+)?\(%rsp\)")
+    assert [f.split("\n", 1)[0] for f in tiles if stack_fma.search(f)] == []
 
 
 @needs_kernel

@@ -4,11 +4,10 @@ embedded model)."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 
 def test_profile_reports_costs_floor_and_op_shares(tiny_policy_dir):
-    import torch
-
     from rollout import fused_layers
     from rollout.models import TargetConfig, load_target
     from scripts.profile_step import categorise, measure
@@ -30,3 +29,24 @@ def test_profile_reports_costs_floor_and_op_shares(tiny_policy_dir):
         == "attention" and categorise("aten::pow") == "elementwise/norm/rope" and categorise("aten::cat") \
         == "copies/views" and categorise("aten::foo") == "other"
     assert torch.get_num_threads() >= 1
+
+
+def test_slow_rows_flags_a_row_count_dearer_than_the_next():
+    from scripts.profile_step import slow_rows
+
+    assert slow_rows([10, 11, 12, 25, 14, 15]) == [4]  # 4 rows at 25 us, 5 rows at 14
+    assert slow_rows([10, 12, 11, 13]) == []  # within the slack (noise)
+    assert slow_rows([10, 12, 11, 13], slack=1.05) == [2]
+
+
+def test_linear_rows_times_every_layer_shape(tiny_policy_dir):
+    from rollout import native_linear
+    from rollout.models import TargetConfig, load_target
+    from scripts.profile_step import linear_rows
+
+    if not native_linear.available():
+        pytest.skip("the native linear kernel needs an AVX-512 CPU and a C++ compiler")
+    target, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    shapes = {f"{n}x{k}" for n, k in (m.weight.shape for m in target.modules() if isinstance(m, torch.nn.Linear))}
+    rows = linear_rows(target, 3, reps=1)
+    assert set(rows) == shapes and all(len(t) == 3 and min(t) > 0 for t in rows.values())
