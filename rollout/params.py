@@ -239,7 +239,7 @@ def drift_warning(spec: SpecConfig, verifier: VerifierConfig) -> str | None:
 
     MARS over deterministic candidates (tree nodes, greedy chain drafts) emits the target's top-1
     or top-2 outright wherever it relaxes (most positions of SmolLM2 at T = 1 with theta 0.9):
-    near-greedy rollouts. Measured on held-out arithmetic (README, Status, session 17): tree
+    near-greedy rollouts. Measured on held-out arithmetic (scripts/MEASUREMENTS.md, session 17): tree
     completions a third shorter than plain sampling's, 4.4x the per-token KL of MARS on sampled
     chains, a sequence importance-weight ESS of 0.05."""
     deterministic = (spec.mode == "tree" and not spec.sampled_tree
