@@ -59,12 +59,12 @@ inline __m512 load16(const uint16_t* w) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
 }
 
-// Rows [0, M) of X times panels p .. p + NP - 1: NP x M accumulators of 16 lanes.
-// One register-allocation region per function: with GCC 12's default regions the M = 7 tile
-// kept its two panel rows on the stack and reloaded them for every FMA (half speed: a 7-row
-// forward cost more than an 8-row one); no other tile changes.
+// Rows [0, M) of X times panels p .. p + NP - 1: NP x M accumulators of 16 lanes. (always_inline:
+// tile_one_region below compiles this body under its own options; the other tiles' machine code
+// is the same as without the attribute.)
 template <typename W, int M, int NP>
-__attribute__((optimize("ira-region=one"))) inline void tile(const W* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
+__attribute__((always_inline)) inline void tile(const W* P, const float* X, const float* b, float* Y, int64_t N,
+                                                int64_t K, int64_t p) {
   __m512 acc[NP][M], part[NP][M];
   for (int j = 0; j < NP; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
@@ -96,6 +96,14 @@ __attribute__((optimize("ira-region=one"))) inline void tile(const W* P, const f
       _mm512_mask_storeu_ps(Y + m * N + n0, mask, out);
     }
   }
+}
+// The same tile compiled with one register-allocation region: with GCC 12's default regions the
+// 7-row unit tile kept its two panel rows on the stack and reloaded them for every FMA (half
+// speed: 7 rows cost more than 8). Only that tile uses it (with it, the others ran 1-2% slower).
+template <typename W, int M, int NP>
+__attribute__((optimize("ira-region=one"))) void tile_one_region(const W* P, const float* X, const float* b, float* Y,
+                                                                 int64_t N, int64_t K, int64_t p) {
+  tile<W, M, NP>(P, X, b, Y, N, K, p);
 }
 // One panel: rows [n0, n0 + 16) of W as K rows of 16 (16 x 16 blocks transposed in registers).
 // ``cached``: the copy is read right away (keep it in cache: no streaming stores).
@@ -169,6 +177,10 @@ inline void tile(const W* P, const float* X, const float* b, float* Y, int64_t N
       Y[m * N + p * kLanes + j] = b != nullptr ? s + b[p * kLanes + j] : s;
     }
 }
+template <typename W, int M, int NP>  // (the register allocation of the vectorised tiles does not arise here)
+inline void tile_one_region(const W* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
+  tile<W, M, NP>(P, X, b, Y, N, K, p);
+}
 inline void pack_panel(const float* W, float* dst, int64_t N, int64_t K, int64_t n0, bool = false) {
   for (int64_t k = 0; k < K; ++k)
     for (int64_t j = 0; j < kLanes; ++j) dst[k * kLanes + j] = n0 + j < N ? W[(n0 + j) * K + k] : 0.f;
@@ -189,9 +201,14 @@ constexpr bool kVectorised = false;
 template <typename W>
 using Tile = void (*)(const W*, const float*, const float*, float*, int64_t, int64_t, int64_t);
 
+template <typename W, int M, int NP>  // the tile of M rows over NP panels
+constexpr Tile<W> pick() {
+  if constexpr (M == 7 && NP == kUnit) return &tile_one_region<W, M, NP>;
+  else return &tile<W, M, NP>;
+}
 template <typename W, int NP, int... Ms>
 constexpr std::array<Tile<W>, sizeof...(Ms) + 1> tiles(std::integer_sequence<int, Ms...>) {
-  return {nullptr, &tile<W, Ms + 1, NP>...};
+  return {nullptr, pick<W, Ms + 1, NP>()...};
 }
 template <typename W>  // [rows] -> tile, for one panel and for a unit of panels
 struct Tiles {
