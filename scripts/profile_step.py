@@ -42,6 +42,7 @@ from rollout import fused_layers, native_linear  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
+from rollout.timing import upper_median  # noqa: E402
 
 MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "hr_linear"}
 ELEMENTWISE = {"mul", "add", "pow", "mean", "rsqrt", "silu", "neg", "sin", "cos", "div", "div_", "sum", "where",
@@ -51,10 +52,6 @@ COPIES = {"copy_", "_to_copy", "to", "cat", "view", "transpose", "slice", "as_st
           "select", "clone", "_unsafe_view", "split", "chunk"}
 
 
-def _median(xs: list[float]) -> float:
-    return sorted(xs)[len(xs) // 2]
-
-
 def bandwidth_gbs(mib: int = 1024, reps: int = 5) -> float:
     x = torch.ones(mib * 2**18)
     times = []
@@ -62,7 +59,7 @@ def bandwidth_gbs(mib: int = 1024, reps: int = 5) -> float:
         t0 = time.perf_counter()
         x.sum()
         times.append(time.perf_counter() - t0)
-    return x.numel() * 4 / _median(times[1:]) / 1e9
+    return x.numel() * 4 / upper_median(times[1:]) / 1e9
 
 
 def categorise(name: str) -> str:
@@ -129,7 +126,7 @@ def _measure(target, prompt: list[int], reps: int, bandwidth: float | None, line
     total = sum(ops.values()) or 1.0
     bw = bandwidth or bandwidth_gbs()
     weights = sum(p.numel() * p.element_size() for p in target.parameters())
-    out = {k: _median(v) for k, v in times.items()}
+    out = {k: upper_median(v) for k, v in times.items()}
     out.update(bandwidth_gbs=bw, weight_mb=weights / 1e6, floor_ms=weights / (bw * 1e9) * 1000,
                ops={k: round(100 * v / total, 1) for k, v in sorted(ops.items(), key=lambda kv: -kv[1])})
     return out
@@ -158,7 +155,7 @@ def linear_rows(target, max_rows: int, reps: int = 7) -> dict[str, list[float]]:
                 for _ in range(calls):
                     native_linear.linear(x, w, None, panels)
                 times.append((time.perf_counter() - t0) / calls * 1e6)
-            row.append(_median(times))
+            row.append(upper_median(times))
         out[f"{n}x{k}"] = row
     return out
 
