@@ -1,6 +1,6 @@
 """Where a plain decoding step of the target goes, next to the memory-bandwidth floor.
 
-    python -m scripts.profile_step [--threads 2] [--reps 20] [--rows 16] [--json OUT.json]
+    python -m scripts.profile_step [--threads 2] [--reps 20] [--rows 16] [--blocks 9] [--json OUT.json]
 
 Measures, at batch 1 on a held-out prompt (median of ``--reps``, interleaved), once with the
 linear layers on torch's GEMM (``linear torch``) and three times on the decoding kernel of
@@ -23,7 +23,15 @@ the model's own decoder stack (``linear native own stack``) and with those and t
 shape of the target's linear layers (the weight reread from cache, so the tile's arithmetic
 shows, not the memory): a row count slower than the next larger one is flagged, as it points
 at a register tile the compiler handled badly (GCC 12 once spilled the 7-row tile's panel rows
-to the stack: 2x slower than 8 rows).
+to the stack: 2x slower than 8 rows). It also times one pass over all of the target's linear
+weights at each row count, streamed from memory (the weights are larger than the caches), next
+to the 1-row pass: up to the rows where the FMAs take longer than reading the weights, a pass
+should cost about what the 1-row pass does (on a 2-core EPYC the kernel once streamed 5+ rows
+10-35% slower than 4, until it requested the panels into L2 further ahead).
+
+``--blocks N`` times the engine's target forward over 1..N block tokens at batch 1
+(``rollout.timing.step_costs``, the T(n) of ``scripts/bench_rollout.py``'s bound), so a verify
+block's cost against a plain step shows without a benchmark run.
 """
 
 from __future__ import annotations
@@ -160,6 +168,37 @@ def linear_rows(target, max_rows: int, reps: int = 7) -> dict[str, list[float]]:
     return out
 
 
+def streamed_rows(target, max_rows: int, reps: int = 5) -> list[float]:
+    """Milliseconds of one pass of kernel calls over every distinct linear weight of ``target``
+    (packed once, so each pass streams them from memory) at each row count 1..max_rows (median
+    of ``reps`` passes, row counts interleaved)."""
+    weights = list({id(m.weight): m.weight.detach() for m in target.modules() if isinstance(m, torch.nn.Linear)
+                    and native_linear._packable(m.weight)}.values())
+    packed = [native_linear.pack(w) for w in weights]
+    gen = torch.Generator().manual_seed(0)
+    xs = {m: {k: torch.randn(m, k, generator=gen) for k in {w.shape[1] for w in weights}}
+          for m in range(1, max_rows + 1)}
+    times: dict[int, list[float]] = {m: [] for m in xs}
+    for rep in range(reps + 1):  # rep 0 warms up
+        for m in xs:
+            t0 = time.perf_counter()
+            for w, panels in zip(weights, packed):
+                native_linear.linear(xs[m][w.shape[1]], w, None, panels)
+            if rep:
+                times[m].append((time.perf_counter() - t0) * 1000)
+    return [upper_median(times[m]) for m in xs]
+
+
+def block_costs(target, prompt: list[int], max_block: int, reps: int = 20) -> list[float]:
+    """Milliseconds of the engine's target forward over 1..max_block block tokens at batch 1 after
+    ``prompt``'s prefill (``rollout.timing.step_costs``)."""
+    from rollout.timing import step_costs
+
+    engine = Engine(target, None, num_threads=torch.get_num_threads())
+    costs = step_costs(engine, [prompt], list(range(1, max_block + 1)), reps)
+    return [costs[n] * 1000 for n in range(1, max_block + 1)]
+
+
 def slow_rows(times: list[float], slack: float = 1.3) -> list[int]:
     """Row counts (1-based) whose time exceeds ``slack`` x the next larger row count's."""
     return [m + 1 for m in range(len(times) - 1) if times[m] > slack * times[m + 1]]
@@ -171,7 +210,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None, help="write {linear mode: figures} here")
     ap.add_argument("--rows", type=int, default=0,
-                    help="also time the native kernel alone at 1..ROWS input rows per layer shape")
+                    help="also time the native kernel alone at 1..ROWS input rows per layer shape, and streaming "
+                         "all the weights")
+    ap.add_argument("--blocks", type=int, default=0,
+                    help="also time the engine's target forward over 1..BLOCKS block tokens (batch 1)")
     args = ap.parse_args(argv)
     from rollout.engine import available_cores
     from rollout.models import load_embedded_target
@@ -197,6 +239,17 @@ def main(argv: list[str] | None = None) -> dict:
             print(f"  {shape:>10}: " + " ".join(f"{t:.0f}" for t in times)
                   + (f"   SLOWER THAN THE NEXT ROW COUNT at {flag} rows" if flag else ""))
         res["linear_rows_us"] = rows
+        streamed = streamed_rows(target, args.rows)
+        print(f"native kernel alone, ms per pass over all the weights at 1..{args.rows} rows (streamed from memory): "
+              + " ".join(f"{t:.1f}" for t in streamed) + "; over the 1-row pass: "
+              + " ".join(f"{t / streamed[0]:.2f}" for t in streamed))
+        res["streamed_rows_ms"] = streamed
+    if args.blocks:
+        blocks = block_costs(target, prompt, args.blocks)
+        print(f"engine target forward, ms at 1..{args.blocks} block tokens (batch 1): "
+              + " ".join(f"T({n}) {t:.1f}" for n, t in enumerate(blocks, 1)) + "; over T(1): "
+              + " ".join(f"{t / blocks[0]:.2f}" for t in blocks))
+        res["block_ms"] = blocks
     if args.json:
         with open(args.json, "w") as f:
             json.dump(res, f, indent=1)

@@ -50,3 +50,17 @@ def test_linear_rows_times_every_layer_shape(tiny_policy_dir):
     shapes = {f"{n}x{k}" for n, k in (m.weight.shape for m in target.modules() if isinstance(m, torch.nn.Linear))}
     rows = linear_rows(target, 3, reps=1)
     assert set(rows) == shapes and all(len(t) == 3 and min(t) > 0 for t in rows.values())
+
+
+def test_streamed_rows_and_block_costs(tiny_policy_dir):
+    from rollout import native_linear
+    from rollout.models import TargetConfig, load_target
+    from scripts.profile_step import block_costs, streamed_rows
+
+    target, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    blocks = block_costs(target, [1, 20, 300, 7], 3, reps=2)
+    assert len(blocks) == 3 and min(blocks) > 0
+    if not native_linear.available():
+        pytest.skip("the native linear kernel needs an AVX-512 CPU and a C++ compiler")
+    streamed = streamed_rows(target, 3, reps=1)
+    assert len(streamed) == 3 and min(streamed) > 0
