@@ -50,7 +50,7 @@ from rollout import fused_layers, native_linear  # noqa: E402
 from rollout.engine import Engine  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
-from rollout.timing import upper_median  # noqa: E402
+from rollout.timing import step_costs, upper_median  # noqa: E402
 
 MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "hr_linear"}
 ELEMENTWISE = {"mul", "add", "pow", "mean", "rsqrt", "silu", "neg", "sin", "cos", "div", "div_", "sum", "where",
@@ -192,8 +192,6 @@ def streamed_rows(target, max_rows: int, reps: int = 5) -> list[float]:
 def block_costs(target, prompt: list[int], max_block: int, reps: int = 20) -> list[float]:
     """Milliseconds of the engine's target forward over 1..max_block block tokens at batch 1 after
     ``prompt``'s prefill (``rollout.timing.step_costs``)."""
-    from rollout.timing import step_costs
-
     engine = Engine(target, None, num_threads=torch.get_num_threads())
     costs = step_costs(engine, [prompt], list(range(1, max_block + 1)), reps)
     return [costs[n] * 1000 for n in range(1, max_block + 1)]

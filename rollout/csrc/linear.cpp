@@ -81,10 +81,10 @@ __attribute__((always_inline)) inline void tile(const W* P, const float* X, cons
     for (int j = 0; j < NP; ++j)
       for (int m = 0; m < M; ++m) part[j][m] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      for (int j = 0; j < NP; ++j)  // (a hint: past a panel's end it touches the next one, never faults)
+      for (int j = 0; j < NP; ++j) {  // (hints: past a panel's end they touch the next one, never fault)
         _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k + kAhead) * kLanes), _MM_HINT_T0);
-      for (int j = 0; j < NP; ++j)
         _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k + kAheadL2) * kLanes), _MM_HINT_T1);
+      }
       __m512 v[NP];
       for (int j = 0; j < NP; ++j) v[j] = load16(w + (j * K + k) * kLanes);
       for (int m = 0; m < M; ++m) {
