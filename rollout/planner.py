@@ -71,7 +71,9 @@ expected loss against the best (``reprobe`` rounds at a gap of ``margin``, at le
 ``reprobe_floor``; ``reprobe_interval``): a lasting change of machine load can turn the choice,
 and every re-probe then costs the same small share of the time, so that a noisy measurement
 cannot lock an option out for good (on this shared machine a few slow rounds had made the best
-chain length look 35% slower for the rest of the calls). A probe's loss is its gap plus, for a
+chain length look 35% slower for the rest of the calls). Chains shorter than the best one are
+the exception: its rounds measure their acceptance, and while the cost curve has points on both
+sides of their block rows they are not run again. A probe's loss is its gap plus, for a
 speculative probe from plain rounds, its catch-up (``S(b)`` in rounds of the best option), once
 the acceptance rests on ``explore`` row-rounds of drafting: a costly catch-up spaces the probes
 further. Intervals count the bucket's own rounds: rows finish during a call, so the small
@@ -308,8 +310,14 @@ class RoundPlanner:
         never run in the bucket (its cost extrapolated) only when within ``margin``. Intervals
         count the bucket's own rounds (a bucket visited for a few rounds per call, as rows
         finish, is not re-probed at each visit), and a speculative probe from plain rounds also
-        loses its catch-up (the switch cost, in rounds of the best option)."""
+        loses its catch-up (the switch cost, in rounds of the best option). A chain shorter than
+        the best one is not run again while the cost curve covers its block rows: the best chain's
+        rounds try every depth it has, so they measure its acceptance, and its cost is read between
+        measured points (re-running chains of 3-4 at batch 1, where chains of 3-6 nearly tie, had
+        made a third of the rounds re-probes)."""
         bk = bucket(b)
+        if self.chain and 0 < k < best and self._covered(b, k):
+            return False  # what it would measure, the longer chain's rounds measure (see below)
         last = self._last_run.get((bk, k))
         if last is None and not self._covered(b, k):
             return ratio >= self.margin

@@ -422,3 +422,18 @@ def test_the_trace_says_why_and_changes_nothing():
     planner.new_call()
     simulate(planner, 8, 2, tie, accept=0.6)
     assert [r["call"] for r in planner.trace[-2:]] == [1, 1]
+
+
+def test_chains_shorter_than_the_best_are_not_run_again():
+    """With adaptive K at batch 1 and a block that costs little more than a plain round, the
+    longest chain is best; the shorter ones were measured on the way up, and the best chain's
+    rounds keep measuring their acceptance: after the climb no round goes to them, while the
+    plain round (the anchor) is still run again."""
+    spec = SpecConfig(mode="chain", num_draft_tokens=6, max_batch="auto", adaptive_k=True)
+    planner = RoundPlanner.for_spec(spec)
+    cost = lambda b, k: 1.0 + 0.05 * k  # noqa: E731
+    chosen = simulate(planner, 1, 300, cost, accept=0.8, draft=0.02)
+    settled = chosen[60:]
+    assert settled.count(6) >= len(settled) - 8, chosen
+    assert not [k for k in settled if 0 < k < 6], chosen
+    assert 0 in settled, chosen
