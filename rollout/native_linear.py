@@ -17,9 +17,11 @@ bandwidth is about 16-18 ms.)
 
 - Used for forwards of fp32 on the CPU without autograd (up to :func:`max_rows` input rows,
   batch x block tokens, per call); anything else goes to ``torch.nn.functional.linear``.
-- Memory and time: each routed weight has a packed copy of its size, refilled at the start
-  of every ``Engine.generate`` call (25-30 ms for SmolLM2-135M on 2 threads: streaming stores), so a call
-  always sees the weights as they are. ``Engine(linear="torch")`` avoids the copy.
+- Memory and time: each routed weight has a packed copy of its size (38 ms to pack SmolLM2-135M
+  and its head on 2 threads, streaming stores), checked at the start of every ``Engine.generate``
+  call and packed again unless it still holds the weight as it is (``_refill``: the same tensor
+  and version counter, and the same bytes by a 64-bit digest, 18 ms), so a call always sees the
+  weights as they are. ``Engine(linear="torch")`` avoids the copy.
 - Outputs differ from torch's only by float32 rounding (the order of each dot product's
   sum): the engine's tests check the logits against the torch path and that the emitted
   tokens are the same. Each output's sum runs in a fixed order whatever the number of rows
@@ -57,15 +59,18 @@ from torch.utils.weak import WeakIdKeyDictionary
 from rollout import fused_layers
 from verifiers import cbuild
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp", "norm.cpp", "layer.cpp")]
+SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp", "norm.cpp", "layer.cpp",
+                                                                "digest.cpp")]
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 compact = True  # switch: pack bf16-valued weights as bf16 panels (False: fp32 panels for all)
 
 _lib: ctypes.CDLL | None = None
 _tried = False
 _lock = threading.Lock()
-_buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (refilled by every ``routed``)
+_buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (see ``routed``)
 _merged_buffers = WeakIdKeyDictionary()  # fused module -> its merged layers' packed buffer (likewise)
+_stamps = WeakIdKeyDictionary()  # weight or fused module -> what its buffer was packed from (``_refill``)
+repacks = 0  # buffers packed (not kept) by ``routed`` so far: for tests and measurements
 epoch = 0  # counts ``routed`` entries: what was derived from the packed buffers is stale when it moves
 
 
@@ -94,6 +99,8 @@ def _load() -> ctypes.CDLL | None:
         lib.hr_linear16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         lib.hr_linear_pack16.restype = ctypes.c_int64
         lib.hr_linear_pack16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.hr_digest.restype = ctypes.c_uint64
+        lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.hr_linear_max_rows.restype = ctypes.c_int64
         lib.hr_linear_vectorised.restype = ctypes.c_int64
         i64, ptr = ctypes.c_int64, ctypes.c_void_p
@@ -202,6 +209,38 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     return buf
 
 
+def digest(t: torch.Tensor) -> int:
+    """A 64-bit digest of a contiguous CPU tensor's bytes (``csrc/digest.cpp``): any change of
+    one 8-byte word changes it; several changes leave it equal only by chance (about 2^-64)."""
+    assert t.device.type == "cpu" and t.is_contiguous(), (t.device, t.stride())
+    return int(_lib.hr_digest(t.data_ptr(), t.numel() * t.element_size()))
+
+
+def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor]) -> torch.Tensor:
+    """``owner``'s packed buffer in ``table`` (a weight's or a fused module's), packed again
+    unless it still holds ``weights`` as they are. It does when it was packed from the same
+    tensors (address, shape, version counter, the ``compact`` switch) and their bytes have
+    the same digests as then. A version counter alone cannot tell: a write through ``.data``
+    (as some optimizers and weight loaders do) does not move it, so the digests, read at
+    memory bandwidth, are compared each time. A buffer packed after its weights' version
+    moved is stamped without digests (reading them would cost every training step a pass
+    over the weights): it is packed again, with digests, at the next call that finds the
+    versions unchanged, and kept from then on."""
+    global repacks
+    panels = table.get(owner)
+    source = (compact, *((w.data_ptr(), tuple(w.shape), w._version) for w in weights))
+    stamp = _stamps.get(owner)
+    sums = None
+    if panels is not None and stamp is not None and stamp[0] == source:
+        sums = tuple(digest(w) for w in weights)
+        if sums == stamp[1]:
+            return panels
+    panels = table[owner] = pack_merged(weights, panels)
+    _stamps[owner] = (source, sums)
+    repacks += 1
+    return panels
+
+
 def _mergeable(layers: list[nn.Linear]) -> bool:
     """Whether one kernel call can stand for these layers' calls (none has hooks to run)."""
     k = layers[0].in_features
@@ -227,11 +266,12 @@ def routed(*modules: nn.Module | None):
     :func:`linear` (the kernel when a call fits, else torch), and Llama-style norms, attention
     and MLPs run the leaner forwards of :mod:`rollout.fused_layers` (q/k/v and gate/up from one
     kernel call each; norms through :func:`rms_norm`, attention through :func:`attend`; a
-    decoder stack of such layers as one loop, ``fused_layers.stack_forward``). Weights are
-    packed on entry (bf16-valued ones as compact panels, see the module docstring), so the
-    block sees them as they are then, however they were changed before (an optimizer step
-    through ``.data`` does not move a tensor's version counter, so nothing cheaper can tell);
-    they must not change inside the block. The modules are restored on exit."""
+    decoder stack of such layers as one loop, ``fused_layers.stack_forward``). On entry each
+    weight's packed copy (bf16-valued ones as compact panels, see the module docstring) is
+    packed again unless it still holds the weight as it is (``_refill``: same tensor and
+    version, same bytes by digest), so the block sees the weights as they are then, however
+    they were changed before; they must not change inside the block. The modules are restored
+    on exit."""
     global epoch
     epoch += 1
     mods = [m for mod in modules if mod is not None for m in mod.modules()]
@@ -244,7 +284,7 @@ def routed(*modules: nn.Module | None):
         forward = fused_layers.norm_forward(mod, rms_norm)
         group = fused_layers.merged_groups(mod) if forward is None else None
         if group is not None and _mergeable(group) and not any(id(m) in covered for m in group):
-            panels = _merged_buffers[mod] = pack_merged([m.weight for m in group], _merged_buffers.get(mod))
+            panels = _refill(mod, _merged_buffers, [m.weight for m in group])
             forward = fused_layers.fused_forward(mod, functools.partial(_merged, group, panels), attend)
             covered.update(id(m) for m in group)
         if forward is not None:
@@ -258,7 +298,7 @@ def routed(*modules: nn.Module | None):
         if use and _packable(w):
             panels = _buffers.get(w)
             if panels is None or id(panels) not in filled:
-                panels = _buffers[w] = pack(w, panels)
+                panels = _refill(w, _buffers, [w])
                 filled.add(id(panels))
         layer.forward = functools.partial(_forward, layer, panels)
     try:

@@ -50,8 +50,8 @@ class Timings:
 
     draft_s: draft-head forwards and candidate selection; verify_s: target forwards
     (prefill included) and the verifier; other_s: the rest (bookkeeping, cache moves).
-    setup_s: everything before the first round (packing the weights for the linear kernel,
-    the prefill, the first token); ``total_s - setup_s`` is the decoding.
+    setup_s: everything before the first round (checking or packing the weights for the linear
+    kernel, the prefill, the first token); ``total_s - setup_s`` is the decoding.
     """
 
     draft_s: float = 0.0

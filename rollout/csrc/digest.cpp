@@ -1,0 +1,93 @@
+// A 64-bit digest of a weight's bytes, read at memory bandwidth: rollout/native_linear.py keeps
+// a weight's packed panels across calls while the weight's digest is unchanged (a weight can be
+// written without moving its version counter, e.g. through ``.data``, so only its bytes tell).
+//
+// The bytes run in chunks of kChunk (the last one shorter); each chunk is hashed by its own
+// thread in 32 lanes of 64 bits (4 x 8 lanes with AVX-512): lane i takes words i, i + 32, ...,
+// as h = ((h ^ w) * kMul) ^ (h >> 29), a step that is one-to-one in w for a given h. So any
+// change of one word changes that lane and the digest; several changes collide only by chance
+// (about 2^-64), not for a structured reason such as two swapped values or a constant added
+// everywhere. The chunks' digests are folded in order with the length: the result does not
+// depend on the thread count.
+
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#ifdef __AVX512DQ__
+#include <immintrin.h>
+#endif
+
+namespace {
+
+constexpr int64_t kChunk = 1 << 20;  // bytes per work unit
+constexpr int kWays = 32;  // 64-bit lanes per chunk
+constexpr uint64_t kMul = 0x9E3779B97F4A7C15ull;  // odd: multiplying by it is one-to-one
+constexpr uint64_t kSeed = 0x243F6A8885A308D3ull;
+
+inline uint64_t step(uint64_t h, uint64_t w) {
+  h = (h ^ w) * kMul;
+  return h ^ (h >> 29);
+}
+
+inline uint64_t finish(uint64_t h) {  // a full-avalanche mix of one lane
+  h ^= h >> 33;
+  h *= 0xFF51AFD7ED558CCDull;
+  h ^= h >> 33;
+  h *= 0xC4CEB9FE1A85EC53ull;
+  return h ^ (h >> 33);
+}
+
+uint64_t chunk_digest(const unsigned char* p, int64_t n) {
+  uint64_t lanes[kWays];
+  for (int i = 0; i < kWays; ++i) lanes[i] = kSeed + static_cast<uint64_t>(i);
+  const int64_t whole = n / (8 * kWays) * (8 * kWays);
+#ifdef __AVX512DQ__
+  __m512i acc[4];
+  for (int j = 0; j < 4; ++j) acc[j] = _mm512_loadu_si512(lanes + 8 * j);
+  const __m512i mul = _mm512_set1_epi64(static_cast<long long>(kMul));
+  for (int64_t o = 0; o < whole; o += 8 * kWays) {
+    for (int j = 0; j < 4; ++j) {
+      const __m512i w = _mm512_loadu_si512(p + o + 64 * j);
+      const __m512i h = _mm512_mullo_epi64(_mm512_xor_si512(acc[j], w), mul);
+      acc[j] = _mm512_xor_si512(h, _mm512_srli_epi64(h, 29));
+    }
+  }
+  for (int j = 0; j < 4; ++j) _mm512_storeu_si512(lanes + 8 * j, acc[j]);
+#else
+  for (int64_t o = 0; o < whole; o += 8 * kWays)
+    for (int i = 0; i < kWays; ++i) {
+      uint64_t w;
+      std::memcpy(&w, p + o + 8 * i, 8);
+      lanes[i] = step(lanes[i], w);
+    }
+#endif
+  uint64_t h = kSeed ^ static_cast<uint64_t>(n);
+  for (int i = 0; i < kWays; ++i) h = step(h, finish(lanes[i]));
+  for (int64_t o = whole; o < n; ++o) h = step(h, p[o]);  // the tail, a byte at a time
+  return finish(h);
+}
+
+}  // namespace
+
+extern "C" {
+
+// The digest of ``bytes`` bytes at ``data`` (see the top of the file).
+uint64_t hr_digest(const void* data, int64_t bytes) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const int64_t chunks = (bytes + kChunk - 1) / kChunk;
+  std::vector<uint64_t> parts(chunks);
+  at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t c = lo; c < hi; ++c) {
+      const int64_t start = c * kChunk;
+      parts[c] = chunk_digest(p + start, bytes - start < kChunk ? bytes - start : kChunk);
+    }
+  });
+  uint64_t h = finish(kSeed ^ static_cast<uint64_t>(bytes));
+  for (uint64_t d : parts) h = step(h, d);
+  return finish(h);
+}
+
+}  // extern "C"
