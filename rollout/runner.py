@@ -38,6 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from rollout import native_draft
+from rollout.chunking import prefill_chunks
 from rollout.eagle3_head import DraftOutput
 from rollout.kv_cache import RowKVCache
 from verifiers.processing import draft_logits as scale_draft_logits
@@ -106,11 +107,14 @@ class ModelRunner:
 
         Identical prompts (GRPO's group of samples per prompt) are prefilled once: the first
         rows of the cache take the distinct prompts, and every row then copies its prompt's
-        KV slots, last logits and features. Each row's prefill is independent of the other rows
-        of its forward (per-row attention, batch-invariant linear layers): the values are the
-        same bits as prefilling every row, except where a row lands in a prefill chunk padded
-        to another length (chunks of ``prefill_tokens``), which moves them by float rounding
-        (log-probs by about 1e-5 on SmolLM2), as chunking itself does. Not with ``capture``
+        KV slots, last logits and features. Rows run in chunks of about ``prefill_tokens``
+        tokens, each padded to its longest prompt; where sorting the prompts by length pads
+        fewer tokens (``rollout.chunking``), the cache's first rows take them in that order, and
+        every row then copies its own the same way. Each row's prefill is independent of the
+        other rows of its forward (per-row attention, batch-invariant linear layers): the values
+        are the same bits as prefilling every row, except where a row lands in a chunk padded
+        to another length, which moves them by float rounding (log-probs by about 1e-5 on
+        SmolLM2), as chunking itself does. Identical prompts are not shared with ``capture``
         (every row keeps its own positions)."""
         b, p_max = len(prompts), max(len(p) for p in prompts)
         self._rows = list(range(b))  # the call's row index of each live row
@@ -122,34 +126,38 @@ class ModelRunner:
             ids[i, : len(p)] = torch.tensor(p, dtype=torch.long)
         ids = ids.to(self.device)
         plen = torch.tensor([len(p) for p in prompts], device=self.device)  # [B]
-        slots: dict[tuple[int, ...], int] = {}  # distinct prompt -> its row among the prefilled ones
-        source = [slots.setdefault(tuple(p), len(slots)) for p in prompts]  # each row's prefilled row
+        slots: dict[tuple[int, ...], int] = {}  # distinct prompt -> its index among the distinct ones
+        source = [slots.setdefault(tuple(p), len(slots)) for p in prompts]  # each row's distinct prompt
         share = self.share_prompts and not self.capture and len(slots) < b
-        distinct = [source.index(j) for j in range(len(slots))] if share else list(range(b))  # rows prefilled
-        u_ids, u_plen = (ids[distinct], plen[distinct]) if share else (ids, plen)
+        distinct = [source.index(j) for j in range(len(slots))] if share else list(range(b))  # a row of each
+        chunks = prefill_chunks([len(prompts[r]) for r in distinct], self.prefill_tokens)
+        order = [distinct[j] for chunk in chunks for j in chunk]  # the row each prefilled cache row runs
+        u_ids, u_plen = ids[order], plen[order]
         feats = None
         last_logits = []
-        rows_per_chunk = max(1, self.prefill_tokens // p_max)
-        for r0 in range(0, len(distinct), rows_per_chunk):
-            rows = slice(r0, min(len(distinct), r0 + rows_per_chunk))
+        r0 = 0
+        for chunk in chunks:
+            rows = slice(r0, r0 + len(chunk))
+            r0 = rows.stop
             p_chunk = int(u_plen[rows].max())
             logits, f, final = self._prefill_chunk(u_ids[rows, :p_chunk], u_plen[rows], rows)
             last_logits.append(logits)
             if self.capture:
-                chunk = range(rows.start, rows.stop)
-                self._record(f, final, chunk, [len(prompts[r]) for r in chunk])
+                called = order[rows]
+                self._record(f, final, called, [len(prompts[r]) for r in called])
             if self.head is not None:
                 if feats is None:
-                    feats = f.new_zeros(len(distinct), p_max, f.shape[-1])
+                    feats = f.new_zeros(len(order), p_max, f.shape[-1])
                 feats[rows, :p_chunk] = f
         logits = torch.cat(last_logits)
-        if share:  # every row takes its prompt's prefill (prefilled row j sits in cache row j)
-            index = torch.tensor(source, device=self.device)
+        if order != list(range(b)):  # every row takes its prompt's prefill from the cache row that ran it
+            ran = {r: j for j, r in enumerate(order)}
+            index = torch.tensor([ran[distinct[source[i]] if share else i] for i in range(b)], device=self.device)
             for kv in (*self.cache.keys, *self.cache.values):
                 kv[:, :, :p_max] = kv[:, :, :p_max].index_select(0, index)
             logits = logits.index_select(0, index)
             feats = feats.index_select(0, index) if feats is not None else None
-        self.prefilled_rows = len(distinct)
+        self.prefilled_rows = len(order)
         self.cache.set_lengths(plen)
         self._prompt_ids, self._plen = ids, plen
         self._waiting_feats = feats  # [B, P, 3H] until the first token is known
