@@ -26,7 +26,9 @@ from rollout import fused_layers, native_linear
 from rollout.kv_cache import RowKVCache
 
 enabled = True  # switch: False runs the stack's layers one by one from Python (A/B measurements)
+stack = True  # switch: False runs each layer's C++ call from the Python loop (A/B measurements)
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, layer arguments)
+_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, _stack_table)
 
 
 def run(base: nn.Module, layers, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, cache,
@@ -75,13 +77,24 @@ def _plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tens
                      *(p.data_ptr() for p in panels), compact, n_q, n_kv, d, mlp.gate_proj.out_features,
                      float(attn.scaling), panels))
     _plans[base] = (native_linear.epoch, plan)
+    _tables[base] = (native_linear.epoch, _stack_table(plan))
     return plan
+
+
+def _stack_table(plan) -> list[tuple] | None:
+    """The constant part of ``hr_decoder_stack``'s per-layer rows (the norms' and panels' addresses,
+    ``compact``), or None where the layers do not share their sizes, eps and scale (then they run
+    one call each)."""
+    if len({(p[3], *p[9:14]) for p in plan}) != 1:
+        return None
+    return [(p[1], p[2], p[4], p[5], p[6], p[7], p[8]) for p in plan]
 
 
 def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, cache,
          keep: tuple[int, ...]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-    """The layers, each in one ``hr_decoder_layer`` call over ``hidden`` (updated in place: the
-    inputs kept for the features are copies), then the final norm."""
+    """The layers over ``hidden`` (updated in place: the inputs kept for the features are copies),
+    then the final norm: all of them in one ``hr_decoder_stack`` call where :data:`stack` is on and
+    they share their sizes, else each in one ``hr_decoder_layer`` call."""
     lib = native_linear._lib
     b, t, h = hidden.shape
     hidden = hidden.contiguous()
@@ -91,6 +104,24 @@ def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask:
     first = plan[0]
     scratch = torch.empty(lib.hr_decoder_layer_scratch(b * t, h, first[9], first[10], first[11], first[12]))
     ms = mask.stride()
+    table = _tables.get(base) if stack else None
+    if table is not None and table[0] == native_linear.epoch and table[1] is not None:
+        kept = [i for i in keep if i < len(plan)]
+        where = {i: j for j, i in enumerate(kept)}
+        start = rows.start or 0
+        k0 = cache.keys[first[0]]
+        skip = start * k0.stride(0) * k0.element_size()  # bytes to the first row of this forward
+        table = torch.tensor([(*const, cache.keys[p[0]].data_ptr() + skip, cache.values[p[0]].data_ptr() + skip,
+                               where.get(i, -1)) for i, (p, const) in enumerate(zip(plan, table[1]))], dtype=torch.int64)
+        out = torch.empty(len(kept), b, t, h)
+        ks = cache.keys[first[0]].stride()
+        status = lib.hr_decoder_stack(hidden.data_ptr(), b, t, h, len(plan), table.data_ptr(), first[3], first[9],
+                                      first[10], first[11], first[12], cos.data_ptr(), sin.data_ptr(), ks[0], ks[1],
+                                      ks[2], slots.data_ptr(), mask.data_ptr(), ms[0], ms[2], length, first[13],
+                                      out.data_ptr(), scratch.data_ptr())
+        if status != 0:  # the conditions of ``_plan`` are the kernels' own: cannot happen
+            raise RuntimeError(f"hr_decoder_stack refused a layer (status {status})")
+        return base.norm.forward(hidden), {i: out[j] for j, i in enumerate(kept)}
     inputs = {}
     for i, (idx, w_in, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, scale, _) in enumerate(plan):
         if i in keep:

@@ -96,6 +96,24 @@ def test_hooks_autograd_and_the_plain_model_keep_the_models_own_forward(stack_ru
     assert len(stack_runs) == 2
 
 
+def test_layers_are_checked_once_per_routed_block(stack_runs):
+    """A hook registered on a layer inside a ``routed`` block runs from the next block on (the
+    stack checks the layers when a block's first forward asks, not at every forward)."""
+    target = tiny_target(seed=4)
+    ids = torch.randint(0, 64, (1, 5), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(5, 5, dtype=torch.bool).tril().expand(1, 1, 5, 5)
+    seen = []
+    with torch.inference_mode(), native_linear.routed(target):
+        _cached_forward(target, ids, mask)
+        handle = target.decoder_layers[1].self_attn.register_forward_pre_hook(lambda *a: seen.append(1))
+        _cached_forward(target, ids, mask)
+    assert len(stack_runs) == 4 and not seen
+    with torch.inference_mode(), native_linear.routed(target):
+        _cached_forward(target, ids, mask)
+    handle.remove()
+    assert len(stack_runs) == 4 and seen == [1, 1]
+
+
 @pytest.mark.parametrize("mode", ["off", "chain", "tree"])
 def test_engine_outputs_with_and_without_the_stack(mode, stack_runs):
     """Every token, kind and log-prob the same, prefill and rounds through the stack."""
@@ -234,3 +252,43 @@ def test_native_layers_need_the_native_norm(native_layer_runs):
         assert not native_layer_runs
         _cached_forward(target, ids, mask)
         assert len(native_layer_runs) == 2
+
+
+# -- every layer in one C++ call (hr_decoder_stack) --------------------------------------------
+@pytest.mark.parametrize("with_head", [True, False], ids=["features", "plain"])
+def test_one_stack_call_gives_the_bits_of_a_call_per_layer(with_head, monkeypatch):
+    """A prefill in several chunks (each writing cache rows from an offset), then rounds of 1 and
+    3 block tokens after rows of different lengths: logits, features and the cache's keys and
+    values equal bit for bit whether the layers run from one ``hr_decoder_stack`` call or one
+    ``hr_decoder_layer`` call each."""
+    target = tiny_target(seed=9)
+    head = copy_head(target, noise=0.3) if with_head else None
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16, 17, 18, 19]]
+    stack_calls = []
+    lib = native_linear._lib
+    original = lib.hr_decoder_stack
+    monkeypatch.setattr(lib, "hr_decoder_stack", lambda *a: stack_calls.append(a[4]) or original(*a))
+    got, calls = {}, {}
+    for on in (True, False):
+        monkeypatch.setattr(native_layers, "stack", on)
+        before = len(stack_calls)
+        runner = ModelRunner(target, head, prefill_tokens=8)  # chunks of 1-2 rows
+        outs = []
+        with torch.inference_mode(), native_linear.routed(target, head):
+            logits = runner.start(prompts, 24)
+            runner.set_first_tokens(logits.argmax(-1))
+            outs.append(logits)
+            for t in (1, 3, 1):
+                block = runner.pending[:, None].expand(-1, t).contiguous()
+                logits, feats = runner.verify_forward(block, torch.arange(t)[None], None)
+                counts = torch.tensor([1 + r % t for r in range(runner.batch)])
+                runner.commit(counts, counts.tolist(), block, feats, None)
+                outs += [logits, feats] if with_head else [logits]
+        got[on] = (outs, runner.cache.keys + runner.cache.values, runner._waiting_feats if with_head else None)
+        calls[on] = stack_calls[before:]
+    assert len(calls[True]) >= 4 + 3 and set(calls[True]) == {target.config.num_hidden_layers} and not calls[False]
+    (a_outs, a_kv, a_wait), (b_outs, b_kv, b_wait) = got[True], got[False]
+    for a, b in zip(a_outs + a_kv, b_outs + b_kv):
+        assert torch.equal(a, b)
+    if with_head:
+        assert torch.equal(a_wait, b_wait)
