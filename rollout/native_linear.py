@@ -157,6 +157,15 @@ def _buffer(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Te
     return out if out is not None and out.numel() == size and out.dtype == dtype else torch.empty(size, dtype=dtype)
 
 
+def _required() -> ctypes.CDLL:
+    """The library, loaded (``pack`` or ``digest`` may be the process's first call into it); a
+    clear error where it is not available."""
+    if not available():
+        raise RuntimeError("the native linear kernel is not available here: it needs an x86 CPU with AVX-512 and "
+                           "a C++ compiler, and HONEST_ROLLOUTS_NATIVE=0 turns it off (native_linear.available())")
+    return _lib
+
+
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed copy of ``weight [N, K]`` (written into ``out`` when it has the right size and
     dtype): bf16 panels when :data:`compact` and every value of the weight is a bfloat16, else
@@ -198,17 +207,22 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     """The packed copy of ``torch.cat(weights)`` (each ``[N_i, K]``, every ``N_i`` but the last a
     multiple of the panel width 16), packed from the weights in place (no concatenated copy); bf16
     panels when :data:`compact` and every value of every weight is a bfloat16, else fp32."""
+    lib = _required()
+    if not all(_packable(w) for w in weights) or len({w.shape[1] for w in weights}) != 1:
+        got = [(tuple(w.shape), str(w.dtype), w.device.type, w.is_contiguous()) for w in weights]
+        raise ValueError("pack needs contiguous 2-D float32 CPU weights of one input size; got (shape, dtype, "
+                         f"device, contiguous) {got}")
     k = weights[0].shape[1]
-    sizes = [_lib.hr_linear_packed_size(w.shape[0], k) for w in weights]
+    sizes = [lib.hr_linear_packed_size(w.shape[0], k) for w in weights]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    if compact and all(_lib.hr_linear_pack16(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights):
+    if compact and all(lib.hr_linear_pack16(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights):
         buf = _buffer(out, sum(sizes), torch.bfloat16)
-        if all(_lib.hr_linear_pack16(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
+        if all(lib.hr_linear_pack16(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
                for w, s in zip(weights, starts)):
             return buf
     buf = _buffer(out, sum(sizes), torch.float32)
     for w, s in zip(weights, starts):
-        _lib.hr_linear_pack(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k)
+        lib.hr_linear_pack(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k)
     return buf
 
 
@@ -216,7 +230,7 @@ def digest(t: torch.Tensor) -> int:
     """A 64-bit digest of a contiguous CPU tensor's bytes (``csrc/digest.cpp``): any change of
     one 8-byte word changes it; several changes leave it equal only by chance (about 2^-64)."""
     assert t.device.type == "cpu" and t.is_contiguous(), (t.device, t.stride())
-    return int(_lib.hr_digest(t.data_ptr(), t.numel() * t.element_size()))
+    return int(_required().hr_digest(t.data_ptr(), t.numel() * t.element_size()))
 
 
 def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor]) -> torch.Tensor:

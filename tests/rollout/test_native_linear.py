@@ -266,3 +266,20 @@ def test_native_off_means_torch_everywhere(monkeypatch):
         assert torch.equal(native_linear.linear(x, layer.weight), F.linear(x, layer.weight))
         with native_linear.routed(layer):
             assert torch.equal(layer(x), F.linear(x, layer.weight))
+    with pytest.raises(RuntimeError, match="native linear kernel is not available here"):
+        native_linear.pack(layer.weight)  # a direct call says why, not an AttributeError of a missing library
+    with pytest.raises(RuntimeError, match="not available here"):
+        native_linear.digest(layer.weight.detach())
+
+
+@needs_kernel
+def test_pack_loads_the_library_and_checks_its_weights(monkeypatch):
+    """``pack`` as a process's first call into the library loads it (it once raised an
+    AttributeError on the unloaded library), and names what it cannot pack."""
+    monkeypatch.setattr(native_linear, "_lib", None)
+    monkeypatch.setattr(native_linear, "_tried", False)
+    w = torch.randn(32, 24)
+    assert native_linear.pack(w).numel() == native_linear._lib.hr_linear_packed_size(32, 24)
+    for bad in (w.double(), w.t(), torch.randn(24), [w, torch.randn(16, 8)]):
+        with pytest.raises(ValueError, match="contiguous 2-D float32 CPU weights of one input size"):
+            native_linear.pack_merged(bad if isinstance(bad, list) else [bad])
