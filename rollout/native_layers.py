@@ -104,15 +104,15 @@ def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask:
     first = plan[0]
     scratch = torch.empty(lib.hr_decoder_layer_scratch(b * t, h, first[9], first[10], first[11], first[12]))
     ms = mask.stride()
-    table = _tables.get(base) if stack else None
-    if table is not None and table[0] == native_linear.epoch and table[1] is not None:
-        kept = [i for i in keep if i < len(plan)]
+    shared = _tables.get(base) if stack else None
+    if shared is not None and shared[0] == native_linear.epoch and shared[1] is not None:
+        kept = sorted({i for i in keep if i < len(plan)})
         where = {i: j for j, i in enumerate(kept)}
-        start = rows.start or 0
         k0 = cache.keys[first[0]]
-        skip = start * k0.stride(0) * k0.element_size()  # bytes to the first row of this forward
+        skip = (rows.start or 0) * k0.stride(0) * k0.element_size()  # bytes to this forward's first row
         table = torch.tensor([(*const, cache.keys[p[0]].data_ptr() + skip, cache.values[p[0]].data_ptr() + skip,
-                               where.get(i, -1)) for i, (p, const) in enumerate(zip(plan, table[1]))], dtype=torch.int64)
+                               where.get(i, -1)) for i, (p, const) in enumerate(zip(plan, shared[1]))],
+                             dtype=torch.int64)
         out = torch.empty(len(kept), b, t, h)
         ks = cache.keys[first[0]].stride()
         status = lib.hr_decoder_stack(hidden.data_ptr(), b, t, h, len(plan), table.data_ptr(), first[3], first[9],
