@@ -61,7 +61,7 @@ from torch import nn
 enabled = True  # switch: False keeps every module's own forward (A/B measurements)
 stack = True  # switch: False keeps the decoder stack's own forward around the fused layers (A/B)
 native_norm = True  # switch: False computes the norms with torch's rms_norm (the same bits as the modules')
-_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, its layers or None)
+_stacks: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> its checked layers (or None), this block
 NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "RMSNorm"})
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention"})
 DRAFT_ATTENTIONS = frozenset({"DraftAttention"})  # rollout.eagle3_head's (the EAGLE-3 head's layer)
@@ -226,26 +226,29 @@ def stack_forward(base: nn.Module, layer_kernel=None):
     returns the final norm's output ``[B, T, H]`` and ``{i: input of layer i}`` for i in
     ``keep``. Applies inside ``native_linear.routed`` (every layer's norms, attention and MLP
     running the forwards above), without autograd, in eval mode, with no hooks to run. The
-    layers are checked once per ``routed`` block (``native_linear.epoch``; checking every layer's
-    parts cost about 0.4 ms of a 14 ms batch-1 forward): a hook registered on a layer inside a
-    block takes effect from the next block, as the weights do.
+    layers are checked once per ``routed`` block (:func:`new_block`; checking every layer's parts
+    cost about 0.4 ms of a 14 ms batch-1 forward): a hook registered on a layer inside a block
+    takes effect from the next block, as the weights do.
 
     layer_kernel: runs all the layers at once where it can (``rollout.native_layers.run``: each
     layer in one C++ call), called as ``layer_kernel(base, layers, hidden, position_embeddings,
     mask, cache, keep)``; it returns what the loop would, or None (then the loop runs)."""
     from torch.nn.modules import module as module_state
 
-    from rollout import native_linear
-
     if (not (enabled and stack) or not _known(base, STACKS) or base.training or torch.is_grad_enabled()
             or module_state._global_forward_hooks or module_state._global_forward_pre_hooks
             or _hooked(base) or _hooked(base.norm) or "forward" not in base.norm.__dict__):
         return None
-    checked = _stacks.get(base)
-    if checked is None or checked[0] != native_linear.epoch:
-        checked = _stacks[base] = (native_linear.epoch, _stack_layers(base))
-    layers = checked[1]
+    if base not in _stacks:
+        _stacks[base] = _stack_layers(base)
+    layers = _stacks[base]
     return functools.partial(_run_stack, base, layers, layer_kernel) if layers is not None else None
+
+
+def new_block() -> None:
+    """Forget the checked layers (``native_linear.routed`` calls this as a block starts: its modules'
+    forwards and hooks are checked again at their first stack forward)."""
+    _stacks.clear()
 
 
 def _stack_layers(base: nn.Module):

@@ -28,7 +28,6 @@ from rollout.kv_cache import RowKVCache
 enabled = True  # switch: False runs the stack's layers one by one from Python (A/B measurements)
 stack = True  # switch: False runs each layer's C++ call from the Python loop (A/B measurements)
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, layer arguments)
-_tables: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, _stack_table)
 
 
 def run(base: nn.Module, layers, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, cache,
@@ -77,17 +76,7 @@ def _plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tens
                      *(p.data_ptr() for p in panels), compact, n_q, n_kv, d, mlp.gate_proj.out_features,
                      float(attn.scaling), panels))
     _plans[base] = (native_linear.epoch, plan)
-    _tables[base] = (native_linear.epoch, _stack_table(plan))
     return plan
-
-
-def _stack_table(plan) -> list[tuple] | None:
-    """The constant part of ``hr_decoder_stack``'s per-layer rows (the norms' and panels' addresses,
-    ``compact``), or None where the layers do not share their sizes, eps and scale (then they run
-    one call each)."""
-    if len({(p[3], *p[9:14]) for p in plan}) != 1:
-        return None
-    return [(p[1], p[2], p[4], p[5], p[6], p[7], p[8]) for p in plan]
 
 
 def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, cache,
@@ -104,14 +93,14 @@ def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask:
     first = plan[0]
     scratch = torch.empty(lib.hr_decoder_layer_scratch(b * t, h, first[9], first[10], first[11], first[12]))
     ms = mask.stride()
-    shared = _tables.get(base) if stack else None
-    if shared is not None and shared[0] == native_linear.epoch and shared[1] is not None:
+    if stack and len({(p[3], *p[9:14]) for p in plan}) == 1:  # the layers share eps, sizes and scale
         kept = sorted({i for i in keep if i < len(plan)})
         where = {i: j for j, i in enumerate(kept)}
         k0 = cache.keys[first[0]]
         skip = (rows.start or 0) * k0.stride(0) * k0.element_size()  # bytes to this forward's first row
-        table = torch.tensor([(*const, cache.keys[p[0]].data_ptr() + skip, cache.values[p[0]].data_ptr() + skip,
-                               where.get(i, -1)) for i, (p, const) in enumerate(zip(plan, shared[1]))],
+        # a row per layer: w_in, w_post, the four panels, compact, its key and value cache, keep
+        table = torch.tensor([(*p[1:3], *p[4:9], cache.keys[p[0]].data_ptr() + skip,
+                               cache.values[p[0]].data_ptr() + skip, where.get(i, -1)) for i, p in enumerate(plan)],
                              dtype=torch.int64)
         out = torch.empty(len(kept), b, t, h)
         ks = cache.keys[first[0]].stride()

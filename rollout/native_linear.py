@@ -115,10 +115,10 @@ def _load() -> ctypes.CDLL | None:
         lib.hr_decoder_layer.argtypes = ([ptr, i64, i64, i64, ptr, ptr, f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
                                          + [i64] * 3 + [ptr, ptr, i64, i64, i64, f32, ptr])
         lib.hr_decoder_layer_scratch.restype = i64
+        lib.hr_decoder_layer_scratch.argtypes = [i64] * 6
         lib.hr_decoder_stack.restype = i64
         lib.hr_decoder_stack.argtypes = ([ptr, i64, i64, i64, i64, ptr, f32] + [i64] * 4 + [ptr, ptr] + [i64] * 3
                                          + [ptr, ptr] + [i64] * 3 + [f32, ptr, ptr])
-        lib.hr_decoder_layer_scratch.argtypes = [i64] * 6
         lib.hr_draft_layer.restype = i64
         lib.hr_draft_layer.argtypes = ([ptr] * 3 + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
                                        + [i64] * 3 + [ptr] * 2 + [i64] * 3 + [f32, ptr, ptr, i64, f32, ptr, ptr])
@@ -291,6 +291,7 @@ def routed(*modules: nn.Module | None):
     on exit."""
     global epoch
     epoch += 1
+    fused_layers.new_block()
     mods = [m for mod in modules if mod is not None for m in mod.modules()]
     use = any(isinstance(m, nn.Linear) for m in mods) and available()
     patched: list[nn.Module] = []

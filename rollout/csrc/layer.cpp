@@ -160,10 +160,10 @@ int64_t hr_decoder_stack(float* h, int64_t B, int64_t T, int64_t H, int64_t n, c
                          int64_t ms_b, int64_t ms_t, int64_t L, float scale, float* kept, float* scratch) {
   constexpr int64_t kStackArgs = 10;
   const int64_t R = B * T;
+  auto ptr = [](int64_t v) { return reinterpret_cast<const void*>(v); };
   for (int64_t i = 0; i < n; ++i) {
     const int64_t* a = layers + i * kStackArgs;
     if (a[9] >= 0) std::memcpy(kept + a[9] * R * H, h, R * H * sizeof(float));
-    auto ptr = [](int64_t v) { return reinterpret_cast<const void*>(v); };
     const int64_t status = hr_decoder_layer(
         h, B, T, H, static_cast<const float*>(ptr(a[0])), static_cast<const float*>(ptr(a[1])), eps, ptr(a[2]),
         ptr(a[3]), ptr(a[4]), ptr(a[5]), a[6], Hq, Hkv, D, I, cos, sin, reinterpret_cast<float*>(a[7]),
