@@ -65,9 +65,16 @@ class Head:
                        env=self.env, check=True, capture_output=True, timeout=180)
 
     def submit(self, entrypoint: list[str], timeout: float = 600) -> tuple[str, str]:
+        # the client runs with auth off, as the README says, only for this submission: left in
+        # the test process's environment, it broke a later test's local Ray, whose driver had
+        # read the token mode at an earlier ray.init (its actors died before they ran)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("RAY_AUTH_MODE", "disabled")
+            return self._submit(entrypoint, timeout)
+
+    def _submit(self, entrypoint: list[str], timeout: float) -> tuple[str, str]:
         from ray.job_submission import JobStatus, JobSubmissionClient
 
-        os.environ["RAY_AUTH_MODE"] = "disabled"  # the client, as the README says
         client = JobSubmissionClient(f"http://127.0.0.1:{self.dash}")
         end = time.monotonic() + min(timeout, 180)
         while True:  # a head just started may have no job agent yet ("No available agent")
