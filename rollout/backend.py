@@ -26,7 +26,7 @@ import torch
 
 from rollout import native_linear
 from rollout.config import ConfigError
-from rollout.models import TargetConfig, TargetModel, load_target
+from rollout.models import WEIGHT_ROUNDINGS, TargetConfig, TargetModel, load_target, round_weights_
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 
@@ -96,13 +96,19 @@ class HFBackend:
 
     name = "hf"
 
-    OPTIONS = ("linear",)  # backend_options it reads (``Engine``'s keyword of that name)
+    # backend_options it reads: ``linear`` (``Engine``'s keyword of that name); ``weights``:
+    # ``exact`` (the policy's weights as sent) or ``bfloat16`` (each rounded to the nearest bf16
+    # value at load and at every weight sync, ``rollout.models.round_weights_``: half the bytes per
+    # step, fp32 arithmetic; the behaviour log-probs are the rounded model's)
+    OPTIONS = ("linear", "weights")
 
     def __init__(self, target: TargetModel, head=None, *, num_threads: int | None = None, pad_id: int = 0,
-                 version: int = 0, linear: str = "auto"):
+                 version: int = 0, linear: str = "auto", weights: str = "exact"):
         from rollout.engine import Engine
 
         self.target, self.pad_id, self._version = target, pad_id, int(version)
+        self.weights = weights
+        round_weights_(target.model, weights)
         self.engine = Engine(target, head, num_threads=num_threads, linear=linear)
 
     @classmethod
@@ -114,6 +120,9 @@ class HFBackend:
         if options.get("linear", "auto") not in native_linear.MODES:
             raise ConfigError("backend_options.linear", f"unknown linear mode {options['linear']!r}",
                               allowed=native_linear.MODES)
+        if options.get("weights", "exact") not in WEIGHT_ROUNDINGS:
+            raise ConfigError("backend_options.weights", f"unknown weight rounding {options['weights']!r}",
+                              allowed=WEIGHT_ROUNDINGS)
         target, tokenizer = load_target(spec.target)
         target.to(spec.device)
         pad_id = getattr(tokenizer, "pad_token_id", None)
@@ -153,9 +162,11 @@ class HFBackend:
         self.engine.forget_plans()  # acceptance was learned with the old head
 
     def set_weights(self, state_dict: Mapping[str, torch.Tensor] | None, version: int) -> int:
-        """Load new policy weights in place (None: the parameters are shared, only the version moves)."""
+        """Load new policy weights in place, rounded as ``weights`` says (None: the parameters are
+        shared, only the version moves)."""
         if state_dict is not None:
             self.target.model.load_state_dict(state_dict)
+            round_weights_(self.target.model, self.weights)
         self._version = int(version)
         return self._version
 

@@ -241,6 +241,33 @@ class TargetModel(nn.Module):
 # ----------------------------------------------------------------------------- loading
 
 
+WEIGHT_ROUNDINGS = ("exact", "bfloat16")  # the hf backend's ``weights`` option (rollout.backend)
+
+
+@torch.no_grad()
+def round_weights_(model: nn.Module, to: str = "bfloat16") -> int:
+    """Round every float32 parameter of ``model`` in place to the nearest ``to`` value (kept as
+    float32: the arithmetic stays fp32); returns how many parameters it rounded.
+
+    A rollout copy with bf16-valued weights streams half the bytes per step: the linear kernel
+    packs such weights as bf16 panels (``rollout.native_linear``, compact panels) and widens
+    each value exactly, so the logits are those of fp32 arithmetic on the rounded weights. It is
+    another model than the policy: the behaviour log-probs are the rounded model's (the law the
+    rollouts are drawn from), and the trainer's importance weights (pi_old from its own fp32
+    forward over the behaviour log-probs) correct the difference like any other off-policy gap.
+    ``exact`` rounds nothing."""
+    if to not in WEIGHT_ROUNDINGS:
+        raise ConfigError("weights", f"unknown weight rounding {to!r}", allowed=WEIGHT_ROUNDINGS)
+    if to == "exact":
+        return 0
+    rounded = 0
+    for param in model.parameters():  # a tied weight (embedding = lm_head) comes once
+        if param.dtype == torch.float32:
+            param.copy_(param.to(torch.bfloat16))
+            rounded += 1
+    return rounded
+
+
 def load_target(cfg: TargetConfig) -> tuple[TargetModel, Any]:
     """Load the target named by ``cfg`` and its tokenizer (None for a folder without one); eval mode."""
     if cfg.path is None:

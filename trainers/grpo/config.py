@@ -88,7 +88,8 @@ class ModelConfig:
 @dataclass(frozen=True)
 class RolloutConfig:
     """backend: "hf" (our engine) or "vllm" (vLLM with our verifier, ``rollout.vllm``; chain or
-    off only). backend_options: options only that backend reads (vllm: kv_cache_memory_bytes,
+    off only). backend_options: options only that backend reads (hf: linear, weights (exact or
+    bfloat16, see rollout.backend.HFBackend); vllm: kv_cache_memory_bytes,
     enforce_eager, max_model_len, max_num_seqs, ... see ``rollout.vllm.backend``).
     num_actors: Ray rollout actors; threads_per_actor: torch threads in each.
     num_gpus_per_actor: GPUs Ray reserves for each actor; > 0 runs its engine on cuda.

@@ -81,6 +81,22 @@ def test_lossless_rollouts_are_on_policy(tmp_path, tiny_policy_dir, tiny_head_di
         assert torch.allclose(w, torch.ones_like(w), atol=1e-3)
 
 
+def test_bf16_rounded_rollouts_are_corrected_towards_the_fp32_policy(tmp_path, tiny_policy_dir, tiny_head_dir,
+                                                                     local_ray):
+    # lossless verification, but the actor's copy is rounded to bf16 (rollout.backend_options):
+    # the behaviour log-probs are the rounded model's, so the weights pi_old / P leave 1 by the
+    # rounding's gap (a copy that were not rounded again after step 1's sync would be exact there)
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "bf16",
+                       run={"steps": 2, "checkpoint_every": 0},
+                       rollout={"verifier": {"name": "lossless", "params": {}}, "backend_options": {"weights": "bfloat16"}})
+    rows = trainer.run()
+    for r in rows:
+        assert r["relaxed_frac"] == 0.0
+        # exact weights: ~1e-6 (test_lossless_rollouts_are_on_policy); rounded: ~2e-3 on this policy
+        assert 5e-4 < r["rollout_vs_trainer_logp_max"] < 0.05, r
+        assert 5e-4 < r["log_ratio_abs_max"] < 0.05, r
+
+
 def test_lossy_rollouts_are_off_policy_and_logged(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray):
     # on a random model p and q are near-uniform: MARS (rightly) rejects almost every draft
     # there, while the overshoot cap relaxes the p < q draws

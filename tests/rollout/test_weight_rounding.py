@@ -1,0 +1,97 @@
+"""The hf backend's ``weights: bfloat16`` option: the rollout copy's weights are rounded to the
+nearest bf16 value at load and at every weight sync, the linear kernel then streams them as bf16
+panels, and every behaviour log-prob is the rounded model's (the law the rollouts are drawn
+from), not the policy's: the trainer's importance weights see the gap."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout import native_linear
+from rollout.backend import WorkerSpec, build_backend
+from rollout.config import ConfigError
+from rollout.models import TargetConfig, load_target, round_weights_
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+
+PROMPTS = [[1, 20, 300], [5, 6], [7, 8, 9, 10, 11], [42]]
+
+
+def _spec(policy_dir, head_dir, **options) -> WorkerSpec:
+    return WorkerSpec(TargetConfig(path=str(policy_dir)), str(head_dir), SamplingParams(),
+                      SpecConfig(mode="chain", num_draft_tokens=3), VerifierConfig(), threads=2,
+                      backend_options=options)
+
+
+def _eager_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log p(completion token | before) under ``model``'s plain HF forward."""
+    ids = torch.tensor([prompt + completion])
+    with torch.no_grad():
+        logits = model(input_ids=ids, use_cache=False).logits[0].double()
+    lp = torch.log_softmax(logits[len(prompt) - 1:-1], -1)
+    return lp.gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def test_round_weights_rounds_every_float32_parameter_once(tiny_policy_dir):
+    target, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    model = target.model
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    assert round_weights_(model, "exact") == 0
+    assert all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    assert round_weights_(model, "bfloat16") == len(before)
+    for n, p in model.named_parameters():
+        assert p.dtype == torch.float32
+        assert torch.equal(p, before[n].to(torch.bfloat16).float()), n
+    assert not all(torch.equal(p, before[n]) for n, p in model.named_parameters())
+    # the tied output embedding is still the input embedding
+    assert model.get_output_embeddings().weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()
+    with pytest.raises(ConfigError, match="weights.*'fp8'.*allowed: exact, bfloat16"):
+        round_weights_(model, "fp8")
+
+
+def test_an_unknown_weights_option_names_the_field_and_the_values(tiny_policy_dir, tiny_head_dir):
+    with pytest.raises(ConfigError, match=r"backend_options\.weights.*'float16'.*allowed: exact, bfloat16"):
+        build_backend(_spec(tiny_policy_dir, tiny_head_dir, weights="float16"))
+
+
+@pytest.mark.parametrize("mode", ["off", "chain"])
+def test_behaviour_logprobs_are_the_rounded_models(tiny_policy_dir, tiny_head_dir, mode):
+    backend = build_backend(_spec(tiny_policy_dir, tiny_head_dir, weights="bfloat16"))
+    exact, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    rounded = copy.deepcopy(exact.model)
+    round_weights_(rounded)
+    batch = backend.generate(PROMPTS, sampling=SamplingParams(temperature=1.0, max_new_tokens=12),
+                             spec=SpecConfig(mode=mode, num_draft_tokens=3), verifier=VerifierConfig(), seed=3)
+    to_rounded, to_exact = [], []
+    for i, (prompt, completion) in enumerate(zip(batch.prompt_lists(), batch.completion_lists())):
+        n = len(completion)
+        behaviour = batch.behaviour_logprobs[i, :n].double()
+        assert torch.allclose(behaviour, batch.target_logprobs[i, :n].double(), atol=1e-5)  # lossless: P = p
+        to_rounded.append((behaviour - _eager_logprobs(rounded, prompt, completion)).abs().max())
+        to_exact.append((behaviour - _eager_logprobs(exact.model, prompt, completion)).abs().max())
+    assert max(to_rounded) < 2e-5  # the rounded model's, up to float32 rounding of our kernels
+    assert max(to_exact) > 20 * max(to_rounded)  # not the policy's: the gap the correction sees
+
+
+def test_set_weights_rounds_what_it_loads(tiny_policy_dir, tiny_head_dir):
+    backend = build_backend(_spec(tiny_policy_dir, tiny_head_dir, weights="bfloat16"))
+    exact = build_backend(_spec(tiny_policy_dir, tiny_head_dir))
+    # a function of the values, so that the tied embedding's two keys hold the same new weight
+    state = {k: v + 1e-3 * torch.sin(1e3 * v) for k, v in exact.target.model.state_dict().items()}
+    assert backend.set_weights(state, 4) == 4 and exact.set_weights(state, 4) == 4
+    for name, p in backend.target.model.named_parameters():
+        assert torch.equal(p, state[name].to(torch.bfloat16).float()), name
+    for name, p in exact.target.model.named_parameters():
+        assert torch.equal(p, state[name]), name
+
+
+def test_rounded_weights_are_packed_as_bf16_panels(tiny_policy_dir, tiny_head_dir):
+    if not native_linear.available():
+        pytest.skip("the native linear kernel is not built on this machine")
+    backend = build_backend(_spec(tiny_policy_dir, tiny_head_dir, weights="bfloat16"))
+    exact = build_backend(_spec(tiny_policy_dir, tiny_head_dir))
+    name = "model.layers.0.mlp.down_proj.weight"
+    assert native_linear.pack(dict(backend.target.model.named_parameters())[name]).dtype == torch.bfloat16
+    assert native_linear.pack(dict(exact.target.model.named_parameters())[name]).dtype == torch.float32
