@@ -9,7 +9,10 @@ each (``rollout.native_draft``), ``--unfused`` the
 autoregressive mode with the modules' own forwards (kernel still on), ``--fp32-head`` each
 speculative configuration with the draft head's weights packed as fp32 panels (the default
 packs the shipped bf16-valued head as bf16 panels: the same draft logits, half the bytes;
-``native_linear.compact``).
+``native_linear.compact``). ``--bf16-weights`` adds the autoregressive mode and each speculative
+configuration on a second engine whose target copy has its weights rounded to bf16 values (the hf
+backend's ``weights: bfloat16``: another model, half the bytes per step; its own step costs and
+bounds), with their speedups over the exact autoregressive mode.
 
     python -m scripts.bench_rollout --batch-sizes 1,8,32 --max-new-tokens 128 --prompts 32 \\
         --verifiers lossless,mars,overshoot --json OUT.json
@@ -87,7 +90,7 @@ import torch  # noqa: E402
 
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
-from rollout.models import load_embedded_target  # noqa: E402
+from rollout.models import load_embedded_target, round_weights_  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.planner import trace_summary  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
@@ -155,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")
     ap.add_argument("--torch-linear", action="store_true",
                     help="add our autoregressive mode on torch's GEMM (Engine(linear='torch')) as a row")
+    ap.add_argument("--bf16-weights", action="store_true",
+                    help="add our autoregressive mode and each speculative configuration on a target copy whose "
+                         "weights are rounded to bf16 values (the hf backend's weights: bfloat16) as rows")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
     ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
     ap.add_argument("--seed", type=int, default=0)
@@ -165,6 +171,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="record the rounds of every max_batch auto row's planner here, and count them by reason")
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2")
     args = ap.parse_args(argv)
+    args.rounded = None  # main sets the --bf16-weights engine (rounded_engine)
     if args.quick:
         args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
     for flag, out in (("--json", args.json), ("--plot", args.plot), ("--planner-trace", args.planner_trace)):
@@ -239,16 +246,18 @@ def run_order(n: int, i: int, order: str) -> list[int]:
     return [*range(start, n), *range(start)]
 
 
-def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None = None) -> float | None:
+def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None = None,
+          base: float | None = None) -> float | None:
     """tau x T(1) / (T(n) + steps x T_draft) (see the module docstring); None without one.
     ``steps``: the head steps a drafting round ran on average (a sampled tree's shape is
-    re-planned during a call); None: the config's own (K, or the depth)."""
+    re-planned during a call); None: the config's own (K, or the depth). ``base``: the T(1) of
+    the autoregressive mode the speedup is over, when ``costs`` are another engine's."""
     if spec is None or not spec.speculative or spec.auto or "draft" not in costs:
         return None
     n, fixed = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
         (spec.total_tokens + 1, spec.depth)
     steps = fixed if steps is None else steps
-    return tau * costs[1] / (costs[n] + steps * costs["draft"])
+    return tau * (costs[1] if base is None else base) / (costs[n] + steps * costs["draft"])
 
 
 def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
@@ -270,6 +279,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         groups = batches(prompts, size)
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
         samples: dict = {}  # step -> seconds, over every batch of prompts
+        samples_r: dict = {}  # the same on the engine with bf16-rounded weights (--bf16-weights)
         for w in range(args.plan_warmup):  # the planners learn their costs (kept by the engine)
             for c in configs:
                 if c[2] is not None and c[2].auto:
@@ -284,14 +294,18 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
             if args.cost_reps > 0:
-                for step, values in step_costs(engine, group, blocks, args.cost_reps, raw=True).items():
-                    samples.setdefault(step, []).extend(values)
+                for eng, into in ((engine, samples), (args.rounded, samples_r)):
+                    if eng is not None:
+                        for step, values in step_costs(eng, group, blocks, args.cost_reps, raw=True).items():
+                            into.setdefault(step, []).extend(values)
             print(f"  batch {size}: {i + 1}/{len(groups) * args.passes} batches done", file=sys.stderr, flush=True)
         costs = {step: median(values) for step, values in samples.items()}
-        if costs:
-            print(f"  batch {size} step costs (ms, median of {len(samples[1])} over the run): " + ", ".join(
-                f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in costs.items()),
-                flush=True)
+        costs_r = {step: median(values) for step, values in samples_r.items()}
+        for label, c, n_reps in (("", costs, samples), (" [bf16 weights]", costs_r, samples_r)):
+            if c:
+                print(f"  batch {size} step costs{label} (ms, median of {len(n_reps[1])} over the run): " + ", ".join(
+                    f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in c.items()),
+                    flush=True)
         # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows
         keys = [(mode, vname) for mode, vname, *_ in configs]
         speeds = {key: tot["tokens"] / tot["seconds"] for key, tot in zip(keys, totals)}
@@ -317,8 +331,12 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             pairs = sorted(x / y for x, y in zip(mine_calls, ar_calls))
             row["paired_vs_ar"] = {"median": median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
-            row["step_costs_ms"] = {str(k): v * 1000 for k, v in costs.items()}
-            row["bound"] = bound(spec, row["tau"], costs, steps) if backend not in SWITCHES else None
+            # a row on another engine has a bound from that engine's own step costs, if they were measured
+            own = costs_r if backend is not None and backend is args.rounded else None if isinstance(backend, Engine) \
+                else costs
+            row["step_costs_ms"] = {str(k): v * 1000 for k, v in (own or {}).items()}
+            row["bound"] = bound(spec, row["tau"], own, steps, costs.get(1)) if own and backend not in SWITCHES \
+                else None
             row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
             mine = decode.get((mode, vname))
             row["decode_tokens_per_s"] = mine
@@ -361,12 +379,21 @@ def memory_check(args, engine, prompts, sampling) -> dict:
             "rss_mb": trace, "peak_rss_mb": peak_rss_mb()}
 
 
+def rounded_engine(args, threads: int) -> Engine:
+    """An engine over a second copy of the target whose weights are rounded to bf16 values (the
+    hf backend's ``weights: bfloat16``), with the head loaded for it."""
+    target, _ = load_embedded_target()
+    round_weights_(target.model, "bfloat16")
+    return Engine(target, load_eagle3(args.head or default_head_path(), target), num_threads=threads)
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     threads = args.threads or available_cores()
     target, tok = load_embedded_target()
     head = load_eagle3(args.head or default_head_path(), target)
     engine = Engine(target, head, num_threads=threads)  # sets torch's threads for HF generate too
+    args.rounded = rounded_engine(args, threads) if args.bf16_weights else None
     prompts = [p for p in benchmark_prompts(tok, args.prompts, args.seed) for _ in range(args.group)]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))
@@ -381,7 +408,7 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.planner_trace, "w") as f:
             json.dump(traces, f)
         print(f"wrote {args.planner_trace} ({sum(len(t['rounds']) for t in traces)} rounds of {len(traces)} rows)")
-    report = {"args": vars(args), "results": rows}
+    report = {"args": {k: v for k, v in vars(args).items() if k != "rounded"}, "results": rows}  # not the engine
     if args.repeat:
         report["memory"] = memory_check(args, engine, prompts, sampling)
     if args.json:

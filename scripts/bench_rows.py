@@ -38,6 +38,10 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
     pairs = spec_configs(args)
     rows += [(describe(spec) + ("" if be is None else f" [{be}]"), verifier_label(v), spec, v, be)
              for spec, v in pairs for be in backends]
+    rounded = args.rounded  # bench_rollout.rounded_engine (--bf16-weights)
+    if rounded is not None:
+        rows.append(("off [bf16 weights]", "lossless", off, lossless, rounded))
+        rows += [(f"{describe(spec)} [bf16 weights]", verifier_label(v), spec, v, rounded) for spec, v in pairs]
     if args.python_layers:
         rows.append(("off [python layers]", "lossless", off, lossless, "python-layers"))
     for flag, switch, label in ((args.python_layers, "python-layers", "python layers"),

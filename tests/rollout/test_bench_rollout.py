@@ -362,3 +362,37 @@ def test_planner_trace_counts_each_auto_rows_rounds_per_batch_size(tiny, capsys)
     quiet = Engine(target, tiny[2].head, num_threads=1)
     rows = measure(parse_args(["--batch-sizes", "2", *base]), target, tok, quiet, prompts[:2], sampling)
     assert all("planner" not in r for r in rows) and quiet.plan_trace(spec, VerifierConfig(), sampling) is None
+
+
+def test_bf16_weight_rows_run_on_a_rounded_copy_with_their_own_bound(tiny, tiny_policy_dir, tiny_head_dir,
+                                                                     monkeypatch):
+    """--bf16-weights: the autoregressive mode and each speculative configuration again, on a
+    second engine over a target copy rounded to bf16 values; their bound is tau x T(1) of the
+    exact autoregressive mode over that engine's own T(K+1) + K x T_draft."""
+    import torch
+
+    from rollout.models import TargetConfig, load_target
+    from rollout.params import SamplingParams
+    from scripts import bench_rollout
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    copy, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    monkeypatch.setattr(bench_rollout, "load_embedded_target", lambda: (copy, tok))
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "5", "--modes", "chain", "--no-hf", "--verifiers",
+                       "lossless", "--bf16-weights", "--cost-reps", "2", "--order", "fixed", "--head", str(tiny_head_dir)])
+    args.rounded = bench_rollout.rounded_engine(args, 1)
+    assert args.rounded.target is copy and copy is not target
+    assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in copy.model.parameters())
+    assert not all(torch.equal(p, p.to(torch.bfloat16).float()) for p in target.model.parameters())
+    ran = []
+    run = bench_rollout.run_ours
+    monkeypatch.setattr(bench_rollout, "run_ours", lambda eng, *a, **kw: ran.append(eng) or run(eng, *a, **kw))
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)], SamplingParams(max_new_tokens=5))
+    assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "off [bf16 weights]", "chain K=3 sampled [bf16 weights]"]
+    assert ran == [engine, engine, args.rounded, args.rounded]
+    exact, own = rows[1]["step_costs_ms"], rows[3]["step_costs_ms"]
+    assert rows[2]["step_costs_ms"] == own != exact
+    assert rows[1]["bound"] == pytest.approx(rows[1]["tau"] * exact["1"] / (exact["4"] + 3 * exact["draft"]))
+    assert rows[3]["bound"] == pytest.approx(rows[3]["tau"] * exact["1"] / (own["4"] + 3 * own["draft"]))
+    assert rows[3]["speedup_vs_ar"] == pytest.approx(rows[3]["tokens_per_s"] / rows[0]["tokens_per_s"])
