@@ -58,7 +58,9 @@ class RolloutSettings:
     local backend (null = the cores this process may use). backend: "hf" or "vllm" (vLLM
     with our verifier; it holds its own copy of the policy, so "local" pushes the trainer's
     weights to it after each optimizer step like "ray" does; ``target`` names what it loads
-    first, null = the embedded model); backend_options: options of that backend.
+    first, null = the embedded model); backend_options: options of that backend (with
+    "ray", the hf backend's ``weights: bfloat16`` rounds each actor's copy; "local" with "hf"
+    shares the trainer's model and refuses options).
     """
 
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", num_draft_tokens=3))
@@ -92,6 +94,11 @@ class RolloutSettings:
             check_int(name, getattr(self, name))
         if self.placement == "ray" and self.target is None:
             raise ConfigError("target", "placement 'ray' needs the target config the actors load")
+        if self.placement == "local" and self.backend == "hf" and self.backend_options:
+            # the backend runs over the trainer's own model object: nothing to round or re-route
+            raise ConfigError("backend_options", f"{sorted(self.backend_options)}: placement 'local' with the hf "
+                              "backend shares the trainer's model and reads no options (weights: bfloat16 needs a "
+                              "copy of its own: placement 'ray')", allowed=[{}])
 
     def drafter_path(self) -> str | None:
         if self.drafter == "default":

@@ -20,3 +20,14 @@ def test_tree_mode_and_unknown_backend_are_refused():
         RolloutSettings(backend="vllm", spec=SpecConfig(mode="tree"))
     with pytest.raises(ConfigError, match="backend"):
         RolloutSettings(backend="sglang")
+
+
+def test_local_hf_rollouts_refuse_backend_options():
+    """placement local + hf runs over the trainer's own model: a weights rounding (or any other
+    option) would be silently ignored, so it is refused, naming the field."""
+    from rollout.models import TargetConfig
+
+    with pytest.raises(ConfigError, match="backend_options.*'weights'.*placement 'ray'"):
+        RolloutSettings(backend_options={"weights": "bfloat16"})
+    s = RolloutSettings(placement="ray", target=TargetConfig(), backend_options={"weights": "bfloat16"})
+    assert s.backend_options == {"weights": "bfloat16"}
