@@ -332,8 +332,10 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["paired_vs_ar"] = {"median": median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             # a row on another engine has a bound from that engine's own step costs, if they were measured
-            own = costs_r if backend is not None and backend is args.rounded else None if isinstance(backend, Engine) \
-                else costs
+            if isinstance(backend, Engine):
+                own = costs_r if backend is args.rounded else None  # --torch-linear's engine: not timed
+            else:
+                own = costs
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in (own or {}).items()}
             row["bound"] = bound(spec, row["tau"], own, steps, costs.get(1)) if own and backend not in SWITCHES \
                 else None
