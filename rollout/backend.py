@@ -97,9 +97,10 @@ class HFBackend:
     name = "hf"
 
     # backend_options it reads: ``linear`` (``Engine``'s keyword of that name); ``weights``:
-    # ``exact`` (the policy's weights as sent) or ``bfloat16`` (each rounded to the nearest bf16
-    # value at load and at every weight sync, ``rollout.models.round_weights_``: half the bytes per
-    # step, fp32 arithmetic; the behaviour log-probs are the rounded model's)
+    # ``exact`` (the policy's weights as sent), ``bfloat16`` (each weight matrix rounded
+    # stochastically to bf16 values at load and at every weight sync, seeded by the version,
+    # ``rollout.models.round_weights_``: half the bytes per step, fp32 arithmetic; the behaviour
+    # log-probs are the rounded model's) or ``bfloat16_nearest`` (nearest rounding: lags the policy)
     OPTIONS = ("linear", "weights")
 
     def __init__(self, target: TargetModel, head=None, *, num_threads: int | None = None, pad_id: int = 0,
@@ -108,7 +109,7 @@ class HFBackend:
 
         self.target, self.pad_id, self._version = target, pad_id, int(version)
         self.weights = weights
-        round_weights_(target.model, weights)
+        round_weights_(target.model, weights, seed=self._version)
         self.engine = Engine(target, head, num_threads=num_threads, linear=linear)
 
     @classmethod
@@ -166,7 +167,7 @@ class HFBackend:
         shared, only the version moves)."""
         if state_dict is not None:
             self.target.model.load_state_dict(state_dict)
-            round_weights_(self.target.model, self.weights)
+            round_weights_(self.target.model, self.weights, seed=int(version))  # a replacement actor rounds alike
         self._version = int(version)
         return self._version
 

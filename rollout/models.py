@@ -241,13 +241,14 @@ class TargetModel(nn.Module):
 # ----------------------------------------------------------------------------- loading
 
 
-WEIGHT_ROUNDINGS = ("exact", "bfloat16")  # the hf backend's ``weights`` option (rollout.backend)
+WEIGHT_ROUNDINGS = ("exact", "bfloat16", "bfloat16_nearest")  # the hf backend's ``weights`` option
 
 
 @torch.no_grad()
-def round_weights_(model: nn.Module, to: str = "bfloat16") -> int:
-    """Round every float32 parameter of ``model`` in place to the nearest ``to`` value (kept as
-    float32: the arithmetic stays fp32); returns how many parameters it rounded.
+def round_weights_(model: nn.Module, to: str = "bfloat16", seed: int = 0) -> int:
+    """Round every float32 weight matrix of ``model`` (the parameters of two or more dimensions,
+    the ones the linear kernel streams; norm gains stay) in place to a bf16 value, kept as
+    float32: the arithmetic stays fp32. Returns how many parameters it rounded.
 
     A rollout copy with bf16-valued weights streams half the bytes per step: the linear kernel
     packs such weights as bf16 panels (``rollout.native_linear``, compact panels) and widens
@@ -255,16 +256,29 @@ def round_weights_(model: nn.Module, to: str = "bfloat16") -> int:
     another model than the policy: the behaviour log-probs are the rounded model's (the law the
     rollouts are drawn from), and the trainer's importance weights (pi_old from its own fp32
     forward over the behaviour log-probs) correct the difference like any other off-policy gap.
-    ``exact`` rounds nothing."""
+
+    ``bfloat16`` rounds stochastically: up or down with the chances that make the rounded value
+    equal the weight on average (``seed`` fixes the draws: the same weights and seed give the same
+    copy). ``bfloat16_nearest`` rounds to the nearest value; it lags the policy: an optimizer
+    step moves most weights by far less than half a bf16 step (2e-5 against ~1e-4 for a weight
+    of 0.05), so most rounded values stay where they were and the copy keeps the policy's older
+    function (measured in scripts/MEASUREMENTS.md, session 29). ``exact`` rounds nothing."""
     if to not in WEIGHT_ROUNDINGS:
         raise ConfigError("weights", f"unknown weight rounding {to!r}", allowed=WEIGHT_ROUNDINGS)
     if to == "exact":
         return 0
+    generator = torch.Generator().manual_seed(seed)
     rounded = 0
     for param in model.parameters():  # a tied weight (embedding = lm_head) comes once
-        if param.dtype == torch.float32:
+        if param.dtype != torch.float32 or param.dim() < 2:
+            continue
+        if to == "bfloat16_nearest":
             param.copy_(param.to(torch.bfloat16))
-            rounded += 1
+        else:  # add 16 random low bits to the magnitude, then drop them (the sign bit is apart)
+            bits = param.data.view(torch.int32)
+            noise = torch.randint(0, 1 << 16, param.shape, generator=generator, dtype=torch.int32)
+            bits.add_(noise.to(param.device)).bitwise_and_(-(1 << 16))
+        rounded += 1
     return rounded
 
 

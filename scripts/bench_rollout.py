@@ -90,13 +90,13 @@ import torch  # noqa: E402
 
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
-from rollout.models import load_embedded_target, round_weights_  # noqa: E402
+from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.planner import trace_summary  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from scripts.bench_plot import plot_rows  # noqa: E402
-from scripts.bench_rows import (SWITCHES, describe, header, plan_line, print_row, row_configs,  # noqa: E402
-                                spec_configs, switched_off, widths)
+from scripts.bench_rows import (SWITCHES, describe, header, plan_line, print_row, rounded_engine,  # noqa: E402
+                                row_configs, spec_configs, switched_off, widths)
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
 
@@ -379,14 +379,6 @@ def memory_check(args, engine, prompts, sampling) -> dict:
           f"{trace[0]:.0f} MB, after run {args.repeat} {trace[-1]:.0f} MB, peak {peak_rss_mb():.0f} MB")
     return {"repeat": args.repeat, "batch": size, "mode": describe(spec), "verifier": verifier.name,
             "rss_mb": trace, "peak_rss_mb": peak_rss_mb()}
-
-
-def rounded_engine(args, threads: int) -> Engine:
-    """An engine over a second copy of the target whose weights are rounded to bf16 values (the
-    hf backend's ``weights: bfloat16``), with the head loaded for it."""
-    target, _ = load_embedded_target()
-    round_weights_(target.model, "bfloat16")
-    return Engine(target, load_eagle3(args.head or default_head_path(), target), num_threads=threads)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -14,7 +14,9 @@ import torch
 
 from rollout import fused_layers, native_draft, native_layers, native_linear
 from rollout.config import ConfigError
+from rollout.eagle3 import default_head_path, load_eagle3
 from rollout.engine import Engine
+from rollout.models import load_embedded_target, round_weights_
 from rollout.params import SpecConfig, VerifierConfig, tree_spec
 from rollout.runner import ModelRunner
 from trainers.drift.study import parse_verifier, verifier_label
@@ -50,6 +52,14 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
         if flag:
             rows += [(f"{describe(spec)} [{label}]", verifier_label(v), spec, v, switch) for spec, v in pairs]
     return rows
+
+
+def rounded_engine(args, threads: int) -> Engine:
+    """``--bf16-weights``' engine: a second copy of the embedded target with its weights rounded to
+    bf16 values (the hf backend's ``weights: bfloat16``), and the head loaded for it."""
+    target, _ = load_embedded_target()
+    round_weights_(target.model, "bfloat16")
+    return Engine(target, load_eagle3(args.head or default_head_path(), target), num_threads=threads)
 
 
 def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:

@@ -2,7 +2,8 @@
 to the rollout distribution: completions are sampled from the rounded copy (plain decoding),
 then every token is scored by the rounded and by the exact model's plain forwards.
 
-    python -m scripts.rounding_gap --prompts 16 --max-new-tokens 96 --temperature 1.0
+    python -m scripts.rounding_gap --prompts 16 --max-new-tokens 96 [--rounding bfloat16_nearest]
+    python -m scripts.rounding_gap --policy runs/x/checkpoints/step_000004/policy.safetensors
 
 Prints, over the completion tokens: the per-token KL(rounded || exact) over the whole
 vocabulary (mean, max), the log-ratio log pi(y) - log P(y) that the trainer's importance
@@ -23,7 +24,7 @@ import copy  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.engine import Engine, available_cores  # noqa: E402
-from rollout.models import TargetModel, load_embedded_target, round_weights_  # noqa: E402
+from rollout.models import WEIGHT_ROUNDINGS, TargetModel, load_embedded_target, round_weights_  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 
@@ -41,13 +42,14 @@ def ess(weights: torch.Tensor) -> float:
 
 
 def rounding_gap(target: TargetModel, prompts: list[list[int]], sampling: SamplingParams, seed: int,
-                 threads: int | None = None) -> dict:
-    """Sample from a bf16-rounded copy of ``target`` (left as it is) and score both (see the module
-    docstring). The sampling temperature must be 1: the log-probs are of the raw softmax."""
+                 threads: int | None = None, rounding: str = "bfloat16") -> dict:
+    """Sample from a copy of ``target`` (left as it is) rounded as ``rounding`` says
+    (``rollout.models.WEIGHT_ROUNDINGS``) and score both (see the module docstring). The
+    sampling temperature must be 1: the log-probs are of the raw softmax."""
     if sampling.temperature != 1.0 or sampling.top_k is not None or sampling.top_p not in (None, 1.0):
         raise ValueError("rounding_gap scores the raw softmax: sample at temperature 1.0 without top-k / top-p")
     rounded = copy.deepcopy(target)
-    round_weights_(rounded.model)
+    round_weights_(rounded.model, rounding, seed=seed)
     completions = Engine(rounded, None, num_threads=threads).generate(
         prompts, sampling, SpecConfig(mode="off"), seed=seed).completions
     kls, ratios, sequences, engine_gap = [], [], [], 0.0
@@ -75,12 +77,22 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--prompts", type=int, default=16)
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--seed", type=int, default=3)
+    ap.add_argument("--rounding", default="bfloat16", choices=WEIGHT_ROUNDINGS[1:],
+                    help="stochastic (bfloat16, the hf backend's default rounding) or nearest")
+    ap.add_argument("--policy", default=None, metavar="SAFETENSORS",
+                    help="the policy's weights from a training checkpoint (checkpoints/step_N/policy.safetensors; "
+                         "default: the embedded model as shipped)")
     args = ap.parse_args(argv)
     target, tok = load_embedded_target()
+    if args.policy:
+        from safetensors.torch import load_file
+
+        target.model.load_state_dict(load_file(args.policy), strict=False)  # a tied lm_head is not saved twice
     prompts = benchmark_prompts(tok, args.prompts, args.seed)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=(tok.eos_token_id,))
-    g = rounding_gap(target, prompts, sampling, args.seed, available_cores())
-    print(f"{g['tokens']} completion tokens of {len(prompts)} prompts, sampled at T = 1 from the bf16-rounded copy")
+    g = rounding_gap(target, prompts, sampling, args.seed, available_cores(), args.rounding)
+    print(f"{g['tokens']} completion tokens of {len(prompts)} prompts, sampled at T = 1 from the copy rounded "
+          f"by {args.rounding}")
     print(f"KL(rounded || exact) per token: mean {g['kl_mean']:.2e}, max {g['kl_max']:.2e}")
     print(f"|log pi(y) - log P(y)|: mean {g['log_ratio_abs_mean']:.2e}, max {g['log_ratio_abs_max']:.2e}; "
           f"per sequence max {g['sequence_log_ratio_abs_max']:.3f}")

@@ -373,15 +373,15 @@ def test_bf16_weight_rows_run_on_a_rounded_copy_with_their_own_bound(tiny, tiny_
 
     from rollout.models import TargetConfig, load_target
     from rollout.params import SamplingParams
-    from scripts import bench_rollout
+    from scripts import bench_rollout, bench_rows
     from scripts.bench_rollout import measure, parse_args
 
     target, tok, engine = tiny
     copy, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
-    monkeypatch.setattr(bench_rollout, "load_embedded_target", lambda: (copy, tok))
+    monkeypatch.setattr(bench_rows, "load_embedded_target", lambda: (copy, tok))
     args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "5", "--modes", "chain", "--no-hf", "--verifiers",
                        "lossless", "--bf16-weights", "--cost-reps", "2", "--order", "fixed", "--head", str(tiny_head_dir)])
-    args.rounded = bench_rollout.rounded_engine(args, 1)
+    args.rounded = bench_rows.rounded_engine(args, 1)
     assert args.rounded.target is copy and copy is not target
     assert all(torch.equal(p, p.to(torch.bfloat16).float()) for p in copy.model.parameters())
     assert not all(torch.equal(p, p.to(torch.bfloat16).float()) for p in target.model.parameters())
