@@ -301,9 +301,9 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             print(f"  batch {size}: {i + 1}/{len(groups) * args.passes} batches done", file=sys.stderr, flush=True)
         costs = {step: median(values) for step, values in samples.items()}
         costs_r = {step: median(values) for step, values in samples_r.items()}
-        for label, c, n_reps in (("", costs, samples), (" [bf16 weights]", costs_r, samples_r)):
+        for label, c, taken in (("", costs, samples), (" [bf16 weights]", costs_r, samples_r)):
             if c:
-                print(f"  batch {size} step costs{label} (ms, median of {len(n_reps[1])} over the run): " + ", ".join(
+                print(f"  batch {size} step costs{label} (ms, median of {len(taken[1])} over the run): " + ", ".join(
                     f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in c.items()),
                     flush=True)
         # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows

@@ -3,7 +3,7 @@ to the rollout distribution: completions are sampled from the rounded copy (plai
 then every token is scored by the rounded and by the exact model's plain forwards.
 
     python -m scripts.rounding_gap --prompts 16 --max-new-tokens 96 [--rounding bfloat16_nearest]
-    python -m scripts.rounding_gap --policy runs/x/checkpoints/step_000004/policy.safetensors
+    python -m scripts.rounding_gap --policy runs/x/checkpoints/step_000004
 
 Prints, over the completion tokens: the per-token KL(rounded || exact) over the whole
 vocabulary (mean, max), the log-ratio log pi(y) - log P(y) that the trainer's importance
@@ -20,12 +20,15 @@ os.environ.setdefault("MKL_CBWR", "AVX2")  # before torch loads MKL: fast small 
 
 import argparse  # noqa: E402
 import copy  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import WEIGHT_ROUNDINGS, TargetModel, load_embedded_target, round_weights_  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
+from trainers.drift.stats import effective_sample_size, sequence_ess  # noqa: E402
+from trainers.grpo.checkpoint import read_policy  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 
 
@@ -34,11 +37,6 @@ def _logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
     with torch.no_grad():
         logits = model(input_ids=torch.tensor([prompt + completion]), use_cache=False).logits[0]
     return torch.log_softmax(logits[len(prompt) - 1:-1].double(), -1)
-
-
-def ess(weights: torch.Tensor) -> float:
-    """(sum w)^2 / (n sum w^2): 1 when every weight is equal."""
-    return float(weights.sum() ** 2 / (len(weights) * (weights ** 2).sum()))
 
 
 def rounding_gap(target: TargetModel, prompts: list[list[int]], sampling: SamplingParams, seed: int,
@@ -68,8 +66,8 @@ def rounding_gap(target: TargetModel, prompts: list[list[int]], sampling: Sampli
     kl, ratio, seq = torch.cat(kls), torch.cat(ratios), torch.stack(sequences)
     return {"tokens": len(kl), "kl_mean": float(kl.mean()), "kl_max": float(kl.max()),
             "log_ratio_abs_mean": float(ratio.abs().mean()), "log_ratio_abs_max": float(ratio.abs().max()),
-            "token_ess": ess(ratio.exp()), "sequence_log_ratio_abs_max": float(seq.abs().max()),
-            "sequence_ess": ess(seq.exp()), "behaviour_vs_rounded_max": engine_gap}
+            "token_ess": effective_sample_size(ratio.exp()), "sequence_log_ratio_abs_max": float(seq.abs().max()),
+            "sequence_ess": sequence_ess(seq), "behaviour_vs_rounded_max": engine_gap}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -79,15 +77,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--rounding", default="bfloat16", choices=WEIGHT_ROUNDINGS[1:],
                     help="stochastic (bfloat16, the hf backend's default rounding) or nearest")
-    ap.add_argument("--policy", default=None, metavar="SAFETENSORS",
-                    help="the policy's weights from a training checkpoint (checkpoints/step_N/policy.safetensors; "
-                         "default: the embedded model as shipped)")
+    ap.add_argument("--policy", default=None, metavar="CHECKPOINT",
+                    help="the policy of a training checkpoint folder (runs/NAME/checkpoints/step_N; default: the "
+                         "embedded model as shipped)")
     args = ap.parse_args(argv)
     target, tok = load_embedded_target()
     if args.policy:
-        from safetensors.torch import load_file
-
-        target.model.load_state_dict(load_file(args.policy), strict=False)  # a tied lm_head is not saved twice
+        target.model.load_state_dict(read_policy(Path(args.policy))[0])
     prompts = benchmark_prompts(tok, args.prompts, args.seed)
     sampling = SamplingParams(temperature=1.0, max_new_tokens=args.max_new_tokens, stop_token_ids=(tok.eos_token_id,))
     g = rounding_gap(target, prompts, sampling, args.seed, available_cores(), args.rounding)

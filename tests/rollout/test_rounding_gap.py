@@ -9,7 +9,8 @@ import torch
 
 from rollout.models import TargetConfig, load_target, round_weights_
 from rollout.params import SamplingParams
-from scripts.rounding_gap import ess, rounding_gap
+from scripts.rounding_gap import rounding_gap
+from trainers.drift.stats import effective_sample_size as ess
 
 
 def test_gap_is_measured_on_a_rounded_copy(tiny_policy_dir):

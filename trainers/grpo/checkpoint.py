@@ -98,7 +98,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
     return final
 
 
-def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+def read_policy(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
+    """A checkpoint folder's policy weights (every name, tied ones included) and its state."""
     state = json.loads((path / "state.json").read_text())
     weights = load_file(str(path / "policy.safetensors"))
     for name, target in state.get("aliases", {}).items():
@@ -107,6 +108,11 @@ def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.O
         if t.is_floating_point() and not torch.isfinite(t).all():
             raise NonFiniteError(state["step"], f"checkpoint {path.name}", f"{name} holds NaN or inf; resume "
                                  "from an earlier checkpoint (move this one aside) or start over with --fresh")
+    return weights, state
+
+
+def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    weights, state = read_policy(path)
     model.load_state_dict(weights)
     optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
     random.setstate(_decode_py_rng(state["python_rng"]))
