@@ -37,12 +37,12 @@ def config_dict(cfg) -> dict:
     return json.loads(json.dumps(dataclasses.asdict(cfg)))
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, object]:
+def flatten(d: dict, prefix: str = "") -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
         if isinstance(v, dict) and v:
-            out.update(_flat(v, key + "."))
+            out.update(flatten(v, key + "."))
         else:
             out[key] = v
     return out
@@ -50,7 +50,7 @@ def _flat(d: dict, prefix: str = "") -> dict[str, object]:
 
 def config_differences(old: dict, new: dict) -> list[str]:
     """``field: old -> new`` for every compared field that differs."""
-    a, b = _flat(old), _flat(new)
+    a, b = flatten(old), flatten(new)
     keys = sorted(k for k in set(a) | set(b) if any(k == c or k.startswith(c + ".") for c in COMPARED))
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
 

@@ -11,6 +11,7 @@ import torch
 
 from rollout.config import ConfigError
 from tests.trainers.conftest import write_config
+from trainers.grpo.compare import DEFAULT_METRICS, comparison_markdown, load_run
 from trainers.grpo.config import load_train_config
 
 
@@ -109,6 +110,8 @@ def test_lossy_rollouts_are_off_policy_and_logged(tmp_path, tiny_policy_dir, tin
     for name in ("metrics.jsonl", "rollouts.jsonl", "summary.md", "plots/reward.png", "plots/drift.png"):
         assert (out / name).is_file(), name
     assert list((out / "tb").iterdir())
+    # every metric scripts/compare_runs shows by default is one the trainer logs
+    assert "## mean reward" in comparison_markdown([load_run(out)], [k for k, _, _ in DEFAULT_METRICS], window=1)
 
 
 def test_killed_actor_loses_no_rollout(tiny_policy_dir, tiny_head_dir, local_ray):
