@@ -102,7 +102,9 @@ def config_differences(runs: list[Run]) -> list[str]:
 def _fmt(v: float | None) -> str:
     if v is None:
         return "-"
-    return f"{v:.3g}" if abs(v) < 1e-2 and v != 0 else f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
+    if v != 0 and abs(v) < 1e-2:
+        return f"{v:.3g}"  # a log-prob gap of 3e-05 keeps its digits
+    return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
 
 
 def comparison_markdown(runs: list[Run], metrics: list[str], window: int) -> str:
