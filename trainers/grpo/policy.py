@@ -8,9 +8,24 @@ log-prob up to float error, and the importance weight is 1.
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 
 from verifiers import process_logits
+
+
+def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
+    """Whether the model's forward computes logits for its last n positions only (HF causal LMs)."""
+    try:
+        return "logits_to_keep" in inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def length_order(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[int]:
+    """Row indices by prompt + completion length: micro-batches cut from this order pad less."""
+    return sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]) + len(completion_ids[i]))
 
 
 def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int = 0,
@@ -50,8 +65,14 @@ def completion_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]], com
         raise ValueError("policy log-probs need temperature > 0 (greedy rollouts have no gradient)")
     input_ids, attention, index, cmask = pack(prompt_ids, completion_ids, pad_id)
     device = next(model.parameters()).device
-    out = model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False)
-    hidden_idx = index.to(device)  # [N, C]
+    # only the positions from the first that predicts a completion token go through the
+    # vocabulary-wide lm_head (a prompt is most of a row; lm_head is a fifth of SmolLM2's FLOPs)
+    first = int(index[cmask].min()) if cmask.any() else input_ids.shape[1] - 1
+    keep = input_ids.shape[1] - first
+    kwargs = {"logits_to_keep": keep} if _takes_logits_to_keep(model) else {}
+    out = model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False, **kwargs)
+    offset = input_ids.shape[1] - out.logits.shape[1]  # `first`, or 0 for a model that keeps all
+    hidden_idx = (index - offset).clamp(min=0).to(device)  # [N, C] (padded slots read any position)
     logits = out.logits.gather(1, hidden_idx.unsqueeze(-1).expand(-1, -1, out.logits.shape[-1]))  # [N, C, V]
     logp = torch.log_softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
     tokens = torch.zeros_like(index)
