@@ -88,7 +88,6 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
-    torch.set_num_threads(cfg.rollout.threads_per_actor)
     target, tok = load_target(cfg.model.target)
     model = target.model.eval()
     problems = ProblemSource(cfg).for_step(args.step - 1)
@@ -96,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     pad, mb, temp = tok.pad_token_id or 0, cfg.optim.micro_batch, cfg.rollout.sampling.temperature
     print(f"{n} rows, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, completions "
           f"{sum(map(len, outs)) / n:.1f} tokens on average (max {max(map(len, outs))}), micro-batch {mb}, "
-          f"{torch.get_num_threads()} threads", flush=True)
+          f"{torch.get_num_threads()} threads (as the trainer's process)", flush=True)
     wrapped = AllPositions(model)
 
     def run(variant: int) -> tuple[float, torch.Tensor]:

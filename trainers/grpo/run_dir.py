@@ -38,6 +38,7 @@ def config_dict(cfg) -> dict:
 
 
 def flatten(d: dict, prefix: str = "") -> dict[str, object]:
+    """A nested config dict as ``{"a.b.c": value}`` (an empty section stays one ``{}`` value)."""
     out: dict[str, object] = {}
     for k, v in d.items():
         key = f"{prefix}{k}"
