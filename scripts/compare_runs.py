@@ -3,9 +3,13 @@
     python -m scripts.compare_runs runs/exact runs/bf16 [--labels exact,bf16] [--window 5]
         [--metrics reward_mean,accuracy,is_ess] [--out runs/compare]
 
-Each argument is a training run's out_dir (``metrics.jsonl``, ``config.json``). Prints the
-comparison as Markdown; with ``--out`` also writes ``comparison.md`` and ``comparison.png``
-there. A folder without metrics, an unknown metric or a label count that does not match the
+    python -m scripts.compare_runs runs/exact_s0 runs/exact_s1 runs/bf16_s0 runs/bf16_s1 \\
+        --labels exact,exact,bf16,bf16        # runs sharing a label: one setting, several seeds
+
+Each argument is a training run's out_dir (``metrics.jsonl``, ``config.json``). Runs given
+the same label are grouped: their mean with the range [min-max], and a band in the figure.
+Prints the comparison as Markdown; with ``--out`` also writes ``comparison.md`` and
+``comparison.png`` there. A folder without metrics, an unknown metric or a label count that does not match the
 runs exits with status 2 and says which.
 """
 
@@ -25,7 +29,7 @@ def _names(text: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="training run folders (run.out_dir)")
-    ap.add_argument("--labels", type=_names, help="comma-separated names for the runs (default: folder names)")
+    ap.add_argument("--labels", type=_names, help="comma-separated names for the runs; a repeated name groups runs (default: folder names)")
     ap.add_argument("--window", type=int, default=5, help="steps per table row (default 5)")
     ap.add_argument("--metrics", type=_names, default=[k for k, _, _ in DEFAULT_METRICS],
                     help="comma-separated metrics.jsonl keys (default: " + ",".join(k for k, _, _ in DEFAULT_METRICS) + ")")

@@ -3,7 +3,9 @@ steps, and one figure (``scripts/compare_runs.py`` is the command).
 
 The question it answers is the one a lossy or rounded rollout setting raises: does the run
 still learn like the exact one, and at what drift? Each run is a folder written by the GRPO
-trainer (``metrics.jsonl`` and the ``config.json`` snapshot).
+trainer (``metrics.jsonl`` and the ``config.json`` snapshot). Runs given the same label are
+one setting run several times (seeds): a table cell is then the mean of their window means
+with the range ``[min-max]``, and the figure draws their mean with a band.
 """
 
 from __future__ import annotations
@@ -49,15 +51,27 @@ def load_run(path: str | Path, label: str | None = None) -> Run:
 
 
 def labels_for(paths: list[str | Path], labels: list[str] | None) -> list[str]:
-    """The given labels, or each folder's name (its full path where two names clash)."""
+    """The given labels (a repeated one groups runs), or each folder's name (its full path
+    where two names clash, so that no runs are grouped unasked)."""
     if labels is not None:
         if len(labels) != len(paths):
             raise ValueError(f"--labels: {len(labels)} labels for {len(paths)} runs")
-        if len(set(labels)) != len(labels):
-            raise ValueError(f"--labels: repeated label in {labels}")
         return list(labels)
     names = [Path(p).name for p in paths]
     return [n if names.count(n) == 1 else str(p) for n, p in zip(names, paths)]
+
+
+def groups(runs: list[Run]) -> list[tuple[str, list[Run]]]:
+    """The runs by label, in the order the labels first appear."""
+    out: dict[str, list[Run]] = {}
+    for run in runs:
+        out.setdefault(run.label, []).append(run)
+    return list(out.items())
+
+
+def _name(run: Run, runs: list[Run]) -> str:
+    """The run's label, with its folder's name where the label is shared."""
+    return run.label if sum(r.label == run.label for r in runs) == 1 else f"{run.label} ({run.path.name})"
 
 
 def check_metrics(runs: list[Run], metrics: list[str]) -> None:
@@ -88,8 +102,8 @@ def window_means(rows: list[dict], key: str, window: int, last_step: int) -> lis
 def config_differences(runs: list[Run]) -> list[str]:
     """``field: label=value, ...`` for every config field whose value is not the same in all
     runs (``run.out_dir`` and empty sections left out); a run without a snapshot is named once."""
-    out = [f"{run.label}: no config.json snapshot" for run in runs if run.config is None]
-    flats = [(run.label, {k: v for k, v in flatten(run.config).items() if v != {}})
+    out = [f"{_name(run, runs)}: no config.json snapshot" for run in runs if run.config is None]
+    flats = [(_name(run, runs), {k: v for k, v in flatten(run.config).items() if v != {}})
              for run in runs if run.config is not None]
     keys = sorted({k for _, f in flats for k in f} - set(IGNORED_CONFIG_FIELDS))
     for k in keys:
@@ -107,32 +121,44 @@ def _fmt(v: float | None) -> str:
     return f"{v:.3f}" if abs(v) < 100 else f"{v:.0f}"
 
 
+def _cell(values: list[float | None]) -> str:
+    """One run's value, or a group's mean and [min-max] over the runs that have one."""
+    vals = [v for v in values if v is not None]
+    if len(vals) <= 1:
+        return _fmt(vals[0] if vals else None)
+    return f"{_fmt(sum(vals) / len(vals))} [{_fmt(min(vals))}-{_fmt(max(vals))}]"
+
+
 def comparison_markdown(runs: list[Run], metrics: list[str], window: int) -> str:
     """The comparison as Markdown: the runs, their config differences, one table per metric
-    (rows: windows of steps and all steps; columns: runs)."""
+    (rows: windows of steps and all steps; columns: runs, or groups of runs sharing a label)."""
     check_metrics(runs, metrics)
     labels = {k: label for k, label, _ in DEFAULT_METRICS}
     last = max(run.rows[-1]["step"] for run in runs)
+    grouped = groups(runs)
     lines = ["# Runs compared", ""]
-    lines += [f"- **{run.label}**: `{run.path}`, {len(run.rows)} steps (last {run.rows[-1]['step']})" for run in runs]
+    lines += [f"- **{_name(run, runs)}**: `{run.path}`, {len(run.rows)} steps (last {run.rows[-1]['step']})"
+              for run in runs]
     diffs = config_differences(runs)
     lines += ["", "Config differences:" if diffs else "Config differences: none (same snapshot)"]
     lines += [f"- {d}" for d in diffs]
+    heads = [label if len(members) == 1 else f"{label} ({len(members)} runs: mean [min-max])"
+             for label, members in grouped]
     for key in metrics:
-        cols = [window_means(run.rows, key, window, last) for run in runs]
-        alls = [window_means(run.rows, key, last, last)[0] for run in runs]
+        cols = [[window_means(run.rows, key, window, last) for run in members] for _, members in grouped]
+        alls = [[window_means(run.rows, key, last, last)[0] for run in members] for _, members in grouped]
         lines += ["", f"## {labels.get(key, key)} (`{key}`), mean per {window} steps", "",
-                  "| steps | " + " | ".join(run.label for run in runs) + " |",
-                  "|---" * (len(runs) + 1) + "|"]
-        for i in range(len(cols[0])):
+                  "| steps | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
+        for i in range(math.ceil(last / window)):
             span = f"{i * window + 1}-{min((i + 1) * window, last)}"
-            lines.append(f"| {span} | " + " | ".join(_fmt(c[i]) for c in cols) + " |")
-        lines.append("| all | " + " | ".join(_fmt(a) for a in alls) + " |")
+            lines.append(f"| {span} | " + " | ".join(_cell([m[i] for m in c]) for c in cols) + " |")
+        lines.append("| all | " + " | ".join(_cell(a) for a in alls) + " |")
     return "\n".join(lines) + "\n"
 
 
 def plot_comparison(runs: list[Run], metrics: list[str], path: str | Path) -> Path:
-    """One PNG: a panel per metric, a line per run (log scale where the metric spans decades)."""
+    """One PNG: a panel per metric, a line per run or group (its mean, a band from its min to its
+    max), log scale where the metric spans decades."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -146,11 +172,22 @@ def plot_comparison(runs: list[Run], metrics: list[str], path: str | Path) -> Pa
     fig, axes = plt.subplots(nrows, ncols, figsize=(6 * ncols, 3.2 * nrows), squeeze=False)
     for ax, key in zip(axes.flat, metrics):
         label, log = spec.get(key, (key, False))
-        for run in runs:
-            pts = [(r["step"], r[key]) for r in run.rows
-                   if isinstance(r.get(key), (int, float)) and math.isfinite(r[key]) and (not log or r[key] > 0)]
-            if pts:
-                ax.plot(*zip(*pts), marker=".", label=run.label)
+        for name, members in groups(runs):
+            per_step: dict[int, list[float]] = {}
+            for run in members:
+                for r in run.rows:
+                    v = r.get(key)
+                    if isinstance(v, (int, float)) and math.isfinite(v) and (not log or v > 0):
+                        per_step.setdefault(r["step"], []).append(v)
+            steps = sorted(s for s, vs in per_step.items() if len(vs) == len(members))  # every run logged it
+            if not steps:
+                continue
+            mean = [sum(per_step[s]) / len(members) for s in steps]
+            line, = ax.plot(steps, mean, marker=".",
+                            label=name if len(members) == 1 else f"{name} (mean of {len(members)})")
+            if len(members) > 1:
+                ax.fill_between(steps, [min(per_step[s]) for s in steps], [max(per_step[s]) for s in steps],
+                                color=line.get_color(), alpha=0.2, linewidth=0)
         if log:
             ax.set_yscale("log")
         ax.set_title(label)

@@ -9,7 +9,8 @@ import math
 import pytest
 
 from scripts import compare_runs
-from trainers.grpo.compare import (comparison_markdown, config_differences, labels_for, load_run, window_means)
+from trainers.grpo.compare import (comparison_markdown, config_differences, labels_for, load_run, plot_comparison,
+                                   window_means)
 from trainers.grpo.config import load_train_config
 from trainers.grpo.run_dir import SNAPSHOT, config_dict
 
@@ -85,8 +86,21 @@ def test_labels_default_to_folder_names_and_must_match_the_runs(tmp_path):
     assert labels_for(["a", "b"], ["one", "two"]) == ["one", "two"]
     with pytest.raises(ValueError, match="1 labels for 2 runs"):
         labels_for(["a", "b"], ["one"])
-    with pytest.raises(ValueError, match="repeated label"):
-        labels_for(["a", "b"], ["one", "one"])
+    assert labels_for(["a", "b"], ["one", "one"]) == ["one", "one"]  # a group
+
+
+def test_runs_sharing_a_label_are_one_setting_with_its_range(tmp_path):
+    e0 = load_run(_write_run(tmp_path / "e0", [0.1, 0.3, 0.5, 0.7]), "exact")
+    e1 = load_run(_write_run(tmp_path / "e1", [0.3, 0.5, 0.9, 0.9], {"run": {"seed": 1}}), "exact")
+    e2 = load_run(_write_run(tmp_path / "e2", [0.2, 0.4], {"run": {"seed": 2}}), "exact")  # stopped at 2
+    b0 = load_run(_write_run(tmp_path / "b0", [0.2, 0.2, 0.2, 0.2],
+                             {"rollout": {"backend_options": {"weights": "bfloat16"}}}), "bf16")
+    text = comparison_markdown([e0, e1, e2, b0], ["reward_mean"], window=2)
+    assert "| steps | exact (3 runs: mean [min-max]) | bf16 |" in text
+    assert "| 1-2 | 0.300 [0.200-0.400] | 0.200 |" in text
+    assert "| 3-4 | 0.750 [0.600-0.900] | 0.200 |" in text  # e2 has no value there
+    assert "- **exact (e1)**: `" in text and "- **bf16**: `" in text
+    assert "- run.seed: exact (e0)=0, exact (e1)=1, exact (e2)=2, bf16=0" in text
 
 
 def test_command_writes_the_table_and_the_figure(tmp_path, capsys):
@@ -106,3 +120,29 @@ def test_command_writes_the_table_and_the_figure(tmp_path, capsys):
     assert "nope not in any run" in capsys.readouterr().err
     assert compare_runs.main([str(a), "--window", "0"]) == 2
     assert "--window must be >= 1" in capsys.readouterr().err
+
+
+def test_a_group_is_drawn_as_its_mean_with_a_band(tmp_path, monkeypatch):
+    import matplotlib.axes
+
+    runs = [load_run(_write_run(tmp_path / f"s{i}", [0.1 * i, 0.2 * i, 0.3 * i]), "exact") for i in (1, 2, 3)]
+    runs.append(load_run(_write_run(tmp_path / "other", [0.5, 0.5, 0.5]), "bf16"))
+    drawn = []
+    plot, band = matplotlib.axes.Axes.plot, matplotlib.axes.Axes.fill_between
+
+    def record_plot(self, x, y, **kw):
+        drawn.append(("line", kw["label"], list(y)))
+        return plot(self, x, y, **kw)
+
+    def record_band(self, x, lo, hi, **kw):
+        drawn.append(("band", list(lo), list(hi)))
+        return band(self, x, lo, hi, **kw)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", record_plot)
+    monkeypatch.setattr(matplotlib.axes.Axes, "fill_between", record_band)
+    png = plot_comparison(runs, ["reward_mean"], tmp_path / "c.png")
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    assert drawn[0][:2] == ("line", "exact (mean of 3)") and drawn[0][2] == pytest.approx([0.2, 0.4, 0.6])
+    assert drawn[1][0] == "band"
+    assert drawn[1][1] == pytest.approx([0.1, 0.2, 0.3]) and drawn[1][2] == pytest.approx([0.3, 0.6, 0.9])
+    assert drawn[2] == ("line", "bf16", [0.5, 0.5, 0.5]) and len(drawn) == 3  # one run: no band
