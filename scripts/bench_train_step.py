@@ -96,12 +96,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{n} rows, prompts {min(map(len, prompts))}-{max(map(len, prompts))} tokens, completions "
           f"{sum(map(len, outs)) / n:.1f} tokens on average (max {max(map(len, outs))}), micro-batch {mb}, "
           f"{torch.get_num_threads()} threads (as the trainer's process)", flush=True)
-    wrapped = AllPositions(model)
+    wrapped, width = AllPositions(model), max(map(len, outs))
 
     def run(variant: int) -> tuple[float, torch.Tensor]:
         order = length_order(prompts, outs) if variant == 2 else list(range(n))
         net = wrapped if variant == 0 else model
-        width = max(map(len, outs))
         logp = torch.zeros(n, width)
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()

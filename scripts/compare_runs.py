@@ -9,8 +9,8 @@
 Each argument is a training run's out_dir (``metrics.jsonl``, ``config.json``). Runs given
 the same label are grouped: their mean with the range [min-max], and a band in the figure.
 Prints the comparison as Markdown; with ``--out`` also writes ``comparison.md`` and
-``comparison.png`` there. A folder without metrics, an unknown metric or a label count that does not match the
-runs exits with status 2 and says which.
+``comparison.png`` there. A folder without metrics, an unknown metric or a label count that
+does not match the runs exits with status 2 and says which.
 """
 
 from __future__ import annotations
@@ -29,7 +29,8 @@ def _names(text: str) -> list[str]:
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", help="training run folders (run.out_dir)")
-    ap.add_argument("--labels", type=_names, help="comma-separated names for the runs; a repeated name groups runs (default: folder names)")
+    ap.add_argument("--labels", type=_names,
+                    help="comma-separated names for the runs; a repeated name groups runs (default: folder names)")
     ap.add_argument("--window", type=int, default=5, help="steps per table row (default 5)")
     ap.add_argument("--metrics", type=_names, default=[k for k, _, _ in DEFAULT_METRICS],
                     help="comma-separated metrics.jsonl keys (default: " + ",".join(k for k, _, _ in DEFAULT_METRICS) + ")")

@@ -83,6 +83,12 @@ def check_metrics(runs: list[Run], metrics: list[str]) -> None:
                          f"logged: {', '.join(sorted(logged - {'step'}))}")
 
 
+def _finite(row: dict, key: str) -> float | None:
+    """The row's value of ``key`` when it is a finite number, else None."""
+    v = row.get(key)
+    return v if isinstance(v, (int, float)) and math.isfinite(v) else None
+
+
 def window_means(rows: list[dict], key: str, window: int, last_step: int) -> list[float | None]:
     """The mean of ``key`` over steps 1..window, window+1..2*window, ... up to ``last_step``;
     None for a window where the run logged no finite value."""
@@ -91,8 +97,8 @@ def window_means(rows: list[dict], key: str, window: int, last_step: int) -> lis
     sums = [0.0] * math.ceil(last_step / window)
     counts = [0] * len(sums)
     for r in rows:
-        v = r.get(key)
-        if isinstance(v, (int, float)) and math.isfinite(v) and 1 <= r["step"] <= last_step:
+        v = _finite(r, key)
+        if v is not None and 1 <= r["step"] <= last_step:
             i = (r["step"] - 1) // window
             sums[i] += v
             counts[i] += 1
@@ -133,7 +139,7 @@ def comparison_markdown(runs: list[Run], metrics: list[str], window: int) -> str
     """The comparison as Markdown: the runs, their config differences, one table per metric
     (rows: windows of steps and all steps; columns: runs, or groups of runs sharing a label)."""
     check_metrics(runs, metrics)
-    labels = {k: label for k, label, _ in DEFAULT_METRICS}
+    titles = {k: title for k, title, _ in DEFAULT_METRICS}
     last = max(run.rows[-1]["step"] for run in runs)
     grouped = groups(runs)
     lines = ["# Runs compared", ""]
@@ -147,7 +153,7 @@ def comparison_markdown(runs: list[Run], metrics: list[str], window: int) -> str
     for key in metrics:
         cols = [[window_means(run.rows, key, window, last) for run in members] for _, members in grouped]
         alls = [[window_means(run.rows, key, last, last)[0] for run in members] for _, members in grouped]
-        lines += ["", f"## {labels.get(key, key)} (`{key}`), mean per {window} steps", "",
+        lines += ["", f"## {titles.get(key, key)} (`{key}`), mean per {window} steps", "",
                   "| steps | " + " | ".join(heads) + " |", "|---" * (len(heads) + 1) + "|"]
         for i in range(math.ceil(last / window)):
             span = f"{i * window + 1}-{min((i + 1) * window, last)}"
@@ -176,8 +182,8 @@ def plot_comparison(runs: list[Run], metrics: list[str], path: str | Path) -> Pa
             per_step: dict[int, list[float]] = {}
             for run in members:
                 for r in run.rows:
-                    v = r.get(key)
-                    if isinstance(v, (int, float)) and math.isfinite(v) and (not log or v > 0):
+                    v = _finite(r, key)
+                    if v is not None and (not log or v > 0):
                         per_step.setdefault(r["step"], []).append(v)
             steps = sorted(s for s, vs in per_step.items() if len(vs) == len(members))  # every run logged it
             if not steps:

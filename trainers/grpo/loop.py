@@ -162,18 +162,18 @@ class GRPOTrainer:
         order = length_order(prompts, outs)
         for a in range(0, n, mb):
             rows = order[a:a + mb]
-            sl = torch.tensor(rows, device=mask.device)
+            idx = torch.tensor(rows, device=mask.device)
             mb_prompts, mb_outs = [prompts[i] for i in rows], [outs[i] for i in rows]
             logp_new = self._logprobs(self.policy, mb_prompts, mb_outs, mask.shape[1])
-            logp_old[sl] = logp_new.detach()
-            weights, _, _ = importance_weights(logp_old[sl], behaviour[sl], mask[sl], c.correction)
+            logp_old[idx] = logp_new.detach()
+            weights, _, _ = importance_weights(logp_old[idx], behaviour[idx], mask[idx], c.correction)
             ref = None
             if self.reference is not None:
                 with torch.no_grad():
                     ref = self._logprobs(self.reference, mb_prompts, mb_outs, mask.shape[1])
-            loss, pg_stats = policy_loss(logp_new, logp_old[sl], adv[sl], mask[sl], is_weights=weights,
+            loss, pg_stats = policy_loss(logp_new, logp_old[idx], adv[idx], mask[idx], is_weights=weights,
                                          ref_logp=ref, **c.grpo.loss_kwargs())
-            share = (mask[sl].sum().item() / total_tokens) if c.grpo.aggregation == "token" else (len(rows) / n)
+            share = (mask[idx].sum().item() / total_tokens) if c.grpo.aggregation == "token" else (len(rows) / n)
             (loss * share).backward()
             loss_sum += loss.item() * share
             clip_frac += pg_stats["clip_frac"] * share

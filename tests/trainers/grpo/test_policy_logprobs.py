@@ -9,6 +9,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from scripts.bench_train_step import AllPositions  # a forward that takes no logits_to_keep
 from trainers.grpo.policy import completion_logprobs
 from verifiers import process_logits
 
@@ -60,14 +61,6 @@ def test_log_probs_and_gradients_match_the_row_by_row_reference(temperature, top
 
 def test_a_model_without_logits_to_keep_gets_the_same_values():
     model = _model()
-
-    class AllPositions(torch.nn.Module):  # a forward that takes no logits_to_keep
-        def __init__(self, inner):
-            super().__init__()
-            self.inner = inner
-
-        def forward(self, input_ids, attention_mask, use_cache):
-            return self.inner(input_ids=input_ids, attention_mask=attention_mask, use_cache=use_cache)
 
     with torch.no_grad():
         fast, _ = completion_logprobs(model, PROMPTS, OUTS, temperature=1.0)
