@@ -1,4 +1,4 @@
-"""The trainer's forward + backward over one GRPO batch, three ways side by side in one run.
+"""The trainer's forward + backward over one GRPO batch, four ways side by side in one run.
 
     python -m scripts.bench_train_step [--config configs/default.yaml] [--from-run runs/default]
         [--step 1] [--reps 3]
@@ -7,13 +7,16 @@
   in the batch's order (the trainer before session 30);
 - ``kept positions, batch order``: lm_head only from the first position that predicts a
   completion token (``logits_to_keep``);
-- ``kept positions, length order``: also micro-batches of similar lengths (the trainer now).
+- ``kept positions, length order``: also micro-batches of similar lengths (session 30);
+- ``shared prompts, planned order``: each distinct prompt of a micro-batch runs once and its
+  rows share its KV cache; micro-batches cut in length order or with prompt groups together,
+  whichever pads less (the trainer now).
 
 The batch is the config's step (its prompts, group size, micro-batch and temperature) with
 the completions a run recorded at that step (``--from-run``: its ``rollouts.jsonl``), or,
 without one, random completions of 8 to max_new_tokens tokens. Prints each variant's median
 seconds, its ratio to the first, and the largest log-prob difference from the first (the
-three compute the same values).
+four compute the same values up to float rounding).
 """
 
 from __future__ import annotations
@@ -30,7 +33,8 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-VARIANTS = ("all positions, batch order", "kept positions, batch order", "kept positions, length order")
+VARIANTS = ("all positions, batch order", "kept positions, batch order", "kept positions, length order",
+            "shared prompts, planned order")
 
 
 class AllPositions(torch.nn.Module):
@@ -77,7 +81,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.models import load_target
     from trainers.grpo.config import load_train_config
     from trainers.grpo.loop import ProblemSource
-    from trainers.grpo.policy import completion_logprobs, length_order
+    from trainers.grpo.policy import completion_logprobs, length_order, micro_batches
 
     try:
         if args.step < 1 or args.reps < 1:
@@ -99,15 +103,18 @@ def main(argv: list[str] | None = None) -> int:
     wrapped, width = AllPositions(model), max(map(len, outs))
 
     def run(variant: int) -> tuple[float, torch.Tensor]:
-        order = length_order(prompts, outs) if variant == 2 else list(range(n))
+        if variant == 3:
+            cut = micro_batches(prompts, outs, mb, shared=True)
+        else:
+            order = length_order(prompts, outs) if variant == 2 else list(range(n))
+            cut = [order[a:a + mb] for a in range(0, n, mb)]
         net = wrapped if variant == 0 else model
         logp = torch.zeros(n, width)
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        for a in range(0, n, mb):
-            rows = order[a:a + mb]
+        for rows in cut:
             lp, _ = completion_logprobs(net, [prompts[i] for i in rows], [outs[i] for i in rows],
-                                        temperature=temp, pad_id=pad)
+                                        temperature=temp, pad_id=pad, share_prompts=variant == 3)
             lp.sum().backward()
             logp[rows, :lp.shape[1]] = lp.detach()
         return time.perf_counter() - t0, logp

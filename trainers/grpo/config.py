@@ -150,13 +150,16 @@ class TaskConfig:
 @dataclass(frozen=True)
 class OptimConfig:
     """AdamW: lr, weight_decay, betas; grad_clip: max grad norm (0 = off);
-    micro_batch: sequences per forward/backward (memory bound)."""
+    micro_batch: sequences per forward/backward (memory bound); share_prompts: rows of a
+    micro-batch that repeat a prompt (a GRPO group) run it once, its KV cache shared (the
+    same log-probs and gradient up to float rounding; false runs every row whole)."""
 
     lr: float = 1e-6
     weight_decay: float = 0.0
     betas: tuple[float, float] = (0.9, 0.99)
     grad_clip: float = 1.0
     micro_batch: int = 8
+    share_prompts: bool = True
 
     def __post_init__(self) -> None:
         check_number("lr", self.lr, 0, low_open=True, finite=True)
@@ -167,6 +170,8 @@ class OptimConfig:
         object.__setattr__(self, "betas", betas)
         check_number("grad_clip", self.grad_clip, 0, finite=True)  # NaN would silently mean "no clipping"
         check_int("micro_batch", self.micro_batch)
+        if not isinstance(self.share_prompts, bool):
+            raise ConfigError("share_prompts", f"must be true or false, got {self.share_prompts!r}")
 
 
 @dataclass(frozen=True)

@@ -37,7 +37,7 @@ from trainers.grpo.correction import importance_weights
 from trainers.grpo.guards import check_loss_and_grad, check_weights
 from trainers.grpo.loss import group_advantages, policy_loss
 from trainers.grpo.metrics import relaxed_fraction, reward_stats
-from trainers.grpo.policy import completion_logprobs, length_order
+from trainers.grpo.policy import completion_logprobs, micro_batches, takes_cache
 from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
 from trainers.grpo.run_dir import prepare_run_dir
 from trainers.tasks.arithmetic import make_problems
@@ -157,11 +157,10 @@ class GRPOTrainer:
         logp_old = torch.zeros_like(behaviour)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, clip_frac = 0.0, 0.0
-        # micro-batches of similar lengths pad less (the gradient is a sum over them, so their
-        # order and make-up do not change it): ~1.2x on make run's batches
-        order = length_order(prompts, outs)
-        for a in range(0, n, mb):
-            rows = order[a:a + mb]
+        # micro-batches that pad least (the gradient is a sum over them, so their order and
+        # make-up do not change it); a group's rows share their prompt's forward
+        shared = c.optim.share_prompts and takes_cache(self.policy)
+        for rows in micro_batches(prompts, outs, mb, shared=shared):
             idx = torch.tensor(rows, device=mask.device)
             mb_prompts, mb_outs = [prompts[i] for i in rows], [outs[i] for i in rows]
             logp_new = self._logprobs(self.policy, mb_prompts, mb_outs, mask.shape[1])
@@ -193,7 +192,7 @@ class GRPOTrainer:
     def _logprobs(self, model, prompts, outs, width: int) -> torch.Tensor:
         s = self.cfg.rollout.sampling
         logp, _ = completion_logprobs(model, prompts, outs, temperature=s.temperature, top_k=s.top_k,
-                                      top_p=s.top_p, pad_id=self.pad_id)
+                                      top_p=s.top_p, pad_id=self.pad_id, share_prompts=self.cfg.optim.share_prompts)
         return torch.nn.functional.pad(logp, (0, width - logp.shape[1]))
 
     # ------------------------------------------------------------------ the run

@@ -1,4 +1,4 @@
-"""scripts/bench_train_step on the tiny policy: the three variants run, compute the same
+"""scripts/bench_train_step on the tiny policy: the four variants run, compute the same
 log-probs, and bad input exits with status 2 naming it."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from scripts import bench_train_step
 from tests.trainers.conftest import write_config
 
 
-def test_three_variants_agree(tmp_path, tiny_policy_dir, capsys):
+def test_the_variants_agree(tmp_path, tiny_policy_dir, capsys):
     cfg = write_config(tmp_path / "c.yaml", tiny_policy_dir, None, tmp_path / "run", rollout={"spec": {"mode": "off"}})
     assert bench_train_step.main(["--config", str(cfg), "--reps", "1"]) == 0
     out = capsys.readouterr().out

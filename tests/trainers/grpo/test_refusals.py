@@ -71,6 +71,7 @@ CASES = {
     "steps a float": ({"run.steps": 2.5}, "run.steps", ["integer"]),
     "seed a string": ({"run.seed": "3"}, "run.seed", ["integer"]),
     "resume a string": ({"run.resume": "yes"}, "run.resume", ["true or false"]),
+    "share_prompts a string": ({"optim.share_prompts": "no"}, "optim.share_prompts", ["true or false"]),
     "top_p a bool": ({"rollout.sampling.top_p": True}, "rollout.sampling.top_p", ["number"]),
     "temperature inf": ({"rollout.sampling.temperature": float("inf")}, "rollout.sampling.temperature", ["finite"]),
     "clip_low nan": ({"grpo.clip_low": float("nan")}, "grpo.clip_low", ["finite"]),

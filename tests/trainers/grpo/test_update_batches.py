@@ -1,6 +1,7 @@
-"""The GRPO update splits a batch into micro-batches of similar lengths (less padding). The
-gradient is a sum over micro-batches, so the split must not change the step: the same batch
-through one micro-batch and through micro-batches of 2 gives the same gradient, loss and
+"""The GRPO update splits a batch into micro-batches that pad least, and rows of a micro-batch
+that repeat a prompt share its forward. The gradient is a sum over micro-batches, so neither
+may change the step: the same batch through one micro-batch with every row run whole, and
+through micro-batches of 2 and 3 with prompts shared, gives the same gradient, loss and
 statistics, for token and sequence aggregation and per-token and per-sequence weights.
 (The rollout pool is a stub here: the test isolates the update.)"""
 
@@ -22,23 +23,27 @@ class _NoPool:
         pass
 
 
-def _trainer(tmp_path, policy_dir, micro_batch, **sections):
+def _trainer(tmp_path, policy_dir, micro_batch, share_prompts=True, **sections):
     from trainers.grpo.loop import GRPOTrainer
 
-    path = write_config(tmp_path / f"mb{micro_batch}.yaml", policy_dir, None, tmp_path / f"mb{micro_batch}",
-                        optim={"lr": 1e-3, "micro_batch": micro_batch},
+    name = f"mb{micro_batch}{'s' if share_prompts else ''}"
+    path = write_config(tmp_path / f"{name}.yaml", policy_dir, None, tmp_path / name,
+                        optim={"lr": 1e-3, "micro_batch": micro_batch, "share_prompts": share_prompts},
                         rollout={"spec": {"mode": "off"}}, **sections)
     trainer = GRPOTrainer(load_train_config(path))
     trainer.pool = _NoPool()
     return trainer
 
 
-def _batch(trainer) -> tuple[RolloutBatch, torch.Tensor]:
-    """The batch, and the policy's log-probs of its completions in row order (before the step)."""
+def _batch(trainer, repeated: bool) -> tuple[RolloutBatch, torch.Tensor]:
+    """The batch, and the policy's log-probs of its completions in row order (before the step).
+    ``repeated``: rows alternate between the first two prompts (two groups, interleaved)."""
     g = torch.Generator().manual_seed(5)
     prompts = [torch.randint(10, 400, (p,), generator=g).tolist() for p, _ in SHAPES]
+    if repeated:
+        prompts = [prompts[i % 2] for i in range(len(prompts))]
     outs = [torch.randint(10, 400, (c,), generator=g).tolist() for _, c in SHAPES]
-    n, pw, cw = len(SHAPES), max(p for p, _ in SHAPES), max(c for _, c in SHAPES)
+    n, pw, cw = len(SHAPES), max(map(len, prompts)), max(c for _, c in SHAPES)
     prompt_ids, prompt_mask = torch.zeros(n, pw, dtype=torch.long), torch.zeros(n, pw, dtype=torch.bool)
     completion_ids, mask = torch.zeros(n, cw, dtype=torch.long), torch.zeros(n, cw, dtype=torch.bool)
     for i, (p, c) in enumerate(zip(prompts, outs)):
@@ -53,13 +58,14 @@ def _batch(trainer) -> tuple[RolloutBatch, torch.Tensor]:
                         finish_reasons=["length"] * n, tau=1.0), policy
 
 
-@pytest.mark.parametrize("aggregation, mode", [("token", "token_tis"), ("sequence", "seq_tis"),
-                                               ("token", "seq_mis")])
-def test_micro_batches_do_not_change_the_step(tmp_path, tiny_policy_dir, aggregation, mode):
+@pytest.mark.parametrize("aggregation, mode, repeated", [("token", "token_tis", False), ("sequence", "seq_tis", False),
+                                                         ("token", "seq_mis", False), ("token", "token_tis", True),
+                                                         ("sequence", "seq_mis", True)])
+def test_micro_batches_do_not_change_the_step(tmp_path, tiny_policy_dir, aggregation, mode, repeated):
     adv = torch.tensor([1.0, -0.5, 0.25, -1.0, 0.75, -0.5])
     results = []
-    for mb in (len(SHAPES), 2):
-        trainer = _trainer(tmp_path, tiny_policy_dir, mb, grpo={"group_size": 3, "aggregation": aggregation},
+    for mb, share in ((len(SHAPES), False), (2, True), (3, True)):
+        trainer = _trainer(tmp_path, tiny_policy_dir, mb, share, grpo={"group_size": 3, "aggregation": aggregation},
                            correction={"mode": mode, "cap": 2.0, "low": 0.5, "high": 2.0})
         grads = {}
         step = trainer.optimizer.step
@@ -70,18 +76,19 @@ def test_micro_batches_do_not_change_the_step(tmp_path, tiny_policy_dir, aggrega
             return _step(*args, **kwargs)
 
         trainer.optimizer.step = record_and_step
-        batch, policy_logp = _batch(trainer)
+        batch, policy_logp = _batch(trainer, repeated)
         metrics, records = trainer.update(batch, adv)
         for i, rec in enumerate(records):  # each row's pi_old is its own, whichever micro-batch it ran in
             assert rec["policy_logprobs"] == pytest.approx(policy_logp[i, :SHAPES[i][1]].tolist(), abs=1e-5), i
         assert len(grads) > 10 and max(g.abs().max() for g in grads.values()) > 1e-3  # a real step
         results.append((metrics, records, grads))
-    (m1, r1, w1), (m2, r2, w2) = results
-    for key in ("loss", "grad_norm", "is_ess", "is_weight_mean", "kl_k3", "clip_frac"):
-        assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
-    for a, b in zip(r1, r2):  # the records stay in the batch's row order
-        assert a["completion_ids"] == b["completion_ids"]
-        assert a["policy_logprobs"] == pytest.approx(b["policy_logprobs"], abs=1e-5)
-    assert w1.keys() == w2.keys()
-    for name in w1:
-        torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6, msg=name)
+    (m1, r1, w1) = results[0]
+    for m2, r2, w2 in results[1:]:
+        for key in ("loss", "grad_norm", "is_ess", "is_weight_mean", "kl_k3", "clip_frac"):
+            assert m2[key] == pytest.approx(m1[key], rel=1e-5, abs=1e-7), key
+        for a, b in zip(r1, r2):  # the records stay in the batch's row order
+            assert a["completion_ids"] == b["completion_ids"]
+            assert a["policy_logprobs"] == pytest.approx(b["policy_logprobs"], abs=1e-5)
+        assert w1.keys() == w2.keys()
+        for name in w1:
+            torch.testing.assert_close(w2[name], w1[name], rtol=1e-4, atol=1e-6, msg=name)
