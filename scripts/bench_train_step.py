@@ -3,20 +3,20 @@
     python -m scripts.bench_train_step [--config configs/default.yaml] [--from-run runs/default]
         [--step 1] [--reps 3]
 
-- ``all positions, batch order``: lm_head over every position of each row, micro-batches cut
+- ``all positions, batch order``: whole rows, lm_head over every position, micro-batches cut
   in the batch's order (the trainer before session 30);
-- ``kept positions, batch order``: lm_head only from the first position that predicts a
-  completion token (``logits_to_keep``);
-- ``kept positions, length order``: also micro-batches of similar lengths (session 30);
-- ``shared prompts, planned order``: each distinct prompt of a micro-batch runs once and its
-  rows share its KV cache; micro-batches cut in length order or with prompt groups together,
-  whichever pads less (the trainer now).
+- ``kept positions, length order``: whole rows, lm_head only from the first position that
+  predicts a completion token, micro-batches of similar lengths (session 30);
+- ``prompts cached``: each distinct prompt of a micro-batch runs once and its rows take its KV
+  cache (``forward_plan``'s ``cached`` path where it applies, micro-batches planned for it);
+- ``planned paths``: what the trainer does: per micro-batch the cheapest of whole rows, the
+  cached prompt and the packed group (``trainers.grpo.forward_plan``), micro-batches planned.
 
 The batch is the config's step (its prompts, group size, micro-batch and temperature) with
 the completions a run recorded at that step (``--from-run``: its ``rollouts.jsonl``), or,
-without one, random completions of 8 to max_new_tokens tokens. Prints each variant's median
-seconds, its ratio to the first, and the largest log-prob difference from the first (the
-four compute the same values up to float rounding).
+without one, random completions of 8 to max_new_tokens tokens. Prints the paths each planned
+variant runs, each variant's median seconds, its ratio to the first, and the largest
+log-prob difference from the first (the four compute the same values up to float rounding).
 """
 
 from __future__ import annotations
@@ -33,8 +33,9 @@ from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-VARIANTS = ("all positions, batch order", "kept positions, batch order", "kept positions, length order",
-            "shared prompts, planned order")
+VARIANTS = ("all positions, batch order", "kept positions, length order", "prompts cached", "planned paths")
+# the paths each variant may take (forward_plan.PATHS)
+VARIANT_PATHS = (("whole",), ("whole",), ("whole", "cached"), ("whole", "cached", "packed"))
 
 
 class AllPositions(torch.nn.Module):
@@ -80,8 +81,9 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.config import ConfigError
     from rollout.models import load_target
     from trainers.grpo.config import load_train_config
+    from trainers.grpo.forward_plan import ForwardCost, choose_path, length_order, micro_batches
     from trainers.grpo.loop import ProblemSource
-    from trainers.grpo.policy import completion_logprobs, length_order, micro_batches
+    from trainers.grpo.policy import completion_logprobs
 
     try:
         if args.step < 1 or args.reps < 1:
@@ -102,19 +104,30 @@ def main(argv: list[str] | None = None) -> int:
           f"{torch.get_num_threads()} threads (as the trainer's process)", flush=True)
     wrapped, width = AllPositions(model), max(map(len, outs))
 
-    def run(variant: int) -> tuple[float, torch.Tensor]:
-        if variant == 3:
-            cut = micro_batches(prompts, outs, mb, shared=True)
-        else:
-            order = length_order(prompts, outs) if variant == 2 else list(range(n))
+    cost = ForwardCost.of(model.config)
+    plans = []  # per variant: [(rows, path)] per micro-batch
+    for v, paths in enumerate(VARIANT_PATHS):
+        if v == 0:
+            cut = [list(range(a, min(a + mb, n))) for a in range(0, n, mb)]
+        elif v == 1:
+            order = length_order(prompts, outs)
             cut = [order[a:a + mb] for a in range(0, n, mb)]
+        else:
+            cut = micro_batches(prompts, outs, mb, cost=cost, paths=paths)
+        plans.append([(rows, choose_path([prompts[i] for i in rows], [outs[i] for i in rows], cost, paths)[0])
+                      for rows in cut])
+        if v >= 2:
+            print(f"  {VARIANTS[v]}: micro-batches of {[len(r) for r, _ in plans[v]]} rows by "
+                  f"{', '.join(p for _, p in plans[v])}", flush=True)
+
+    def run(variant: int) -> tuple[float, torch.Tensor]:
         net = wrapped if variant == 0 else model
         logp = torch.zeros(n, width)
         model.zero_grad(set_to_none=True)
         t0 = time.perf_counter()
-        for rows in cut:
+        for rows, path in plans[variant]:
             lp, _ = completion_logprobs(net, [prompts[i] for i in rows], [outs[i] for i in rows],
-                                        temperature=temp, pad_id=pad, share_prompts=variant == 3)
+                                        temperature=temp, pad_id=pad, path=None if variant == 0 else path)
             lp.sum().backward()
             logp[rows, :lp.shape[1]] = lp.detach()
         return time.perf_counter() - t0, logp

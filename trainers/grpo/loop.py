@@ -34,10 +34,11 @@ from rollout.models import load_target, resolve_device
 from trainers.grpo.checkpoint import load_checkpoint, save_checkpoint
 from trainers.grpo.config import TrainConfig
 from trainers.grpo.correction import importance_weights
+from trainers.grpo.forward_plan import ForwardCost, micro_batches
 from trainers.grpo.guards import check_loss_and_grad, check_weights
 from trainers.grpo.loss import group_advantages, policy_loss
 from trainers.grpo.metrics import relaxed_fraction, reward_stats
-from trainers.grpo.policy import completion_logprobs, micro_batches, takes_cache
+from trainers.grpo.policy import completion_logprobs, forward_paths
 from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
 from trainers.grpo.run_dir import prepare_run_dir
 from trainers.tasks.arithmetic import make_problems
@@ -157,10 +158,10 @@ class GRPOTrainer:
         logp_old = torch.zeros_like(behaviour)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, clip_frac = 0.0, 0.0
-        # micro-batches that pad least (the gradient is a sum over them, so their order and
-        # make-up do not change it); a group's rows share their prompt's forward
-        shared = c.optim.share_prompts and takes_cache(self.policy)
-        for rows in micro_batches(prompts, outs, mb, shared=shared):
+        # the micro-batches that cost least, a group's rows sharing their prompt's forward (the
+        # gradient is a sum over micro-batches, so their order and make-up do not change it)
+        paths = forward_paths(self.policy, c.optim.share_prompts)
+        for rows in micro_batches(prompts, outs, mb, cost=ForwardCost.of(self.policy.config), paths=paths):
             idx = torch.tensor(rows, device=mask.device)
             mb_prompts, mb_outs = [prompts[i] for i in rows], [outs[i] for i in rows]
             logp_new = self._logprobs(self.policy, mb_prompts, mb_outs, mask.shape[1])

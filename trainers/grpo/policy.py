@@ -3,7 +3,9 @@
 The trainer's policy distribution is the same processed target distribution p that the
 verifier used (temperature, top-k, top-p applied by ``verifiers.process_logits``), so for
 a lossless rollout with the current weights log pi(y) equals the recorded behaviour
-log-prob up to float error, and the importance weight is 1.
+log-prob up to float error, and the importance weight is 1. Rows that repeat a prompt (a
+GRPO group) can share its forward: ``trainers.grpo.forward_plan`` describes the three ways and
+chooses between them.
 """
 
 from __future__ import annotations
@@ -12,7 +14,11 @@ import inspect
 
 import torch
 
+from trainers.grpo.forward_plan import PATHS, ForwardCost, choose_path, distinct_prompts
 from verifiers import process_logits
+
+# attention implementations that take a custom 4D mask (bool for sdpa, additive for eager)
+MASKED_ATTENTION = ("sdpa", "eager")
 
 
 def _forward_params(model: torch.nn.Module) -> frozenset[str]:
@@ -26,45 +32,6 @@ def _forward_params(model: torch.nn.Module) -> frozenset[str]:
 def _takes_logits_to_keep(model: torch.nn.Module) -> bool:
     """Whether the model's forward computes logits for its last n positions only (HF causal LMs)."""
     return "logits_to_keep" in _forward_params(model)
-
-
-def length_order(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[int]:
-    """Row indices by prompt + completion length: micro-batches cut from this order pad less."""
-    return sorted(range(len(prompt_ids)), key=lambda i: len(prompt_ids[i]) + len(completion_ids[i]))
-
-
-def group_order(prompt_ids: list[list[int]], completion_ids: list[list[int]]) -> list[int]:
-    """Row indices with each prompt's rows together (prompts by length), each group by completion length."""
-    _, of_row = distinct_prompts(prompt_ids)
-    return sorted(range(len(prompt_ids)), key=lambda i: (len(prompt_ids[i]), of_row[i], len(completion_ids[i])))
-
-
-def forward_tokens(prompt_ids: list[list[int]], completion_ids: list[list[int]], shared: bool) -> int:
-    """Padded token positions one micro-batch sends through the model: with ``shared`` and a
-    repeated prompt, each distinct prompt's prefix once plus every row's completion block, else
-    every row at the longest row's width (what ``completion_logprobs`` runs)."""
-    heads, _ = distinct_prompts(prompt_ids)
-    n = len(prompt_ids)
-    if shared and len(heads) < n and min(map(len, prompt_ids)) >= 2:
-        return len(heads) * (max(map(len, heads)) - 1) + n * max(max(map(len, completion_ids)), 1)
-    return n * max(len(p) + len(c) for p, c in zip(prompt_ids, completion_ids))
-
-
-def micro_batches(prompt_ids: list[list[int]], completion_ids: list[list[int]], size: int, *,
-                  shared: bool) -> list[list[int]]:
-    """The rows cut into micro-batches of ``size``, in whichever order (length order, or prompt
-    groups kept together) sends fewer padded positions through the model. The gradient is a sum
-    over micro-batches, so the cut changes only float rounding."""
-    best: tuple[int, list[list[int]]] | None = None
-    for order in (length_order(prompt_ids, completion_ids), group_order(prompt_ids, completion_ids)):
-        cut = [order[a:a + size] for a in range(0, len(order), size)]
-        cost = sum(forward_tokens([prompt_ids[i] for i in rows], [completion_ids[i] for i in rows], shared)
-                   for rows in cut)
-        if best is None or cost < best[0]:
-            best = (cost, cut)
-        if not shared:
-            break  # without sharing, length order pads least
-    return best[1] if best else []
 
 
 def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: int = 0,
@@ -99,35 +66,41 @@ def _cache_kwarg(model: torch.nn.Module) -> str | None:
     return next((name for name in ("cache", "past_key_values") if name in params), None)
 
 
-def distinct_prompts(prompt_ids: list[list[int]]) -> tuple[list[tuple[int, ...]], list[int]]:
-    """The distinct prompts in first-seen order, and each row's index among them."""
-    seen: dict[tuple[int, ...], int] = {}
-    of_row = [seen.setdefault(tuple(p), len(seen)) for p in prompt_ids]
-    return list(seen), of_row
+def forward_paths(model: torch.nn.Module, share_prompts: bool = True) -> tuple[str, ...]:
+    """The ways ``completion_logprobs`` may run this model: ``whole`` always; with
+    ``share_prompts`` and a Hugging Face causal LM (a config, a forward that takes a KV cache),
+    ``cached``, and ``packed`` where its attention takes a custom 4D mask (sdpa or eager)."""
+    if not share_prompts or not hasattr(model, "config"):
+        return ("whole",)
+    paths = ["whole"]
+    if _cache_kwarg(model) is not None:
+        paths.append("cached")
+        if getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION and "position_ids" in _forward_params(model):
+            paths.append("packed")
+    return tuple(paths)
 
 
-def takes_cache(model: torch.nn.Module) -> bool:
-    """Whether the model's forward takes and returns a KV cache (HF causal LMs): what the
-    shared-prompt forward needs."""
-    return _cache_kwarg(model) is not None and hasattr(model, "config")
+def _whole_logits(model, input_ids, attention, index, cmask, device) -> torch.Tensor:
+    """Logits [N, C, V] from one forward over the whole rows."""
+    # only the positions from the first that predicts a completion token go through the
+    # vocabulary-wide lm_head (a prompt is most of a row; lm_head is a fifth of SmolLM2's FLOPs)
+    first = int(index[cmask].min()) if cmask.any() else input_ids.shape[1] - 1
+    keep = input_ids.shape[1] - first
+    kwargs = {"logits_to_keep": keep} if _takes_logits_to_keep(model) else {}
+    out = model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False, **kwargs)
+    offset = input_ids.shape[1] - out.logits.shape[1]  # `first`, or 0 for a model that keeps all
+    hidden_idx = (index - offset).clamp(min=0).to(device)  # [N, C] (padded slots read any position)
+    return out.logits.gather(1, hidden_idx.unsqueeze(-1).expand(-1, -1, out.logits.shape[-1]))
 
 
-def _shares_prompts(model: torch.nn.Module, prompt_ids: list[list[int]]) -> bool:
-    """Whether the shared-prompt forward applies: a prompt repeats, every prompt has a token
-    before its last (the prefix run once), and the model takes a cache."""
-    return (len(distinct_prompts(prompt_ids)[0]) < len(prompt_ids) and min(map(len, prompt_ids)) >= 2
-            and takes_cache(model))
+def _cached_logits(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   pad_id: int, device: torch.device) -> torch.Tensor:
+    """Logits [N, C', V] (C' >= C): position t of row i predicts completion token t.
 
-
-def _completion_logits_shared(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
-                              pad_id: int, device: torch.device) -> torch.Tensor:
-    """Logits [N, C, V]: position t of row i predicts completion token t, each distinct prompt run once.
-
-    A GRPO group repeats its prompt G times, and the prompt is most of a row. So each distinct
-    prompt but its last token runs once (right-padded); each row takes its prompt's KV cache
-    (an index_select, so every row's gradient reaches the prompt's forward) and runs its last
-    prompt token and its completion but the last on top, at their true positions, with the
-    prompt's padding masked. The same function as one forward over the whole row.
+    Each distinct prompt but its last token runs once (right-padded); each row takes its
+    prompt's KV cache (an index_select, so every row's gradient reaches the prompt's forward)
+    and runs its last prompt token and its completion but the last on top, at their true
+    positions, with the prompt's padding masked.
     """
     from transformers import DynamicCache
 
@@ -138,7 +111,6 @@ def _completion_logits_shared(model: torch.nn.Module, prompt_ids: list[list[int]
     for u, p in enumerate(heads):
         prefix[u, : len(p) - 1] = torch.tensor(p[:-1], dtype=torch.long)
         p_mask[u, : len(p) - 1] = 1
-    name = _cache_kwarg(model)
     keep = {"logits_to_keep": 1} if _takes_logits_to_keep(model) else {}
     out = model(input_ids=prefix.to(device), attention_mask=p_mask.to(device), use_cache=True, **keep)
     cache = getattr(out, "cache", None) or out.past_key_values
@@ -157,35 +129,91 @@ def _completion_logits_shared(model: torch.nn.Module, prompt_ids: list[list[int]
         positions[i] = torch.arange(len(p) - 1, len(p) - 1 + s_w)
     attention = torch.cat([p_mask[of_row], s_mask], dim=1)
     out = model(input_ids=suffix.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
-                use_cache=True, **{name: rows_cache})
+                use_cache=True, **{_cache_kwarg(model): rows_cache})
     return out.logits
+
+
+def _packed_logits(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
+                   pad_id: int, device: torch.device) -> torch.Tensor:
+    """Logits [N, C, V]: position t of row i predicts completion token t.
+
+    One sequence per distinct prompt: the prompt but its last token, then for each of its rows
+    the last prompt token and the completion but its last token, at their true positions. The
+    mask lets a prefix position see the prefix causally and a row's position the prefix and its
+    own row causally; padding positions see only themselves (no query is left without a key).
+    """
+    heads, of_row = distinct_prompts(prompt_ids)
+    seqs: list[list[int]] = [list(p[:-1]) for p in heads]
+    pos: list[list[int]] = [list(range(len(p) - 1)) for p in heads]
+    seg: list[list[int]] = [[-1] * (len(p) - 1) for p in heads]  # -1: the prompt; i: row i
+    start = [0] * len(prompt_ids)
+    for i, (p, c) in enumerate(zip(prompt_ids, completion_ids)):
+        if not c:
+            continue  # nothing to predict
+        u = of_row[i]
+        start[i] = len(seqs[u])
+        seqs[u] += [p[-1]] + list(c[:-1])
+        pos[u] += range(len(p) - 1, len(p) - 1 + len(c))
+        seg[u] += [i] * len(c)
+    b, width = len(heads), max(map(len, seqs))
+    input_ids = torch.full((b, width), pad_id, dtype=torch.long)
+    positions = torch.arange(width).repeat(b, 1)
+    segments = torch.full((b, width), -2, dtype=torch.long)  # -2: padding
+    for u in range(b):
+        input_ids[u, : len(seqs[u])] = torch.tensor(seqs[u], dtype=torch.long)
+        positions[u, : len(pos[u])] = torch.tensor(pos[u], dtype=torch.long)
+        segments[u, : len(seg[u])] = torch.tensor(seg[u], dtype=torch.long)
+    query, key = segments.unsqueeze(2), segments.unsqueeze(1)
+    allowed = torch.ones(width, width, dtype=torch.bool).tril() & (key != -2) & ((key == -1) | (key == query))
+    # a padding query sees itself: some attention kernels give NaN to a query with no key
+    allowed |= torch.eye(width, dtype=torch.bool) & (query == -2)
+    mask = allowed.unsqueeze(1).to(device)  # [B, 1, W, W]
+    if model.config._attn_implementation == "eager":  # additive
+        dtype = next(model.parameters()).dtype
+        mask = torch.zeros(mask.shape, dtype=dtype, device=device).masked_fill(~mask, torch.finfo(dtype).min)
+    first = min(len(p) for p in heads) - 1  # no row's first prediction comes earlier
+    keep = {"logits_to_keep": width - first} if _takes_logits_to_keep(model) else {}
+    out = model(input_ids=input_ids.to(device), attention_mask=mask, position_ids=positions.to(device),
+                use_cache=False, **keep)
+    offset = width - out.logits.shape[1]
+    c_max = max(map(len, completion_ids))
+    seq_of = torch.tensor(of_row).unsqueeze(1).expand(-1, c_max)
+    at = torch.tensor(start).unsqueeze(1) + torch.arange(c_max)
+    at = (at - offset).clamp(0, out.logits.shape[1] - 1)  # padded slots read any position
+    return out.logits[seq_of.to(device), at.to(device)]
 
 
 def completion_logprobs(model: torch.nn.Module, prompt_ids: list[list[int]], completion_ids: list[list[int]],
                         *, temperature: float, top_k: int | None = None, top_p: float | None = None,
-                        pad_id: int = 0, share_prompts: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+                        pad_id: int = 0, share_prompts: bool = True, path: str | None = None,
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """log pi(y_t) [N, C] of each completion token (0 where padded) and the mask [N, C].
 
-    ``model`` is a Hugging Face causal LM; gradients flow when grad mode is on. Rows that
-    repeat a prompt run it once (``share_prompts``, for a model that takes a KV cache);
-    the values are the same up to float rounding.
+    ``model`` is a Hugging Face causal LM; gradients flow when grad mode is on. With
+    ``share_prompts``, rows that repeat a prompt share its forward where that is cheaper
+    (``forward_plan.choose_path``); ``path`` forces one of ``forward_plan.PATHS``. The values
+    are the same up to float rounding whichever way runs.
     """
     if temperature <= 0:
         raise ValueError("policy log-probs need temperature > 0 (greedy rollouts have no gradient)")
     input_ids, attention, index, cmask = pack(prompt_ids, completion_ids, pad_id)
     device = next(model.parameters()).device
-    if share_prompts and _shares_prompts(model, prompt_ids):
-        logits = _completion_logits_shared(model, prompt_ids, completion_ids, pad_id, device)[:, : index.shape[1]]
+    paths = forward_paths(model, share_prompts)
+    if path is not None:
+        if path not in PATHS:
+            raise ValueError(f"path {path!r} is not one of {PATHS}")
+        if path not in paths:
+            raise ValueError(f"path {path!r} does not apply to this model (it takes {paths})")
+        paths = (path,)
+    chosen = "whole" if paths == ("whole",) else choose_path(prompt_ids, completion_ids,
+                                                               ForwardCost.of(model.config), paths)[0]
+    c_w = index.shape[1]
+    if chosen == "cached":
+        logits = _cached_logits(model, prompt_ids, completion_ids, pad_id, device)[:, :c_w]
+    elif chosen == "packed":
+        logits = _packed_logits(model, prompt_ids, completion_ids, pad_id, device)
     else:
-        # only the positions from the first that predicts a completion token go through the
-        # vocabulary-wide lm_head (a prompt is most of a row; lm_head is a fifth of SmolLM2's FLOPs)
-        first = int(index[cmask].min()) if cmask.any() else input_ids.shape[1] - 1
-        keep = input_ids.shape[1] - first
-        kwargs = {"logits_to_keep": keep} if _takes_logits_to_keep(model) else {}
-        out = model(input_ids=input_ids.to(device), attention_mask=attention.to(device), use_cache=False, **kwargs)
-        offset = input_ids.shape[1] - out.logits.shape[1]  # `first`, or 0 for a model that keeps all
-        hidden_idx = (index - offset).clamp(min=0).to(device)  # [N, C] (padded slots read any position)
-        logits = out.logits.gather(1, hidden_idx.unsqueeze(-1).expand(-1, -1, out.logits.shape[-1]))  # [N, C, V]
+        logits = _whole_logits(model, input_ids, attention, index, cmask, device)
     logp = torch.log_softmax(process_logits(logits, temperature, top_k, top_p), dim=-1)
     tokens = torch.zeros_like(index)
     for i, c in enumerate(completion_ids):
