@@ -151,8 +151,9 @@ class TaskConfig:
 class OptimConfig:
     """AdamW: lr, weight_decay, betas; grad_clip: max grad norm (0 = off);
     micro_batch: sequences per forward/backward (memory bound); share_prompts: rows of a
-    micro-batch that repeat a prompt (a GRPO group) run it once, its KV cache shared (the
-    same log-probs and gradient up to float rounding; false runs every row whole)."""
+    micro-batch that repeat a prompt (a GRPO group) run it once, by its KV cache or packed
+    into one sequence, whichever costs less (``trainers/grpo/forward_plan.py``; the same
+    log-probs and gradient up to float rounding; false runs every row whole)."""
 
     lr: float = 1e-6
     weight_decay: float = 0.0
