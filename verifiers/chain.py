@@ -32,9 +32,10 @@ from .induced import chain_diagnostics, greedy_accepts
 from .processing import CHUNK_ELEMENTS, draft_logits, process_logits, sample_inverse_cdf
 from .results import ChainResult, TokenKind, empty_chain_result
 from .rule_base import Context, VerificationRule
+from .block import verify_chain_block
 from .sampled import verify_chain_towards_law
 
-TESTS = ("rule", "law")  # verify_chain's acceptance tests
+TESTS = ("rule", "law", "block")  # verify_chain's acceptance tests
 
 
 @dataclasses.dataclass
@@ -335,10 +336,15 @@ def verify_chain(rule: VerificationRule, target_logits: Tensor, draft_logits: Te
     test: ``"rule"``, the rule's own acceptance test (above); ``"law"``, rejection towards the
     law the rule's test induces at each position (``verifiers.sampled.verify_chain_towards_law``):
     the same law and behaviour log-probs, the most acceptance that law allows (more than MARS's
-    own test; the same for lossless and overshoot). At T = 0 both are the rule's greedy test.
+    own test; the same for lossless and overshoot); ``"block"`` (lossless rule only), block
+    verification (``verifiers.block``): the drafts' prefix is accepted jointly, P = p, more drafts
+    accepted than token by token. At T = 0 each is the rule's greedy test.
     """
     if test not in TESTS:
         raise ValueError(f"test must be one of {list(TESTS)}, got {test!r}")
+    if test == "block" and getattr(rule, "name", None) != "lossless":
+        raise ValueError(f"test 'block' verifies towards p and is exact for the lossless rule only, got rule "
+                         f"{getattr(rule, 'name', rule)!r} (use test 'rule' or 'law' for it)")
     towards_law = test == "law" and temperature > 0 and getattr(rule, "name", None) != "lossless"
     fused = native.usable(rule, temperature, target_logits.device)
     b, k, _ = check_chain_inputs(rule, target_logits, draft_logits, draft_tokens,
@@ -350,6 +356,9 @@ def verify_chain(rule: VerificationRule, target_logits: Tensor, draft_logits: Te
     with torch.no_grad():
         if temperature == 0:
             res = _greedy_chain(rule, target_logits, draft_logits, x)
+        elif test == "block":
+            res = verify_chain_block(target_logits, draft_logits, x, temperature=temperature, top_k=top_k,
+                                     top_p=top_p, generator=generator)
         elif towards_law:
             res = verify_chain_towards_law(rule, target_logits, draft_logits, x, temperature=temperature,
                                            top_k=top_k, top_p=top_p, generator=generator)

@@ -1,5 +1,5 @@
-"""The fused C++ verifier (``csrc/``: chain.cpp, candidates.cpp, the rule part rules.h and the
-shared common.h; verifiers/README.md, "Kernel layout"): build, load and call it.
+"""The fused C++ verifier (``csrc/``: chain.cpp, candidates.cpp, sampled.cpp, block.cpp, the rule
+part rules.h and the shared common.h; verifiers/README.md, "Kernel layout"): build, load and call it.
 
 ``verify_chain`` and ``verify_candidates`` use it for sampled chains and tree nodes on the
 CPU; the PyTorch code in :mod:`.chain` and :mod:`.candidates` is the other backend (any
@@ -114,6 +114,9 @@ def _load_locked() -> ctypes.CDLL | None:
     fn.restype = ctypes.c_int64
     fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_double, ctypes.POINTER(Params)]
                    + [ctypes.c_void_p] * 7)
+    fn = lib.hr_verify_block
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 6
     lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
     lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
     _lib, _tried = lib, True
@@ -211,6 +214,27 @@ def verify_chain_native(rule, z_target: Tensor, z_draft: Tensor, x: Tensor, u_ac
     if status != 0:
         raise NativeError(int(status), bad_rows, tuple(bad_token.tolist()))
     return ChainResult(tokens, num, behaviour, target_lp, kinds, relaxed)
+
+
+def verify_block_native(z_target: Tensor, z_draft: Tensor, x: Tensor, u_block: Tensor, u_final: Tensor,
+                        temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``verifiers.block`` fused (``csrc/block.cpp``): z_target [B, K+1, V], z_draft [B, K, V] float32
+    logits divided by ``temperature`` here, u_block [B, K+1] float64, u_final [B]; returns tokens
+    [B, K+1] (-1 after the emitted ones), num_emitted [B], log p [B, K+1] (0 after), kinds [B, K+1]."""
+    lib = _load()
+    b, k1, v = z_target.shape
+    zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
+    xs, ub, uf = x.long().contiguous(), u_block.double().contiguous(), u_final.float().contiguous()
+    tokens, num = torch.empty(b, k1, dtype=torch.long), torch.empty(b, dtype=torch.long)
+    logp, kinds = torch.empty(b, k1, dtype=torch.float32), torch.empty(b, k1, dtype=torch.int8)
+    bad_rows = torch.zeros(b * k1 + b * (k1 - 1), dtype=torch.uint8)
+    bad_token = torch.zeros(2, dtype=torch.long)
+    status = lib.hr_verify_block(zt.data_ptr(), zd.data_ptr(), xs.data_ptr(), ub.data_ptr(), uf.data_ptr(), b,
+                                 k1 - 1, v, float(temperature), tokens.data_ptr(), num.data_ptr(), logp.data_ptr(),
+                                 kinds.data_ptr(), bad_rows.data_ptr(), bad_token.data_ptr())
+    if status != 0:
+        raise NativeError(int(status), bad_rows, tuple(bad_token.tolist()))
+    return tokens, num, logp, kinds
 
 
 def main() -> None:

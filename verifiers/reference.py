@@ -169,3 +169,36 @@ def brute_force_chain(rule: VerificationRule, target_logits: Tensor, draft_logit
                 P += float(q[x]) * (1 - a) * w / w.sum()
         rows.append(P)
     return torch.stack(rows)
+
+
+def reference_block_chain(target_logits: Tensor, draft_logits_: Tensor, draft_tokens: Tensor, *,
+                          temperature: float, top_k=None, top_p=None,
+                          generator: torch.Generator) -> list[list[tuple[int, int, float, float]]]:
+    """Block verification (``verifiers.block``, T > 0), one row at a time in plain Python floats, on
+    the same uniforms in the same order: per row the emitted (token, kind, log P, log p)."""
+    b, k1, _ = target_logits.shape
+    k = k1 - 1
+    u_block = torch.rand(b, k1, generator=generator, dtype=torch.float64).tolist()
+    u_final = torch.rand(b, generator=generator).tolist()
+    rows = []
+    for r in range(b):
+        p = [torch.softmax(process_logits(target_logits[r, j], temperature, top_k, top_p), -1) for j in range(k1)]
+        q = [draft_probs(draft_logits_[r, j], temperature) for j in range(k)]
+        x = [int(t) for t in draft_tokens[r]]
+        w = [1.0]
+        for j in range(k):
+            ratio = float(p[j][x[j]]) / float(q[j][x[j]]) if float(q[j][x[j]]) > 0 else 0.0
+            w.append(min(1.0, w[-1] * ratio))
+        n = k if u_block[r][k] < w[k] else 0
+        if n < k:
+            for j in range(k - 1, 0, -1):  # from the longest prefix down; the empty one always stands
+                resid = (w[j] * p[j] - q[j]).clamp(min=0).double().sum().item()
+                if resid + 1 - w[j] <= 0 or u_block[r][j] < resid / (resid + 1 - w[j]):
+                    n = j
+                    break
+        weights = p[k] if n == k else (w[n] * p[n] - q[n]).clamp(min=0)
+        y = reference_sample(weights if float(weights.sum()) > 0 else p[n], u_final[r])
+        out = [(x[j], TokenKind.ACCEPTED, _log(p[j][x[j]]), _log(p[j][x[j]])) for j in range(n)]
+        out.append((y, TokenKind.BONUS if n == k else TokenKind.RECOVERED, _log(p[n][y]), _log(p[n][y])))
+        rows.append(out)
+    return rows

@@ -253,14 +253,14 @@ def _chain_walk_native(rule, target, draft, x, u_accept, u_final, temperature, t
         out, logp, target_lp, kinds, _, emitted = native.walk_sampled_native(
             rule, z, zd, torch.arange(v), tokens, children, u_accept, u_final, t)
     except native.NativeError as err:  # re-checked in PyTorch, which names the row and position
-        _check_chain(target, draft, x, temperature, top_k, top_p)
+        check_sampled_chain(target, draft, x, temperature, top_k, top_p)
         raise AssertionError(f"the C++ walk flagged bad input (status {err.status}) that has none") from None
     return out, logp, target_lp, kinds, emitted
 
 
 def _chain_walk(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p):
     """The same walk in PyTorch, position by position over the rows still accepting."""
-    _check_chain(target, draft[:, :-1], x, temperature, top_k, top_p)
+    check_sampled_chain(target, draft[:, :-1], x, temperature, top_k, top_p)
     b, k1, _ = target.shape
     dev = target.device
     tokens = torch.full((b, k1), -1, dtype=torch.long, device=dev)
@@ -284,7 +284,7 @@ def _chain_walk(rule, target, draft, x, u_accept, u_final, temperature, top_k, t
     return tokens, logp, target_lp, kinds, emitted
 
 
-def _check_chain(target, draft, x, temperature, top_k, top_p) -> None:
+def check_sampled_chain(target, draft, x, temperature, top_k, top_p) -> None:
     """Raise for a bad logit row (naming its row and position) or a draft token q gives 0."""
     raise_if_bad_rows("target_logits", target, process_logits(target, temperature, top_k, top_p).logsumexp(-1),
                       temperature)

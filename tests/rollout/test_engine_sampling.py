@@ -91,6 +91,25 @@ def test_lossless_samples_the_target_distribution(small, name):
         assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
 
 
+@pytest.mark.parametrize("spec", [SPECS["chain-sampled"], SpecConfig(mode="chain", num_draft_tokens=3,
+                                                                    max_batch="auto", adaptive_k=True)],
+                         ids=["chain", "auto"])
+def test_block_verification_samples_the_target_distribution(small, spec):
+    """``verifier.test: block`` (``verifiers.block``): the first three tokens follow the target's
+    law, the second and third from inside the block; every behaviour log-prob is the target's."""
+    target, head = small
+    prompt, rows, v = [1, 5, 2, 7], 3000, target.vocab_size
+    res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=4), spec,
+                                                      VerifierConfig("lossless", test="block"), seed=17)
+    ys = torch.tensor([c.completion_ids for c in res.completions])
+    law = exact_three_token_law(target, prompt)
+    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
+    assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 3 * rows
+    for c in res.completions:
+        assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
+
+
 def test_a_sampled_tree_walked_level_by_level_samples_the_target_distribution(small):
     """Without the C++ verifier a sampled tree is walked node level by node level from Python
     (``rollout.tree.walk``, other random numbers than the fused walk): the same law."""
