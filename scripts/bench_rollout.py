@@ -109,7 +109,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma list of rule names with their default parameters (mars theta=0.9, overshoot "
                          "lenience=0.5), or ';' list of specs with parameters, e.g. "
                          "'overshoot:lenience=0.5;overshoot:lenience=0.3' (test=law: rejection towards the rule's "
-                         "law, 'mars:theta=0.9,test=law': chain rows only)")
+                         "law, 'mars:theta=0.9,test=law'; test=block: lossless chains verified as a block, "
+                         "'lossless:test=block'; both chain rows only)")
     ap.add_argument("--modes", default="chain,tree", help="speculative modes to run (comma list)")
     ap.add_argument("--chain-k", default="3", help="chain length K (comma list: one chain config per K)")
     ap.add_argument("--draft-sampling", default="sampled", choices=("sampled", "greedy"))

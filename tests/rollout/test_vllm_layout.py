@@ -67,10 +67,11 @@ def _expected_sampled(rule, reqs, order, temperature, seed, test: str = "rule"):
     return out
 
 
-@pytest.mark.parametrize("test", ["rule", "law"])
-@pytest.mark.parametrize("name,params", RULES)
+@pytest.mark.parametrize("name,params,test", [(name, params, test) for test in ("rule", "law") for name, params in RULES]
+                         + [("lossless", {}, "block")])
 def test_sampled_drafts_match_verify_chain_per_request(name, params, test):
-    """(``test``: VerifierConfig.test, which the plug-in's state hands to verify_flat.)"""
+    """(``test``: VerifierConfig.test, which the plug-in's state hands to verify_flat; ``block``
+    for the lossless rule only.)"""
     rule = get_rule(name, **params)
     ks = [3, 2, 3, 0, 2]
     reqs = _requests(ks, seed=7)
