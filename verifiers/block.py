@@ -64,6 +64,22 @@ def stop_probs(w: Tensor, r: Tensor) -> Tensor:
     return torch.cat([h, w[:, k:]], dim=1)
 
 
+def expected_accepted(p: Tensor, q: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
+    """Expected accepted drafts per row given its drafts, (token by token, as a block), float64 [B]
+    each: p [B, K+1, V] the target's probabilities, q [B, K, V] the draft's, x [B, K] the drafts.
+    Token by token: sum_k prod_{j<k} min(1, p_j(x_j) / q_j(x_j)); as a block: sum_n n h_n
+    prod_{j>n} (1 - h_j)."""
+    k = x.shape[1]
+    p, q = p.double(), q.double()
+    p_x, q_x = p[:, :k].gather(2, x[..., None])[..., 0], q.gather(2, x[..., None])[..., 0]
+    token = (p_x / q_x).clamp(max=1).cumprod(1).sum(1)
+    w = block_weights(p_x, q_x)
+    h = stop_probs(w, (w[:, :k, None] * p[:, :k] - q).clamp(min=0).sum(-1))
+    later = torch.cat([(1 - h[:, 1:]).flip(1).cumprod(1).flip(1), torch.ones_like(h[:, :1])], dim=1)
+    steps = torch.arange(k + 1, device=p.device, dtype=torch.float64)
+    return token, (steps * h * later).sum(1)
+
+
 def _rows(target: Tensor, draft: Tensor, x: Tensor, u_block: Tensor, u_final: Tensor, temperature: float,
           top_k: int | None, top_p: float | None) -> tuple[Tensor, Tensor, Tensor]:
     """One chunk of rows: (n [c], y [c], log p [c, K+1] at the emitted tokens, 0 after them)."""

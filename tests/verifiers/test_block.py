@@ -242,3 +242,22 @@ def test_cpp_and_torch_agree_on_a_full_vocabulary():
         assert torch.equal(runs[0].tokens, runs[1].tokens) and torch.equal(runs[0].kinds, runs[1].kinds)
         assert torch.allclose(runs[0].behaviour_logprobs, runs[1].behaviour_logprobs, atol=1e-5)
         assert len(set(runs[0].num_emitted.tolist())) >= 2
+
+
+def test_expected_accepted_drafts_match_the_verifiers():
+    """``expected_accepted``: per fixed block, the mean accepted drafts of many block and token-by-
+    token verifications of that block (Monte Carlo over the verifiers' randomness)."""
+    from verifiers.block import expected_accepted
+
+    g = torch.Generator().manual_seed(16)
+    k, v, n = 4, 11, 40_000
+    target = torch.randn(3, k + 1, v, generator=g) * 2
+    draft = target[:, :k] + torch.randn(3, k, v, generator=g)
+    x = torch.multinomial(draft_probs(draft, 1.0).reshape(-1, v), 1, generator=g).view(3, k)
+    token, block = expected_accepted(target_probs(target, 1.0), draft_probs(draft, 1.0), x)
+    for row in range(3):
+        args = (target[row].expand(n, -1, -1), draft[row].expand(n, -1, -1), x[row].expand(n, -1))
+        for test, want in (("block", block[row]), ("rule", token[row])):
+            res = verify_chain(LOSSLESS, *args, temperature=1.0, generator=torch.Generator().manual_seed(17), test=test)
+            got = (res.num_emitted - 1).double()
+            assert abs(got.mean() - want) < 4 * got.std() / math.sqrt(n) + 1e-9, (row, test)
