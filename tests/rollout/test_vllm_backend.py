@@ -59,9 +59,10 @@ def test_decisions_equal_the_hf_verifier_on_the_same_uniforms(backend, prompt):
     """The hf engine verifies a sampled chain with ``verify_chain(rule, logits, draft, x,
     generator=..., test=...)``; given the logits and drafts vLLM produced and the same generator
     state, it emits exactly what the plug-in emitted (tokens, kinds, log-probs, relaxed), also
-    with ``VerifierConfig.test`` law (which reaches the workers with the rule)."""
+    with ``VerifierConfig.test`` law and block (which reach the workers with the rule)."""
     for name, params, test in [("lossless", {}, "rule"), ("mars", {"theta": 0.9}, "rule"),
-                               ("overshoot", {"lenience": 0.5}, "rule"), ("mars", {"theta": 0.9}, "law")]:
+                               ("overshoot", {"lenience": 0.5}, "rule"), ("mars", {"theta": 0.9}, "law"),
+                               ("lossless", {}, "block")]:
         rule = get_rule(name, **params)
         _, records = generate_recorded(backend, [prompt] * 3, SamplingParams(temperature=1.0, max_new_tokens=16),
                                        SPEC, VerifierConfig(name, params, test), seed=3)
