@@ -82,7 +82,8 @@ def expected_accepted(p: Tensor, q: Tensor, x: Tensor) -> tuple[Tensor, Tensor]:
 
 def _rows(target: Tensor, draft: Tensor, x: Tensor, u_block: Tensor, u_final: Tensor, temperature: float,
           top_k: int | None, top_p: float | None) -> tuple[Tensor, Tensor, Tensor]:
-    """One chunk of rows: (n [c], y [c], log p [c, K+1] at the emitted tokens, 0 after them)."""
+    """One chunk of rows: (tokens [c, K+1] (the accepted drafts, then the final token; 0 after it),
+    n [c], log p [c, K+1] at the emitted tokens, 0 after them)."""
     c, k1, _ = target.shape
     k = k1 - 1
     logp = torch.log_softmax(process_logits(target, temperature, top_k, top_p), dim=-1)  # [c, K+1, V]
@@ -102,7 +103,7 @@ def _rows(target: Tensor, draft: Tensor, x: Tensor, u_block: Tensor, u_final: Te
     tokens = torch.cat([x, x.new_zeros(c, 1)], dim=1)
     tokens[rows, n] = y
     lp = logp.gather(2, tokens[..., None])[..., 0].masked_fill(steps > n[:, None], 0.0)
-    return n, y, lp
+    return tokens, n, lp
 
 
 def _native(target, draft, x, u_block, u_final, temperature, top_k, top_p) -> ChainResult:
@@ -137,12 +138,10 @@ def verify_chain_block(target_logits: Tensor, draft_logits: Tensor, draft_tokens
     step = max(1, CHUNK_ELEMENTS // (k1 * v))
     parts = [_rows(target_logits[s:s + step], draft_logits[s:s + step], x[s:s + step], u_block[s:s + step],
                    u_final[s:s + step], temperature, top_k, top_p) for s in range(0, b, step)]
-    n, y, lp = (torch.cat(part) for part in zip(*parts))
+    tokens, n, lp = (torch.cat(part) for part in zip(*parts))
     k = k1 - 1
     steps = torch.arange(k1, device=dev)
     pad = steps > n[:, None]  # [B, K+1]
-    tokens = torch.cat([x, x.new_zeros(b, 1)], dim=1)
-    tokens[torch.arange(b, device=dev), n] = y
     final = torch.where(n == k, int(TokenKind.BONUS), int(TokenKind.RECOVERED))
     kinds = torch.where(steps < n[:, None], int(TokenKind.ACCEPTED), final[:, None])
     return ChainResult(tokens.masked_fill(pad, -1), n + 1, lp, lp.clone(),
