@@ -27,6 +27,7 @@ import torch
 from rollout import native_linear
 from rollout.config import ConfigError
 from rollout.models import WEIGHT_ROUNDINGS, TargetConfig, TargetModel, load_target, round_weights_
+from rollout.quantize import DRAFTER_WEIGHTS, quantize_int8_
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 
@@ -100,15 +101,24 @@ class HFBackend:
     # ``exact`` (the policy's weights as sent), ``bfloat16`` (each weight matrix rounded
     # stochastically to bf16 values at load and at every weight sync, seeded by the version,
     # ``rollout.models.round_weights_``: half the bytes per step, fp32 arithmetic; the behaviour
-    # log-probs are the rounded model's) or ``bfloat16_nearest`` (nearest rounding: lags the policy)
-    OPTIONS = ("linear", "weights")
+    # log-probs are the rounded model's) or ``bfloat16_nearest`` (nearest rounding: lags the policy);
+    # ``drafter_weights``: ``stored`` (the head as its folder holds it) or ``int8`` (each of its
+    # linear layers rounded to integers times a scale per row at load, ``rollout.quantize``: a
+    # quarter of fp32's bytes per draft step; the rollouts' law and log-probs stay exact, since
+    # drafts are verified against the rounded head's own draft law)
+    OPTIONS = ("linear", "weights", "drafter_weights")
 
     def __init__(self, target: TargetModel, head=None, *, num_threads: int | None = None, pad_id: int = 0,
-                 version: int = 0, linear: str = "auto", weights: str = "exact"):
+                 version: int = 0, linear: str = "auto", weights: str = "exact", drafter_weights: str = "stored"):
         from rollout.engine import Engine
 
+        if drafter_weights not in DRAFTER_WEIGHTS:
+            raise ConfigError("backend_options.drafter_weights", f"unknown drafter weights {drafter_weights!r}",
+                              allowed=DRAFTER_WEIGHTS)
         self.target, self.pad_id, self._version = target, pad_id, int(version)
-        self.weights = weights
+        self.weights, self.drafter_weights = weights, drafter_weights
+        if head is not None and drafter_weights == "int8":
+            quantize_int8_(head)
         round_weights_(target.model, weights, seed=self._version)
         self.engine = Engine(target, head, num_threads=num_threads, linear=linear)
 
@@ -124,6 +134,9 @@ class HFBackend:
         if options.get("weights", "exact") not in WEIGHT_ROUNDINGS:
             raise ConfigError("backend_options.weights", f"unknown weight rounding {options['weights']!r}",
                               allowed=WEIGHT_ROUNDINGS)
+        if options.get("drafter_weights", "stored") not in DRAFTER_WEIGHTS:
+            raise ConfigError("backend_options.drafter_weights",
+                              f"unknown drafter weights {options['drafter_weights']!r}", allowed=DRAFTER_WEIGHTS)
         target, tokenizer = load_target(spec.target)
         target.to(spec.device)
         pad_id = getattr(tokenizer, "pad_token_id", None)
@@ -136,9 +149,10 @@ class HFBackend:
     @classmethod
     def from_model(cls, model: torch.nn.Module, *, drafter_path: str | None = None,
                    aux_layer_ids: tuple[int, int, int] | None = None, num_threads: int | None = None,
-                   pad_id: int = 0) -> HFBackend:
+                   pad_id: int = 0, drafter_weights: str = "stored") -> HFBackend:
         """A backend over a Hugging Face causal LM that the caller keeps training (shared weights)."""
-        backend = cls(TargetModel(model, aux_layer_ids), None, num_threads=num_threads, pad_id=pad_id)
+        backend = cls(TargetModel(model, aux_layer_ids), None, num_threads=num_threads, pad_id=pad_id,
+                      drafter_weights=drafter_weights)
         if drafter_path is not None:
             backend.load_drafter(drafter_path)
         return backend
@@ -152,13 +166,16 @@ class HFBackend:
         return self.engine.head
 
     def load_drafter(self, path: str) -> None:
-        """Load (or re-load) the EAGLE-3 head from a folder; a head for another target is refused."""
+        """Load (or re-load) the EAGLE-3 head from a folder (rounded to int8 weights where
+        ``drafter_weights`` says so); a head for another target is refused."""
         from rollout.eagle3 import load_eagle3
 
         head = load_eagle3(path, self.target).to(self.target.device)
         if head.cfg.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter {path}: vocab_size {head.cfg.vocab_size} != target vocab_size "
                              f"{self.target.vocab_size}")
+        if self.drafter_weights == "int8":
+            quantize_int8_(head)
         self.engine.head = head
         self.engine.forget_plans()  # acceptance was learned with the old head
 

@@ -34,6 +34,14 @@ bandwidth is about 16-18 ms.)
   first row, so the check costs the target nothing). A batch-1 draft step reads half the
   bytes; ``compact = False`` packs everything as fp32 (A/B measurements,
   ``scripts/bench_rollout.py --fp32-head``).
+- **Int8 panels**: a weight registered with per-row scales (:func:`register_int8`, done by
+  ``rollout.quantize.quantize_int8_``, which rounds the EAGLE-3 head to integers times a scale
+  per output row when the hf backend is asked to: ``drafter_weights: int8``) is packed as the
+  integers and the scales, a quarter of fp32's bytes. The kernel multiplies each integer, as a
+  float, by its row's scale, which is the product the weight holds, before the same sums: the
+  same bits as fp32 panels of that weight (tests). The pack checks every value against that
+  product and falls back to bf16 or fp32 panels where a value is not one (a weight changed
+  since it was quantized), so what a forward computes is always the weight as it is.
 - The same library holds the decoding attention (``csrc/attention.cpp``, :func:`attend`) and
   RMS norm (``csrc/norm.cpp``, :func:`rms_norm`) that ``rollout.fused_layers`` runs.
 - Needs AVX-512 (x86); elsewhere :func:`available` is False and the torch path runs.
@@ -70,6 +78,7 @@ _lock = threading.Lock()
 _buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (see ``routed``)
 _merged_buffers = WeakIdKeyDictionary()  # fused module -> its merged layers' packed buffer (likewise)
 _stamps = WeakIdKeyDictionary()  # weight or fused module -> what its buffer was packed from (``_refill``)
+_int8_scales = WeakIdKeyDictionary()  # weight -> its rows' scales (``register_int8``)
 repacks = 0  # buffers packed (not kept) by ``routed`` so far: for tests and measurements
 epoch = 0  # counts ``routed`` entries: what was derived from the packed buffers is stale when it moves
 
@@ -99,6 +108,12 @@ def _load() -> ctypes.CDLL | None:
         lib.hr_linear16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
         lib.hr_linear_pack16.restype = ctypes.c_int64
         lib.hr_linear_pack16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+        lib.hr_linear8.restype = ctypes.c_int64
+        lib.hr_linear8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+        lib.hr_linear_pack8.restype = ctypes.c_int64
+        lib.hr_linear_pack8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+        lib.hr_linear_packed_size8.restype = ctypes.c_int64
+        lib.hr_linear_packed_size8.argtypes = [ctypes.c_int64] * 2
         lib.hr_digest.restype = ctypes.c_uint64
         lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
         lib.hr_linear_max_rows.restype = ctypes.c_int64
@@ -173,6 +188,21 @@ def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     return pack_merged([weight], out)
 
 
+def register_int8(weight: torch.Tensor, scales: torch.Tensor) -> None:
+    """Declare ``weight [N, K]`` to hold, in row n, ``scales[n]`` times integers in [-127, 127]
+    (each value the float32 product): ``pack`` then makes int8 panels of it, as long as that
+    still holds of every value (it checks)."""
+    if scales.dtype != torch.float32 or scales.shape != (weight.shape[0],):
+        raise ValueError(f"register_int8: scales must be float32 of shape ({weight.shape[0]},), got "
+                         f"{str(scales.dtype)} {tuple(scales.shape)}")
+    _int8_scales[weight] = scales.detach().contiguous().cpu()
+
+
+def int8_scales(weight: torch.Tensor) -> torch.Tensor | None:
+    """The scales :func:`register_int8` gave ``weight`` (None: none)."""
+    return _int8_scales.get(weight)
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            packed: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the kernel when it fits (see the module docstring).
@@ -195,7 +225,7 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     n, k = weight.shape if shape is None else shape
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    call = _lib.hr_linear16 if panels.dtype == torch.bfloat16 else _lib.hr_linear
+    call = {torch.bfloat16: _lib.hr_linear16, torch.int8: _lib.hr_linear8}.get(panels.dtype, _lib.hr_linear)
     status = call(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(), out.data_ptr(), n, k,
                   xs.numel() // k)
     if status != 0:  # cannot happen after _fits; never return an unwritten tensor
@@ -205,8 +235,10 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
 
 def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed copy of ``torch.cat(weights)`` (each ``[N_i, K]``, every ``N_i`` but the last a
-    multiple of the panel width 16), packed from the weights in place (no concatenated copy); bf16
-    panels when :data:`compact` and every value of every weight is a bfloat16, else fp32."""
+    multiple of the panel width 16), packed from the weights in place (no concatenated copy): int8
+    panels when :data:`compact` and every weight is registered (:func:`register_int8`) and still
+    holds its integers times its scales, else bf16 panels when every value of every weight is a
+    bfloat16, else fp32."""
     lib = _required()
     if not all(_packable(w) for w in weights) or len({w.shape[1] for w in weights}) != 1:
         got = [(tuple(w.shape), str(w.dtype), w.device.type, w.is_contiguous()) for w in weights]
@@ -215,6 +247,13 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     k = weights[0].shape[1]
     sizes = [lib.hr_linear_packed_size(w.shape[0], k) for w in weights]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    scales = [_int8_scales.get(w) for w in weights]
+    if compact and None not in scales:
+        sizes8 = [lib.hr_linear_packed_size8(w.shape[0], k) for w in weights]
+        buf = _buffer(out, sum(sizes8), torch.int8)
+        if all(lib.hr_linear_pack8(w.data_ptr(), sc.data_ptr(), buf[sum(sizes8[:i]):].data_ptr(), w.shape[0], k) == 0
+               for i, (w, sc) in enumerate(zip(weights, scales))):
+            return buf
     if compact and all(lib.hr_linear_pack16(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights):
         buf = _buffer(out, sum(sizes), torch.bfloat16)
         if all(lib.hr_linear_pack16(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
@@ -236,7 +275,7 @@ def digest(t: torch.Tensor) -> int:
 def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor]) -> torch.Tensor:
     """``owner``'s packed buffer in ``table`` (a weight's or a fused module's), packed again
     unless it still holds ``weights`` as they are. It does when it was packed from the same
-    tensors (address, shape, version counter, the ``compact`` switch) and their bytes have
+    tensors (address, shape, version counter, int8 scales, the ``compact`` switch) and their bytes have
     the same digests as then. A version counter alone cannot tell: a write through ``.data``
     (as some optimizers and weight loaders do) does not move it, so the digests, read at
     memory bandwidth, are compared each time. A buffer packed after its weights' version
@@ -245,7 +284,7 @@ def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor]) -> t
     versions unchanged, and kept from then on."""
     global repacks
     panels = table.get(owner)
-    source = (compact, *((w.data_ptr(), tuple(w.shape), w._version) for w in weights))
+    source = (compact, *((w.data_ptr(), tuple(w.shape), w._version, id(_int8_scales.get(w))) for w in weights))
     stamp = _stamps.get(owner)
     sums = None
     if panels is not None and stamp is not None and stamp[0] == source:
@@ -359,8 +398,9 @@ def panels_of(module: nn.Module) -> torch.Tensor | None:
 
 def compact_bits(panels: list[torch.Tensor]) -> int:
     """The C++ layer calls' ``compact`` argument: bit i set where ``panels[i]`` holds bf16
-    (compact) panels, else fp32."""
-    return sum(1 << i for i, p in enumerate(panels) if p.dtype == torch.bfloat16)
+    (compact) panels, bit 8 + i where it holds int8 panels; neither: fp32."""
+    return sum((1 << i if p.dtype == torch.bfloat16 else 1 << (8 + i) if p.dtype == torch.int8 else 0)
+               for i, p in enumerate(panels))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:

@@ -9,7 +9,10 @@ each (``rollout.native_draft``), ``--unfused`` the
 autoregressive mode with the modules' own forwards (kernel still on), ``--fp32-head`` each
 speculative configuration with the draft head's weights packed as fp32 panels (the default
 packs the shipped bf16-valued head as bf16 panels: the same draft logits, half the bytes;
-``native_linear.compact``). ``--bf16-weights`` adds the autoregressive mode and each speculative
+``native_linear.compact``). ``--int8-head`` adds each speculative configuration on a second engine
+over the same target whose head copy is rounded to int8 weights (the hf backend's
+``drafter_weights: int8``, ``rollout.quantize``: a quarter of fp32's bytes per draft step, exact
+rollouts; its own tau, step costs and bounds). ``--bf16-weights`` adds the autoregressive mode and each speculative
 configuration on a second engine whose target copy has its weights rounded to bf16 values (the hf
 backend's ``weights: bfloat16``: another model, half the bytes per step; its own step costs and
 bounds), with their speedups over the exact autoregressive mode.
@@ -95,7 +98,7 @@ from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.planner import trace_summary  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
 from scripts.bench_plot import plot_rows  # noqa: E402
-from scripts.bench_rows import (SWITCHES, describe, header, plan_line, print_row, rounded_engine,  # noqa: E402
+from scripts.bench_rows import (SWITCHES, describe, header, int8_engine, plan_line, print_row, rounded_engine,  # noqa: E402
                                 row_configs, spec_configs, switched_off, widths)
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 from verifiers import native  # noqa: E402
@@ -157,6 +160,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fp32-head", action="store_true",
                     help="add each speculative configuration with the head packed as fp32 panels "
                          "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")
+    ap.add_argument("--int8-head", action="store_true",
+                    help="add each speculative configuration on a head copy rounded to int8 weights (the hf "
+                         "backend's drafter_weights: int8) as rows, with their own step costs and bounds")
     ap.add_argument("--torch-linear", action="store_true",
                     help="add our autoregressive mode on torch's GEMM (Engine(linear='torch')) as a row")
     ap.add_argument("--bf16-weights", action="store_true",
@@ -173,6 +179,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2")
     args = ap.parse_args(argv)
     args.rounded = None  # main sets the --bf16-weights engine (rounded_engine)
+    args.int8 = None  # and the --int8-head engine (int8_engine)
     if args.quick:
         args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
     for flag, out in (("--json", args.json), ("--plot", args.plot), ("--planner-trace", args.planner_trace)):
@@ -281,6 +288,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
         samples: dict = {}  # step -> seconds, over every batch of prompts
         samples_r: dict = {}  # the same on the engine with bf16-rounded weights (--bf16-weights)
+        samples_8: dict = {}  # and on the engine with the int8 head (--int8-head)
         for w in range(args.plan_warmup):  # the planners learn their costs (kept by the engine)
             for c in configs:
                 if c[2] is not None and c[2].auto:
@@ -295,14 +303,16 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
             if args.cost_reps > 0:
-                for eng, into in ((engine, samples), (args.rounded, samples_r)):
+                for eng, into in ((engine, samples), (args.rounded, samples_r), (args.int8, samples_8)):
                     if eng is not None:
                         for step, values in step_costs(eng, group, blocks, args.cost_reps, raw=True).items():
                             into.setdefault(step, []).extend(values)
             print(f"  batch {size}: {i + 1}/{len(groups) * args.passes} batches done", file=sys.stderr, flush=True)
         costs = {step: median(values) for step, values in samples.items()}
         costs_r = {step: median(values) for step, values in samples_r.items()}
-        for label, c, taken in (("", costs, samples), (" [bf16 weights]", costs_r, samples_r)):
+        costs_8 = {step: median(values) for step, values in samples_8.items()}
+        for label, c, taken in (("", costs, samples), (" [bf16 weights]", costs_r, samples_r),
+                                (" [int8 head]", costs_8, samples_8)):
             if c:
                 print(f"  batch {size} step costs{label} (ms, median of {len(taken[1])} over the run): " + ", ".join(
                     f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in c.items()),
@@ -334,7 +344,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             # a row on another engine has a bound from that engine's own step costs, if they were measured
             if isinstance(backend, Engine):
-                own = costs_r if backend is args.rounded else None  # --torch-linear's engine: not timed
+                # --torch-linear's engine: not timed
+                own = costs_r if backend is args.rounded else costs_8 if backend is args.int8 else None
             else:
                 own = costs
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in (own or {}).items()}
@@ -389,6 +400,7 @@ def main(argv: list[str] | None = None) -> None:
     head = load_eagle3(args.head or default_head_path(), target)
     engine = Engine(target, head, num_threads=threads)  # sets torch's threads for HF generate too
     args.rounded = rounded_engine(args, threads) if args.bf16_weights else None
+    args.int8 = int8_engine(args, target, threads) if args.int8_head else None
     prompts = [p for p in benchmark_prompts(tok, args.prompts, args.seed) for _ in range(args.group)]
     sampling = SamplingParams(temperature=args.temperature, max_new_tokens=args.max_new_tokens,
                               stop_token_ids=(tok.eos_token_id,))
@@ -403,7 +415,8 @@ def main(argv: list[str] | None = None) -> None:
         with open(args.planner_trace, "w") as f:
             json.dump(traces, f)
         print(f"wrote {args.planner_trace} ({sum(len(t['rounds']) for t in traces)} rounds of {len(traces)} rows)")
-    report = {"args": {k: v for k, v in vars(args).items() if k != "rounded"}, "results": rows}  # not the engine
+    report = {"args": {k: v for k, v in vars(args).items() if k not in ("rounded", "int8")},  # not the engines
+              "results": rows}
     if args.repeat:
         report["memory"] = memory_check(args, engine, prompts, sampling)
     if args.json:

@@ -18,6 +18,7 @@ from rollout.eagle3 import default_head_path, load_eagle3
 from rollout.engine import Engine
 from rollout.models import load_embedded_target, round_weights_
 from rollout.params import SpecConfig, VerifierConfig, tree_spec
+from rollout.quantize import quantize_int8_
 from rollout.runner import ModelRunner
 from trainers.drift.study import parse_verifier, verifier_label
 
@@ -44,6 +45,10 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
     if rounded is not None:
         rows.append(("off [bf16 weights]", "lossless", off, lossless, rounded))
         rows += [(f"{describe(spec)} [bf16 weights]", verifier_label(v), spec, v, rounded) for spec, v in pairs]
+    int8 = getattr(args, "int8", None)  # bench_rollout.int8_engine (--int8-head)
+    if int8 is not None:
+        rows += [(f"{describe(spec)} [int8 head]", verifier_label(v), spec, v, int8) for spec, v in pairs
+                 if spec.mode != "off"]
     if args.python_layers:
         rows.append(("off [python layers]", "lossless", off, lossless, "python-layers"))
     for flag, switch, label in ((args.python_layers, "python-layers", "python layers"),
@@ -60,6 +65,14 @@ def rounded_engine(args, threads: int) -> Engine:
     target, _ = load_embedded_target()
     round_weights_(target.model, "bfloat16")
     return Engine(target, load_eagle3(args.head or default_head_path(), target), num_threads=threads)
+
+
+def int8_engine(args, target, threads: int) -> Engine:
+    """``--int8-head``'s engine: the same target with a second copy of the head, its linear layers
+    rounded to int8 weights (the hf backend's ``drafter_weights: int8``, ``rollout.quantize``)."""
+    head = load_eagle3(args.head or default_head_path(), target)
+    quantize_int8_(head)
+    return Engine(target, head, num_threads=threads)
 
 
 def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:

@@ -18,7 +18,8 @@ and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chai
 ``--verifier`` verifies every chain and tree with another rule (``name`` or
 ``name:key=value,...``, e.g. ``overshoot:lenience=0.5``, or ``mars:theta=0.9,test=law`` for the
 law's test on sampled chains, ``VerifierConfig.test``; default lossless); the trivial drafter
-stays lossless.
+stays lossless. ``--drafter-weights int8`` rounds the head to int8 weights first (the hf backend's
+``drafter_weights: int8``, ``rollout.quantize``): its tau next to the stored head's in another run.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from rollout.engine import Engine
 from rollout.models import load_embedded_target
 from rollout.outputs import Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, tree_spec
+from rollout.quantize import DRAFTER_WEIGHTS, quantize_int8_
 from rollout.timing import step_costs
 from trainers.drift.study import parse_verifier
 from trainers.tasks.general import heldout_prompts
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--verifier", default="lossless",
                     help="the rule chains and trees are verified with: name or name:key=value,... "
                          "(test=law: rejection towards the rule's law on sampled chains)")
+    ap.add_argument("--drafter-weights", default="stored", choices=DRAFTER_WEIGHTS,
+                    help="int8: round the head's linear layers to int8 weights first (rollout.quantize)")
     args = ap.parse_args(argv)
     try:
         [tree_spec(t) for t in args.tree.split(";") if t.strip()]
@@ -145,8 +149,11 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--verifier: {err}")
     target, tok = load_embedded_target()
     head = load_eagle3(args.head, target)
+    if args.drafter_weights == "int8":
+        quantize_int8_(head)
     sets = held_out_prompts(tok, args.n_arith, args.n_general)
-    report: dict[str, object] = {"k": args.k, "head": args.head, "verifier": args.verifier}
+    report: dict[str, object] = {"k": args.k, "head": args.head, "verifier": args.verifier,
+                                 "drafter_weights": args.drafter_weights}
     for kind, prompts in sets.items():
         for temperature in (1.0, 0.0):
             for name, h in (("eagle3", head), ("trivial", None)):

@@ -33,6 +33,7 @@
 extern "C" {
 int64_t hr_linear(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
 int64_t hr_linear16(const uint16_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
+int64_t hr_linear8(const int8_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
 int64_t hr_attend(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, const float* k, const float* v,
                   int64_t ks_b, int64_t ks_h, int64_t ks_l, const uint8_t* mask, int64_t ms_b, int64_t ms_t,
                   float* out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, float scale);
@@ -41,10 +42,13 @@ void hr_rms_norm(const float* x, const float* w, float* out, int64_t M, int64_t 
 
 namespace {
 
-// A linear layer without bias from its packed panels (compact: bf16 panels).
-int64_t linear(const void* P, bool compact, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
-  return compact ? hr_linear16(static_cast<const uint16_t*>(P), nullptr, X, Y, N, K, M)
-                 : hr_linear(static_cast<const float*>(P), nullptr, X, Y, N, K, M);
+// A linear layer without bias from its packed panels: ``bit`` of ``compact`` set: bf16 panels
+// (hr_linear_pack16); ``bit << 8`` set: int8 panels (hr_linear_pack8); neither: fp32 panels.
+int64_t linear(const void* P, int64_t compact, int64_t bit, const float* X, float* Y, int64_t N, int64_t K,
+               int64_t M) {
+  if (compact & (bit << 8)) return hr_linear8(static_cast<const int8_t*>(P), nullptr, X, Y, N, K, M);
+  return compact & bit ? hr_linear16(static_cast<const uint16_t*>(P), nullptr, X, Y, N, K, M)
+                       : hr_linear(static_cast<const float*>(P), nullptr, X, Y, N, K, M);
 }
 
 // Rows [lo, hi) in parallel when there are many (a prefill chunk), else on this thread.
@@ -75,7 +79,7 @@ int64_t layer_body(const float* xin, int64_t K, const float* res, float* h, int6
   float* act = gu + R * 2 * I;   // [R, I]: silu(g), then silu(g) * u
   int64_t status;
 
-  if ((status = linear(p_qkv, compact & 1, xin, qkv, nqkv, K, R)) != 0) return status;
+  if ((status = linear(p_qkv, compact, 1, xin, qkv, nqkv, K, R)) != 0) return status;
   rows(R, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t r = lo; r < hi; ++r) {
       const float* c = cos + r * D;
@@ -96,13 +100,13 @@ int64_t layer_body(const float* xin, int64_t K, const float* res, float* h, int6
   if ((status = hr_attend(qk, T * nqk, D, nqk, kc, vc, ks_b, ks_h, ks_l, mask, ms_b, ms_t, att, B, T, Hq, Hkv, L,
                           D, scale)) != 0)
     return status;
-  if ((status = linear(p_o, compact & 2, att, x, H, Hq * D, R)) != 0) return status;
+  if ((status = linear(p_o, compact, 2, att, x, H, Hq * D, R)) != 0) return status;
   rows(R, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo * H; i < hi * H; ++i) h[i] = res[i] + x[i];
   });
 
   hr_rms_norm(h, w_post, x, R, H, eps);
-  if ((status = linear(p_gu, compact & 4, x, gu, 2 * I, H, R)) != 0) return status;
+  if ((status = linear(p_gu, compact, 4, x, gu, 2 * I, H, R)) != 0) return status;
   {  // silu over the gate half ([R, I] with row stride 2I), as F.silu(gate_up[..., :I]) runs it
     const at::Tensor gate = at::from_blob(gu, {R, I}, {2 * I, 1}, at::TensorOptions().dtype(at::kFloat));
     at::Tensor out = at::from_blob(act, {R, I}, at::TensorOptions().dtype(at::kFloat));
@@ -112,7 +116,7 @@ int64_t layer_body(const float* xin, int64_t K, const float* res, float* h, int6
     for (int64_t r = lo; r < hi; ++r)
       for (int64_t i = 0; i < I; ++i) act[r * I + i] = act[r * I + i] * gu[r * 2 * I + I + i];
   });
-  if ((status = linear(p_down, compact & 8, act, x, H, I, R)) != 0) return status;
+  if ((status = linear(p_down, compact, 8, act, x, H, I, R)) != 0) return status;
   rows(R, 64, [&](int64_t lo, int64_t hi) {
     for (int64_t i = lo * H; i < hi * H; ++i) h[i] = h[i] + x[i];
   });
@@ -125,7 +129,7 @@ extern "C" {
 
 // h [R, H] (R = B x T rows, row-major) is updated in place to the layer's output.
 // panels: q/k/v side by side, o, gate/up side by side, down; bit i of ``compact`` set: panel i
-// holds bf16 values (hr_linear_pack16). cos, sin: [R, D] (the rotary tables of each row's
+// holds bf16 values (hr_linear_pack16); bit 8 + i: int8 values and scales (hr_linear_pack8). cos, sin: [R, D] (the rotary tables of each row's
 // position). kc, vc: this layer's key and value cache of the B rows, [B, Hkv, >= L, D] with
 // strides (ks_b, ks_h, ks_l, 1); slots [R]: the slot each row's token is written to. mask:
 // bytes [B, T, L] with strides (ms_b, ms_t, 1). scratch: at least
@@ -180,7 +184,7 @@ int64_t hr_decoder_stack(float* h, int64_t B, int64_t T, int64_t H, int64_t n, c
 //   x = [rms_norm(emb, w_in), rms_norm(hid, w_hid)]      [R, 2H]
 //   h = hid + attention(x) Wo^T                           q/k/v, rotation, cache write, hr_attend
 //   h = h + mlp(rms_norm(h, w_post))                      as hr_decoder_layer
-//   logits = (rms_norm(h, w_norm) Wlm^T) * logit_scale    (only when p_lm; bit 4 of compact: bf16)
+//   logits = (rms_norm(h, w_norm) Wlm^T) * logit_scale    (only when p_lm; bit 4 of compact: bf16, 12: int8)
 //
 // emb, hid: [R, H] (the step's token embeddings and input hidden states); out: [R, H]; logits:
 // [R, V]. The keys and values go to the draft cache at ``slots`` (scratch slots past every
@@ -204,7 +208,7 @@ int64_t hr_draft_layer(const float* emb, const float* hid, float* out, int64_t B
                               scratch);
   if (status != 0 || p_lm == nullptr) return status;
   hr_rms_norm(out, w_norm, xin, R, H, eps);
-  if ((status = linear(p_lm, compact & 16, xin, logits, V, H, R)) != 0) return status;
+  if ((status = linear(p_lm, compact, 16, xin, logits, V, H, R)) != 0) return status;
   if (logit_scale != 1.0f)
     for (int64_t i = 0; i < R * V; ++i) logits[i] = logits[i] * logit_scale;
   return 0;

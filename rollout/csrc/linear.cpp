@@ -23,13 +23,22 @@
 // halves only (hr_linear_pack16), half the bytes to stream. The kernel widens each value back
 // to the same float (a shift, exact) before the same FMAs in the same order, so the outputs
 // are the bits of the fp32 panels. The pack refuses (returns 1) a weight with any other value.
+//
+// Int8 panels: a weight whose row n is s[n] times integers in [-127, 127] (every value the float
+// product fl(q s[n]): ``rollout.quantize`` makes the EAGLE-3 head so on request) can be packed as
+// the integers, a quarter of the bytes, with the panel's 16 scales after its K rows (panel stride
+// K x 16 + 64 bytes). The kernel widens each integer to a float and multiplies it by its column's
+// scale, the product the weight holds, before the same FMAs: again the bits of the fp32 panels.
+// The pack (hr_linear_pack8) checks every value against that product and refuses any other.
 
 #include <ATen/Parallel.h>
 
 #include <array>
 #include <atomic>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -56,6 +65,20 @@ constexpr int64_t kAhead = 32;
 // 43 -> 24 ms; 1-4 rows and 48-128 rows unchanged). The same bits: a prefetch changes no arithmetic.
 constexpr int64_t kAheadL2 = 128;
 
+// Int8 panels: their 16 scales (floats) follow a panel's K rows of 16 bytes.
+constexpr int64_t kScaleBytes = kLanes * sizeof(float);
+template <typename W>
+constexpr bool kInt8 = std::is_same_v<W, int8_t>;
+// Elements of W from one panel's start to the next.
+template <typename W>
+inline int64_t panel_stride(int64_t K) {
+  return K * kLanes + (kInt8<W> ? kScaleBytes : 0);
+}
+// The 16 scales of the panel at w (int8 panels only).
+inline const float* panel_scales(const int8_t* w, int64_t K) {
+  return reinterpret_cast<const float*>(w + K * kLanes);
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 
@@ -64,6 +87,11 @@ inline __m512 load16(const float* w) { return _mm512_loadu_ps(w); }
 inline __m512 load16(const uint16_t* w) {
   const __m512i wide = _mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(w)));
   return _mm512_castsi512_ps(_mm512_slli_epi32(wide, 16));
+}
+// Int8 panels: each integer as a float (exact) times its column's scale: the weight's own value.
+inline __m512 load16(const int8_t* w, __m512 scale) {
+  const __m512i wide = _mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(w)));
+  return _mm512_mul_ps(_mm512_cvtepi32_ps(wide), scale);
 }
 
 // Rows [0, M) of X times panels p .. p + NP - 1: NP x M accumulators of 16 lanes. (always_inline:
@@ -75,18 +103,28 @@ __attribute__((always_inline)) inline void tile(const W* P, const float* X, cons
   __m512 acc[NP][M], part[NP][M];
   for (int j = 0; j < NP; ++j)
     for (int m = 0; m < M; ++m) acc[j][m] = _mm512_setzero_ps();
-  const W* w = P + p * K * kLanes;
+  const int64_t S = panel_stride<W>(K);
+  const W* w = P + p * S;
+  __m512 scale[NP];
+  if constexpr (kInt8<W>)
+    for (int j = 0; j < NP; ++j) scale[j] = _mm512_loadu_ps(panel_scales(w + j * S, K));
+  // panel rows requested ahead: the same bytes ahead for int8 panels as for fp32 ones, once a line
+  constexpr int64_t kRowsAhead = kInt8<W> ? 4 * kAhead : kAhead, kRowsAheadL2 = kInt8<W> ? 4 * kAheadL2 : kAheadL2;
   for (int64_t k0 = 0; k0 < K; k0 += kBlock) {  // blocks of kBlock terms, then the sum of blocks
     const int64_t k1 = k0 + kBlock < K ? k0 + kBlock : K;
     for (int j = 0; j < NP; ++j)
       for (int m = 0; m < M; ++m) part[j][m] = _mm512_setzero_ps();
     for (int64_t k = k0; k < k1; ++k) {
-      for (int j = 0; j < NP; ++j) {  // (hints: past a panel's end they touch the next one, never fault)
-        _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k + kAhead) * kLanes), _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w + (j * K + k + kAheadL2) * kLanes), _MM_HINT_T1);
-      }
+      if (!kInt8<W> || (k & 3) == 0)
+        for (int j = 0; j < NP; ++j) {  // (hints: past a panel's end they touch the next one, never fault)
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * S + (k + kRowsAhead) * kLanes), _MM_HINT_T0);
+          _mm_prefetch(reinterpret_cast<const char*>(w + j * S + (k + kRowsAheadL2) * kLanes), _MM_HINT_T1);
+        }
       __m512 v[NP];
-      for (int j = 0; j < NP; ++j) v[j] = load16(w + (j * K + k) * kLanes);
+      for (int j = 0; j < NP; ++j) {
+        if constexpr (kInt8<W>) v[j] = load16(w + j * S + k * kLanes, scale[j]);
+        else v[j] = load16(w + j * S + k * kLanes);
+      }
       for (int m = 0; m < M; ++m) {
         const __m512 x = _mm512_set1_ps(X[m * K + k]);
         for (int j = 0; j < NP; ++j) part[j][m] = _mm512_fmadd_ps(x, v[j], part[j][m]);
@@ -179,10 +217,17 @@ inline float widen(uint16_t w) {
 template <typename W, int M, int NP>
 inline void tile(const W* P, const float* X, const float* b, float* Y, int64_t N, int64_t K, int64_t p) {
   // Without AVX-512 (the Python side does not use the kernel then; kept so the file builds).
+  const int64_t S = panel_stride<W>(K);
   for (int64_t j = 0; j < NP * kLanes && p * kLanes + j < N; ++j)
     for (int m = 0; m < M; ++m) {
+      const W* w = P + (p + j / kLanes) * S;
       float s = 0.f;
-      for (int64_t k = 0; k < K; ++k) s += X[m * K + k] * widen(P[p * K * kLanes + (j / kLanes * K + k) * kLanes + j % kLanes]);
+      for (int64_t k = 0; k < K; ++k) {
+        float v;
+        if constexpr (kInt8<W>) v = static_cast<float>(w[k * kLanes + j % kLanes]) * panel_scales(w, K)[j % kLanes];
+        else v = widen(w[k * kLanes + j % kLanes]);
+        s += X[m * K + k] * v;
+      }
       Y[m * N + p * kLanes + j] = b != nullptr ? s + b[p * kLanes + j] : s;
     }
 }
@@ -254,6 +299,29 @@ bool pack_panel16(const float* W, uint16_t* dst, float* tmp, int64_t N, int64_t 
   return narrow16(tmp, dst, K * kLanes);
 }
 
+// One int8 panel: the panel packed as floats into ``tmp`` (K x 16), then each value's integer q
+// with fl(q x scale) equal to the value (bit for bit), |q| <= 127, and the 16 scales after the
+// rows (0 past N). Returns false (the panel unfinished) at the first value with no such integer.
+bool pack_panel8(const float* W, const float* scales, int8_t* dst, float* tmp, int64_t N, int64_t K, int64_t n0) {
+  pack_panel(W, tmp, N, K, n0, true);
+  float s[kLanes];
+  for (int64_t j = 0; j < kLanes; ++j) s[j] = n0 + j < N ? scales[n0 + j] : 0.f;
+  for (int64_t k = 0; k < K; ++k)
+    for (int64_t j = 0; j < kLanes; ++j) {
+      const float v = tmp[k * kLanes + j];
+      const float q = s[j] != 0.f ? std::nearbyint(v / s[j]) : 0.f;
+      if (!(std::fabs(q) <= 127.f)) return false;  // (also NaN)
+      const float back = static_cast<float>(static_cast<int>(q)) * s[j];
+      uint32_t a, c;
+      std::memcpy(&a, &v, sizeof a);
+      std::memcpy(&c, &back, sizeof c);
+      if (a != c) return false;
+      dst[k * kLanes + j] = static_cast<int8_t>(q);
+    }
+  std::memcpy(dst + K * kLanes, s, sizeof s);
+  return true;
+}
+
 }  // namespace
 
 extern "C" {
@@ -304,6 +372,29 @@ int64_t hr_linear_pack16(const float* W, uint16_t* P, int64_t N, int64_t K) {
 
 // hr_linear over compact panels (hr_linear_pack16): the same bits as over the fp32 panels.
 int64_t hr_linear16(const uint16_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
+  if (M < 1 || M > kMaxRows) return 1;
+  run(P, b, X, Y, N, K, M);
+  return 0;
+}
+
+// Bytes the int8 packed copy of a [N, K] weight takes (hr_linear_pack8).
+int64_t hr_linear_packed_size8(int64_t N, int64_t K) { return (N + kLanes - 1) / kLanes * panel_stride<int8_t>(K); }
+
+// Pack W [N, K] into int8 panels P (hr_linear_packed_size8 bytes) when every value of row n is
+// fl(q x S[n]) for an integer |q| <= 127 (see the top of the file; S: N floats). Returns 0, or 1
+// when some value is not (then P holds nothing usable).
+int64_t hr_linear_pack8(const float* W, const float* S, int8_t* P, int64_t N, int64_t K) {
+  std::atomic<bool> ok{true};
+  at::parallel_for(0, (N + kLanes - 1) / kLanes, 16, [&](int64_t lo, int64_t hi) {
+    std::vector<float> tmp(K * kLanes);
+    for (int64_t p = lo; p < hi && ok.load(std::memory_order_relaxed); ++p)
+      if (!pack_panel8(W, S, P + p * panel_stride<int8_t>(K), tmp.data(), N, K, p * kLanes)) ok = false;
+  });
+  return ok ? 0 : 1;
+}
+
+// hr_linear over int8 panels (hr_linear_pack8): the same bits as over the fp32 panels.
+int64_t hr_linear8(const int8_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
   if (M < 1 || M > kMaxRows) return 1;
   run(P, b, X, Y, N, K, M);
   return 0;

@@ -396,3 +396,29 @@ def test_bf16_weight_rows_run_on_a_rounded_copy_with_their_own_bound(tiny, tiny_
     assert rows[1]["bound"] == pytest.approx(rows[1]["tau"] * exact["1"] / (exact["4"] + 3 * exact["draft"]))
     assert rows[3]["bound"] == pytest.approx(rows[3]["tau"] * exact["1"] / (own["4"] + 3 * own["draft"]))
     assert rows[3]["speedup_vs_ar"] == pytest.approx(rows[3]["tokens_per_s"] / rows[0]["tokens_per_s"])
+
+
+def test_int8_head_rows_run_on_a_rounded_head_with_their_own_bound(tiny, tiny_head_dir, monkeypatch):
+    """--int8-head: each speculative configuration again, on a second engine over the same target
+    with a head copy rounded to int8 weights; its bound uses that engine's own step costs."""
+    from rollout import native_linear
+    from rollout.params import SamplingParams
+    from scripts import bench_rollout, bench_rows
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "5", "--modes", "chain", "--no-hf", "--verifiers",
+                       "lossless", "--int8-head", "--cost-reps", "2", "--order", "fixed", "--head", str(tiny_head_dir)])
+    args.int8 = bench_rows.int8_engine(args, target, 1)
+    assert args.int8.target is target and args.int8.head is not engine.head
+    assert native_linear.int8_scales(args.int8.head.lm_head.weight) is not None
+    assert native_linear.int8_scales(engine.head.lm_head.weight) is None
+    ran = []
+    run = bench_rollout.run_ours
+    monkeypatch.setattr(bench_rollout, "run_ours", lambda eng, *a, **kw: ran.append(eng) or run(eng, *a, **kw))
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(2)], SamplingParams(max_new_tokens=5))
+    assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled [int8 head]"]
+    assert ran == [engine, engine, args.int8]
+    exact, own = rows[1]["step_costs_ms"], rows[2]["step_costs_ms"]
+    assert own != exact
+    assert rows[2]["bound"] == pytest.approx(rows[2]["tau"] * exact["1"] / (own["4"] + 3 * own["draft"]))

@@ -4,6 +4,7 @@ the engine's own logits, and target log-probs match a cache-free recomputation."
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import pytest
@@ -13,6 +14,7 @@ from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head 
 
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.quantize import quantize_int8_
 from verifiers import TokenKind, induced_candidates, induced_chain, target_logprobs
 
 SPECS = {
@@ -87,6 +89,25 @@ def test_lossless_samples_the_target_distribution(small, name):
         pair23 = torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v)
         assert chi2_pvalue(pair12, law.sum(2)) > 1e-3
         assert chi2_pvalue(pair23, law.sum(0)) > 1e-3
+    for c in res.completions:
+        assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
+
+
+@pytest.mark.parametrize("name", ["chain-sampled", "tree"])
+def test_an_int8_head_stays_lossless(small, name):
+    """The head rounded to int8 weights (``drafter_weights: int8``, rollout.quantize) drafts from
+    its own law, against which its drafts are verified: the tokens still follow the target's."""
+    target, head = small
+    head = copy.deepcopy(head)
+    quantize_int8_(head)
+    prompt, rows, v = [1, 5, 2, 7], 2500, target.vocab_size
+    res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=3),
+                                                      SPECS[name], seed=23)
+    ys = torch.tensor([c.completion_ids for c in res.completions])
+    law = exact_three_token_law(target, prompt)
+    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
+    assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 2 * rows
     for c in res.completions:
         assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
 

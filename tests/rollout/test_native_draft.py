@@ -9,6 +9,7 @@ import torch
 from rollout import native_draft, native_linear
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.quantize import quantize_int8_
 from rollout.runner import ModelRunner
 from tests.models import copy_head, tiny_target
 
@@ -33,9 +34,13 @@ def native_steps(monkeypatch):
     native_draft.enabled = True
 
 
-def _head(target, bf16: bool):
+def _head(target, bf16: bool | str):
+    """A head with fp32 weights (False), bf16-valued ones (True: bf16 panels, as the shipped head)
+    or ``"int8"`` ones (rollout.quantize: int8 panels)."""
     head = copy_head(target, noise=0.3)
-    if bf16:  # bf16-valued weights: packed as bf16 panels (native_linear.compact), as the shipped head
+    if bf16 == "int8":
+        quantize_int8_(head)
+    elif bf16:  # bf16-valued weights: packed as bf16 panels (native_linear.compact)
         with torch.no_grad():
             for p in head.parameters():
                 p.copy_(p.bfloat16().float())
@@ -76,12 +81,14 @@ def _draft_steps(target, head, native: list[bool], tree: bool = False):
     return out
 
 
-@pytest.mark.parametrize("bf16", [False, True])
+@pytest.mark.parametrize("bf16", [False, True, "int8"])
 @pytest.mark.parametrize("tree", [False, True])
 def test_draft_steps_give_the_bits_of_the_heads_forward(native_steps, bf16, tree):
     target = tiny_target(seed=2)
     head = _head(target, bf16)
     own = _draft_steps(target, head, [False] * 4, tree)
+    if bf16 == "int8":
+        assert native_linear.panels_of(head.lm_head).dtype == torch.int8
     assert not any(native_steps)  # (switched off; after a Python step the round stays in Python)
     native_steps.clear()
     fast = _draft_steps(target, head, [True] * 4, tree)

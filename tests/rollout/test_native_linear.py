@@ -53,7 +53,7 @@ def test_register_tiles_keep_their_operands_in_registers():
                          check=True).stdout
     functions = re.split(r"\n(?=[0-9a-f]+ <)", asm)
     tiles = [f for f in functions if re.search(r"::tile(_one_region)?<", f.split("\n", 1)[0])]
-    assert len(tiles) == 2 * (16 + 12), len(tiles)  # fp32 and bf16 panels: 1-16 rows alone, 1-12 with a unit
+    assert len(tiles) == 3 * (16 + 12), len(tiles)  # fp32, bf16 and int8 panels: 1-16 rows alone, 1-12 with a unit
     stack_fma = re.compile(r"vfmadd\w*\s+-?(0x[0-9a-f]+)?\(%rsp\)")
     assert [f.split("\n", 1)[0] for f in tiles if stack_fma.search(f)] == []
 

@@ -41,6 +41,7 @@ from rollout.config import check_int
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
+from rollout.quantize import DRAFTER_WEIGHTS
 
 PLACEMENTS = ("local", "ray")
 
@@ -60,7 +61,7 @@ class RolloutSettings:
     weights to it after each optimizer step like "ray" does; ``target`` names what it loads
     first, null = the embedded model); backend_options: options of that backend (with
     "ray", the hf backend's ``weights: bfloat16`` rounds each actor's copy; "local" with "hf"
-    shares the trainer's model and refuses options).
+    shares the trainer's model and reads only ``drafter_weights: int8``, which rounds the head).
     """
 
     spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", num_draft_tokens=3))
@@ -94,11 +95,15 @@ class RolloutSettings:
             check_int(name, getattr(self, name))
         if self.placement == "ray" and self.target is None:
             raise ConfigError("target", "placement 'ray' needs the target config the actors load")
-        if self.placement == "local" and self.backend == "hf" and self.backend_options:
+        if self.placement == "local" and self.backend == "hf" and set(self.backend_options) - {"drafter_weights"}:
             # the backend runs over the trainer's own model object: nothing to round or re-route
             raise ConfigError("backend_options", f"{sorted(self.backend_options)}: placement 'local' with the hf "
-                              "backend shares the trainer's model and reads no options (weights: bfloat16 needs a "
-                              "copy of its own: placement 'ray')", allowed=[{}])
+                              "backend shares the trainer's model and reads only drafter_weights (weights: "
+                              "bfloat16 needs a copy of its own: placement 'ray')", allowed=["drafter_weights"])
+        if self.backend == "hf" and self.backend_options.get("drafter_weights", "stored") not in DRAFTER_WEIGHTS:
+            raise ConfigError("backend_options.drafter_weights",
+                              f"unknown drafter weights {self.backend_options['drafter_weights']!r}",
+                              allowed=DRAFTER_WEIGHTS)
 
     def drafter_path(self) -> str | None:
         if self.drafter == "default":
@@ -167,7 +172,8 @@ class SpeculativeRollouts:
                 verifier=s.verifier, threads=s.threads or 2, backend=s.backend, backend_options=s.backend_options))
         elif s.placement == "local":
             model = trainer.accelerator.unwrap_model(trainer.model)
-            self.backend = HFBackend.from_model(model, drafter_path=drafter, num_threads=s.threads, pad_id=pad)
+            self.backend = HFBackend.from_model(model, drafter_path=drafter, num_threads=s.threads, pad_id=pad,
+                                                **s.backend_options)
         else:
             from rollout.actor_pool import RolloutPool
 
