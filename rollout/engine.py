@@ -292,9 +292,19 @@ class Engine:
         greedy = call.spec.draft_sampling == "greedy"
         step = runner.draft_root()
         logits, hidden = step.logits, step.hidden  # [B, Vd], [B, H]
+        temperature = call.sampling.temperature
+        uniforms = None  # [k, B]: drawn at once, the same stream as one draw of B per draft
+        if not greedy and temperature > 0:
+            uniforms = torch.rand(k, logits.shape[0], generator=call.generator, dtype=torch.float64,
+                                  device=logits.device)
+            fused = runner.draft_chain(logits, hidden, k, temperature, uniforms)  # one C++ call, the same bits
+            if fused is not None:
+                call.timings.draft_forwards += k
+                return fused
         ids, all_logits = [], [logits]
         for s in range(k):
-            ids.append(sample_draft(logits, call.sampling.temperature, greedy, call.generator))
+            ids.append(sample_draft(logits, temperature, greedy, call.generator,
+                                    None if uniforms is None else uniforms[s]))
             if s == k - 1:
                 break
             seen = torch.ones(len(ids[-1]), 1, s, dtype=torch.bool, device=logits.device) if s else None

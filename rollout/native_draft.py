@@ -18,6 +18,13 @@ A speculative step leaves them there (the next ``draft_root`` overwrites them; a
 of the same round reads them from the cache); ``draft_root`` moves them to each row's own slots,
 as it does with the forward's.
 
+A sampled chain goes further (:func:`chain`, ``hr_draft_chain``): after the root, its k draws and
+k - 1 steps run from one call, the draws as ``rollout.runner.sample_draft`` makes them (ATen's
+softmax, the float64 running sum, the caller's uniforms) and the steps as :func:`step` runs
+them, so the drafts and logits are the same bits as the loop's; the ~40 small torch ops and the
+Python of each step (the mask, positions, embedding, the draw) go. Greedy chains and trees
+keep the loop.
+
 Where a call does not fit (no native library, ``enabled`` off, the fused forwards not in place,
 another head class, hooks, autograd, other dtypes, too many rows for the kernel, head sizes other
 than 16/32/64/128, no room in the cache), :func:`step` returns None and the caller runs the head's
@@ -34,6 +41,7 @@ from rollout import fused_layers, native_linear
 from rollout.eagle3_head import DraftLayer, Eagle3Head
 
 enabled = True  # switch: False runs every draft step through the head's forward (A/B measurements)
+chains = True  # switch: False runs a sampled chain's steps one call each (``step``) instead of ``chain``
 
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # head -> (native_linear.epoch, its arguments)
 
@@ -114,3 +122,59 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
     if status != 0:  # the conditions above are the kernels' own: cannot happen
         raise RuntimeError(f"hr_draft_layer refused the draft step (status {status})")
     return scores, out
+
+
+def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature: float, uniforms: torch.Tensor,
+          draft_ids: torch.Tensor, committed: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
+          values: torch.Tensor, slot0: int) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """A chain of ``k`` sampled drafts after the root, from one C++ call (``hr_draft_chain``): the
+    draws of ``rollout.runner.sample_draft`` and the steps of :func:`step`, the same bits.
+
+    ``logits [B, Vd]`` and ``hidden [B, H]``: the root's; ``uniforms [k, B]`` (float64): draft s
+    of row b takes ``uniforms[s, b]``; ``draft_ids [Vd]``: each draft id's target id;
+    ``committed [B, slot0]`` bool: the draft cache slots each row sees; ``positions [k - 1, B]``:
+    the RoPE positions of steps 1 .. k - 1; ``keys``, ``values``: the draft cache, whose slots
+    ``slot0 .. slot0 + k - 2`` take the steps' entries. Returns the draft ids ``[B, k]`` and the
+    logits each was drawn from ``[B, k, Vd]``, or None where the chain does not fit (then
+    nothing was written and the caller runs the steps one by one)."""
+    lib = native_linear._lib
+    if not (enabled and chains and fused_layers.enabled and fused_layers.native_norm and lib is not None
+            and temperature > 0):
+        return None
+    plan = _plan(head)
+    if plan is None:
+        return None
+    b, vocab = logits.shape
+    h = head.cfg.hidden_size
+    length = slot0 + k
+    table = head.embed_tokens.weight
+    if not (k >= 1 and hidden.shape == (b, h) and hidden.dtype == logits.dtype == torch.float32
+            and uniforms.shape == (k, b) and uniforms.dtype == torch.float64
+            and draft_ids.shape == (vocab,) and draft_ids.dtype == torch.int64
+            and committed.shape == (b, slot0) and committed.dtype == torch.bool
+            and positions.shape == (k - 1, b) and logits.device.type == hidden.device.type == "cpu"
+            and not torch.is_grad_enabled() and b <= native_linear.max_rows()
+            and keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
+            and keys.shape[0] == b and length <= keys.shape[2]
+            and table.dtype == torch.float32 and table.is_contiguous() and vocab == plan[15]):
+        return None
+    (w_in, w_hid, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, w_norm, p_lm, _,
+     logit_scale, _) = plan
+    out = torch.empty(b, k, vocab)
+    out[:, 0] = logits
+    ids = torch.empty(b, k, dtype=torch.int64)
+    hid = hidden.contiguous().clone()
+    mask = torch.cat([committed, torch.ones(b, k, dtype=torch.bool)], 1).contiguous()  # [B, slot0 + k]
+    cos, sin = (x.contiguous() for x in head.rotary.tables(positions))  # [k - 1, B, d]
+    u = uniforms.contiguous()
+    scratch = torch.empty(lib.hr_draft_chain_scratch(b, h, n_q, n_kv, d, inter, vocab))
+    ks = keys.stride()
+    status = lib.hr_draft_chain(table.data_ptr(), draft_ids.data_ptr(), hid.data_ptr(), out.data_ptr(),
+                                ids.data_ptr(), u.data_ptr(), float(temperature), b, k, h, w_in, w_hid, w_post, eps,
+                                p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, cos.data_ptr(),
+                                sin.data_ptr(), keys.data_ptr(), values.data_ptr(), ks[0], ks[1], ks[2],
+                                mask.data_ptr(), mask.stride(0), slot0, d ** -0.5, w_norm, p_lm, vocab, logit_scale,
+                                scratch.data_ptr())
+    if status != 0:  # the conditions above are the kernels' own: cannot happen
+        raise RuntimeError(f"hr_draft_chain refused the chain (status {status})")
+    return ids, out

@@ -139,6 +139,11 @@ def _load() -> ctypes.CDLL | None:
                                        + [i64] * 3 + [ptr] * 2 + [i64] * 3 + [f32, ptr, ptr, i64, f32, ptr, ptr])
         lib.hr_draft_layer_scratch.restype = i64
         lib.hr_draft_layer_scratch.argtypes = [i64] * 6
+        lib.hr_draft_chain.restype = i64
+        lib.hr_draft_chain.argtypes = ([ptr] * 6 + [f32] + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5
+                                       + [ptr] * 4 + [i64] * 3 + [ptr, i64, i64, f32, ptr, ptr, i64, f32, ptr])
+        lib.hr_draft_chain_scratch.restype = i64
+        lib.hr_draft_chain_scratch.argtypes = [i64] * 7
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
         return _lib
 

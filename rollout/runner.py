@@ -359,6 +359,26 @@ class ModelRunner:
         self._spec_past = None
         self._spec_cached = 0  # speculative entries in the cache's slots after the longest row
 
+    def draft_chain(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature: float,
+                    uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Right after ``draft_root``: its ``logits [B, Vd]`` and ``hidden [B, H]``, then k - 1 draft
+        steps, the k drafts sampled (``uniforms [k, B]``) as ``sample_draft`` does, from one C++
+        call (``rollout.native_draft.chain``). Returns the draft ids ``[B, k]`` and their logits
+        ``[B, k, Vd]``, the same as the loop over ``draft_step`` gives, or None where the call does
+        not fit (nothing written; the caller runs the loop)."""
+        if self._spec_past is not None or self._spec_cached:
+            return None
+        kv = self.draft_kv
+        lc = max(kv.host_lengths)
+        committed = torch.arange(lc, device=self.device)[None, :] < kv.lengths[:, None]  # [B, lc]
+        levels = torch.arange(1, k, device=self.device)[:, None]  # [k - 1, 1]
+        positions = kv.lengths[None, :] - 1 + levels + DRAFT_POSITION_OFFSET  # [k - 1, B]
+        out = native_draft.chain(self.head, logits, hidden, k, temperature, uniforms, self.draft_ids, committed,
+                                 positions, kv.keys[0], kv.values[0], lc)
+        if out is not None:
+            self._spec_cached += k - 1
+        return out
+
     def draft_step(self, tokens: torch.Tensor, hidden: torch.Tensor, level: int,
                    spec_visible: torch.Tensor | None) -> DraftOutput:
         """One speculative draft forward of ``tokens [B, T]`` (draft ids mapped to target ids
@@ -392,7 +412,7 @@ class ModelRunner:
 
 
 def sample_draft(logits: torch.Tensor, temperature: float, greedy: bool,
-                 generator: torch.Generator) -> torch.Tensor:
+                 generator: torch.Generator, uniforms: torch.Tensor | None = None) -> torch.Tensor:
     """Draft ids ``[...]`` from draft logits ``[..., Vd]``: the argmax when greedy or T = 0, else
     a sample from q = softmax(logits / T) by inversion (``verifiers.processing.sample_inverse_cdf``,
     as the verifier samples its residuals): one uniform per row picks the first id whose
@@ -402,10 +422,12 @@ def sample_draft(logits: torch.Tensor, temperature: float, greedy: bool,
     ``exponential_`` costs about 0.2 ms per row of 8192 draft ids (3.2 ms at 16 rows), about
     a ninth of a batch-1 draft step; the inversion costs ~0.03 ms. The law is q up to float64
     rounding of the cumulative sums (an id is picked only where the sum grows, so never an id
-    with q = 0; one with q below ~1e-16 of the total can be skipped)."""
+    with q = 0; one with q below ~1e-16 of the total can be skipped). ``uniforms``: the rows'
+    uniforms (float64, one per row), drawn by the caller; None: drawn here from ``generator``."""
     if greedy or temperature == 0:
         return logits.argmax(-1)
     q = torch.softmax(scale_draft_logits(logits, temperature), dim=-1)
     rows = q.reshape(-1, q.shape[-1])
-    u = torch.rand(rows.shape[0], generator=generator, dtype=torch.float64, device=q.device)
+    u = uniforms if uniforms is not None else torch.rand(rows.shape[0], generator=generator, dtype=torch.float64,
+                                                         device=q.device)
     return sample_inverse_cdf(rows, u).view(q.shape[:-1])

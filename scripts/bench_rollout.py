@@ -5,7 +5,8 @@ The engine's linear layers run on ``rollout.native_linear``'s kernel where it is
 ``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row, ``--python-layers`` each
 configuration with the decoder layers run from Python instead of ``csrc/layer.cpp``, ``--python-draft``
 each speculative configuration with the draft head's forwards run from Python instead of one C++ call
-each (``rollout.native_draft``), ``--unfused`` the
+each (``rollout.native_draft``), ``--draft-steps`` each with a sampled chain's drafting one C++ call
+per step instead of one call for the whole chain (``native_draft.chains``), ``--unfused`` the
 autoregressive mode with the modules' own forwards (kernel still on), ``--fp32-head`` each
 speculative configuration with the draft head's weights packed as fp32 panels (the default
 packs the shipped bf16-valued head as bf16 panels: the same draft logits, half the bytes;
@@ -157,6 +158,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--python-draft", action="store_true",
                     help="add each speculative configuration with the draft head's forwards run from Python "
                          "(native_draft.enabled off) as a row (no bound: the step costs use the C++ draft)")
+    ap.add_argument("--draft-steps", action="store_true",
+                    help="add each speculative configuration with a sampled chain's steps drafted one C++ call "
+                         "each (native_draft.chains off, not one hr_draft_chain call) as a row (no bound)")
     ap.add_argument("--fp32-head", action="store_true",
                     help="add each speculative configuration with the head packed as fp32 panels "
                          "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")

@@ -53,6 +53,7 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
         rows.append(("off [python layers]", "lossless", off, lossless, "python-layers"))
     for flag, switch, label in ((args.python_layers, "python-layers", "python layers"),
                                 (args.python_draft, "python-draft", "python draft"),
+                                (getattr(args, "draft_steps", False), "draft-steps", "draft steps"),
                                 (args.fp32_head, "fp32-head", "fp32 head")):
         if flag:
             rows += [(f"{describe(spec)} [{label}]", verifier_label(v), spec, v, switch) for spec, v in pairs]
@@ -130,6 +131,7 @@ SWITCHES = {
     "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
     "python-layers": (native_layers, "enabled"),  # the layers from Python, not csrc/layer.cpp
     "python-draft": (native_draft, "enabled"),  # the draft head's forwards from Python
+    "draft-steps": (native_draft, "chains"),  # a sampled chain's steps one C++ call each, not one call
     "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
 }
 

@@ -24,8 +24,12 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/_softmax.h>
 #include <ATen/ops/from_blob.h>
 #include <ATen/ops/silu.h>
+
+#include <cmath>
+#include <vector>
 
 #include <cstdint>
 #include <cstring>
@@ -217,6 +221,82 @@ int64_t hr_draft_layer(const float* emb, const float* hid, float* out, int64_t B
 // Floats of scratch hr_draft_layer needs.
 int64_t hr_draft_layer_scratch(int64_t R, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I) {
   return hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I) + R * 2 * H;
+}
+
+// A chain of k sampled drafts after the root (rollout.engine's _draft_chain with the steps of
+// rollout.native_draft), from one call: at batch 1 the ~40 torch ops and the Python around each
+// draft step (the mask, positions, embedding, the sampling) had cost about as much as the step's
+// own C++ layer call. Step s (0-based) draws draft s from the logits ``logits[:, s]`` as
+// rollout.runner.sample_draft does (z = logits / T in float32, q = ATen's softmax of z, the first
+// id whose float64 running sum of q exceeds u[s, b] times the row's total, the target kept below
+// the total), then, unless s = k - 1, maps it to its target id (``draft_ids``), takes that id's
+// row of ``emb_table`` [Vt, H] and runs hr_draft_layer on it and ``hidden`` [B, H] (written back
+// with the step's output hidden) at cache slot slot0 + s with the mask row ``mask[b, :slot0 + s
+// + 1]`` (bytes, row stride ms_b) and the rotary rows ``cos/sin[s]`` ([k - 1, B, D]); its
+// logits go to ``logits[:, s + 1]``. The same bits as the Python loop (tests). logits: [B, k, V],
+// ``logits[:, 0]`` the root's on entry; ids: [B, k] draft ids out; u: [k, B]. scratch: at least
+// hr_draft_chain_scratch(B, H, Hq, Hkv, D, I, V) floats. Returns 0, or the first refusal's status.
+int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* hidden, float* logits, int64_t* ids,
+                       const double* u, float temperature, int64_t B, int64_t k, int64_t H, const float* w_in,
+                       const float* w_hid, const float* w_post, float eps, const void* p_qkv, const void* p_o,
+                       const void* p_gu, const void* p_down, int64_t compact, int64_t Hq, int64_t Hkv, int64_t D,
+                       int64_t I, const float* cos, const float* sin, float* kc, float* vc, int64_t ks_b,
+                       int64_t ks_h, int64_t ks_l, const uint8_t* mask, int64_t ms_b, int64_t slot0, float scale,
+                       const float* w_norm, const void* p_lm, int64_t V, float logit_scale, float* scratch) {
+  float* z = scratch;          // [B, V]: the step's processed logits
+  float* q = z + B * V;        // [B, V]: their softmax
+  float* emb = q + B * V;      // [B, H]
+  float* out = emb + B * H;    // [B, H]
+  float* step = out + B * H;   // [B, V]: the step's logits
+  float* layer = step + B * V;
+  std::vector<int64_t> slots(B);
+  const auto f32 = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor zt = at::from_blob(z, {B, V}, f32), qt = at::from_blob(q, {B, V}, f32);
+  for (int64_t s = 0; s < k; ++s) {
+    for (int64_t b = 0; b < B; ++b) {
+      const float* row = logits + (b * k + s) * V;
+      float* zr = z + b * V;
+      if (temperature != 1.0f)
+        for (int64_t i = 0; i < V; ++i) zr[i] = row[i] / temperature;
+      else
+        std::memcpy(zr, row, V * sizeof(float));
+    }
+    at::_softmax_out(qt, zt, 1, false);
+    for (int64_t b = 0; b < B; ++b) {
+      const float* qr = q + b * V;
+      double total = 0.0;
+      for (int64_t i = 0; i < V; ++i) total += static_cast<double>(qr[i]);
+      const double target = std::fmin(u[s * B + b] * total, std::nextafter(total, 0.0));
+      double run = 0.0;
+      int64_t pick = V - 1;
+      for (int64_t i = 0; i < V; ++i) {
+        run += static_cast<double>(qr[i]);
+        if (run > target) {
+          pick = i;
+          break;
+        }
+      }
+      ids[b * k + s] = pick;
+    }
+    if (s == k - 1) break;
+    for (int64_t b = 0; b < B; ++b) {
+      std::memcpy(emb + b * H, emb_table + draft_ids[ids[b * k + s]] * H, H * sizeof(float));
+      slots[b] = slot0 + s;
+    }
+    const int64_t status = hr_draft_layer(
+        emb, hidden, out, B, 1, H, w_in, w_hid, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, Hq, Hkv, D, I,
+        cos + s * B * D, sin + s * B * D, kc, vc, ks_b, ks_h, ks_l, slots.data(), mask, ms_b, 0, slot0 + s + 1,
+        scale, w_norm, p_lm, V, logit_scale, step, layer);
+    if (status != 0) return status;
+    std::memcpy(hidden, out, B * H * sizeof(float));
+    for (int64_t b = 0; b < B; ++b) std::memcpy(logits + (b * k + s + 1) * V, step + b * V, V * sizeof(float));
+  }
+  return 0;
+}
+
+// Floats of scratch hr_draft_chain needs.
+int64_t hr_draft_chain_scratch(int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, int64_t V) {
+  return 3 * B * V + 2 * B * H + hr_draft_layer_scratch(B, H, Hq, Hkv, D, I);
 }
 
 }  // extern "C"

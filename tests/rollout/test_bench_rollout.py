@@ -422,3 +422,14 @@ def test_int8_head_rows_run_on_a_rounded_head_with_their_own_bound(tiny, tiny_he
     exact, own = rows[1]["step_costs_ms"], rows[2]["step_costs_ms"]
     assert own != exact
     assert rows[2]["bound"] == pytest.approx(rows[2]["tau"] * exact["1"] / (own["4"] + 3 * own["draft"]))
+
+
+def test_draft_steps_rows_switch_the_one_call_chain_off(tiny, monkeypatch):
+    """--draft-steps: each speculative configuration again with native_draft.chains off (back on
+    after): the same tokens (the same draws), no bound."""
+    from rollout import native_draft
+
+    rows, seen = _rows_with_switch_seen(tiny, monkeypatch, native_draft, "chains", ["--draft-steps", "--order", "fixed"])
+    assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled [draft steps]"]
+    assert seen == [True, True, False] and native_draft.chains
+    assert rows[2]["bound"] is None and rows[1]["tokens"] == rows[2]["tokens"]

@@ -137,3 +137,58 @@ def test_engine_outputs_with_and_without_the_native_draft(native_steps, mode):
     for a, b in zip(fast.completions, own.completions):
         assert a.completion_ids == b.completion_ids and a.kinds == b.kinds and a.step_emitted == b.step_emitted
         assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
+
+
+@pytest.fixture
+def chain_calls(monkeypatch):
+    """Whether each ``native_draft.chain`` call ran the chain (returned outputs); switches restored."""
+    runs = []
+    original = native_draft.chain
+
+    def spy(*args, **kwargs):
+        out = original(*args, **kwargs)
+        runs.append(out is not None)
+        return out
+
+    monkeypatch.setattr(native_draft, "chain", spy)
+    yield runs
+    native_draft.enabled = native_draft.chains = True
+
+
+@pytest.mark.parametrize("k", [1, 3, 6])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("weights", [True, "int8"])
+def test_a_chain_in_one_call_gives_the_bits_of_its_steps(chain_calls, k, temperature, weights):
+    """A sampled chain drafted by one ``hr_draft_chain`` call, by one C++ call per step, and by the
+    head's Python forwards: every token, kind and log-prob the same (the same uniforms, the same
+    draws, the same logits), with a bf16-valued and an int8 head."""
+    target = tiny_target(seed=3)
+    head = _head(target, weights)
+    kw = dict(sampling=SamplingParams(temperature=temperature, max_new_tokens=30),
+              spec=SpecConfig(mode="chain", num_draft_tokens=k), verifier=VerifierConfig(name="lossless"), seed=5)
+    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [1, 2, 3]]
+    engine = Engine(target, head, num_threads=2, linear="native")
+    fused = engine.generate(prompts, **kw)
+    assert chain_calls and all(chain_calls)
+    chain_calls.clear()
+    native_draft.chains = False
+    steps = engine.generate(prompts, **kw)
+    assert not any(chain_calls)
+    native_draft.enabled = False
+    python = engine.generate(prompts, **kw)
+    assert fused.timings.draft_forwards == steps.timings.draft_forwards > 0
+    for a, b, c in zip(fused.completions, steps.completions, python.completions):
+        assert a.completion_ids == b.completion_ids == c.completion_ids and a.kinds == b.kinds == c.kinds
+        assert a.behaviour_logprobs == b.behaviour_logprobs == c.behaviour_logprobs
+        assert a.target_logprobs == b.target_logprobs == c.target_logprobs
+
+
+def test_greedy_chains_and_trees_draft_step_by_step(chain_calls, native_steps):
+    target = tiny_target()
+    head = _head(target, True)
+    engine = Engine(target, head, num_threads=2, linear="native")
+    for spec, temperature in [(SpecConfig(mode="chain", num_draft_tokens=3), 0.0),
+                              (SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="greedy"), 1.0),
+                              (SpecConfig(mode="tree"), 1.0)]:
+        engine.generate([[1, 2, 3]], SamplingParams(temperature=temperature, max_new_tokens=12), spec, seed=1)
+    assert not any(chain_calls) and native_steps and all(native_steps)
