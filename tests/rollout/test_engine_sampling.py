@@ -71,6 +71,20 @@ def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
 
 
+def assert_first_tokens_follow_the_target(target, prompt: list[int], completions, min_accepted: int) -> None:
+    """The pairs (y1, y2) and (y2, y3) of ``completions`` of ``prompt`` follow the target's law
+    (chi-square), enough drafts were accepted to mean something, and every behaviour log-prob is
+    the target's (lossless: P = p)."""
+    v = target.vocab_size
+    ys = torch.tensor([c.completion_ids for c in completions])
+    law = exact_three_token_law(target, prompt)
+    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
+    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
+    assert sum(k == TokenKind.ACCEPTED for c in completions for k in c.kinds) > min_accepted
+    for c in completions:
+        assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
+
+
 @pytest.mark.parametrize("name", list(LOSSLESS_SPECS))
 def test_lossless_samples_the_target_distribution(small, name):
     target, head = small
@@ -100,16 +114,10 @@ def test_an_int8_head_stays_lossless(small, name):
     target, head = small
     head = copy.deepcopy(head)
     quantize_int8_(head)
-    prompt, rows, v = [1, 5, 2, 7], 2500, target.vocab_size
+    prompt, rows = [1, 5, 2, 7], 2500
     res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=3),
                                                       SPECS[name], seed=23)
-    ys = torch.tensor([c.completion_ids for c in res.completions])
-    law = exact_three_token_law(target, prompt)
-    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
-    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
-    assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 2 * rows
-    for c in res.completions:
-        assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
+    assert_first_tokens_follow_the_target(target, prompt, res.completions, 0.1 * 2 * rows)
 
 
 @pytest.mark.parametrize("spec", [SPECS["chain-sampled"], SpecConfig(mode="chain", num_draft_tokens=3,
@@ -119,16 +127,10 @@ def test_block_verification_samples_the_target_distribution(small, spec):
     """``verifier.test: block`` (``verifiers.block``): the first three tokens follow the target's
     law, the second and third from inside the block; every behaviour log-prob is the target's."""
     target, head = small
-    prompt, rows, v = [1, 5, 2, 7], 3000, target.vocab_size
+    prompt, rows = [1, 5, 2, 7], 3000
     res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=4), spec,
                                                       VerifierConfig("lossless", test="block"), seed=17)
-    ys = torch.tensor([c.completion_ids for c in res.completions])
-    law = exact_three_token_law(target, prompt)
-    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
-    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
-    assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 0.1 * 3 * rows
-    for c in res.completions:
-        assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
+    assert_first_tokens_follow_the_target(target, prompt, res.completions, 0.1 * 3 * rows)
 
 
 def test_a_sampled_tree_walked_level_by_level_samples_the_target_distribution(small):

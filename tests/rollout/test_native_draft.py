@@ -17,21 +17,33 @@ pytestmark = pytest.mark.skipif(not native_linear.available(),
                                 reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
 
 
-@pytest.fixture
-def native_steps(monkeypatch):
-    """The number of draft steps the C++ call ran (its ``step`` returned outputs); the switch is
-    restored afterwards."""
+def _spy(monkeypatch, name: str) -> list[bool]:
+    """Whether each call of ``native_draft.<name>`` ran in C++ (returned outputs)."""
     runs = []
-    original = native_draft.step
+    original = getattr(native_draft, name)
 
     def spy(*args, **kwargs):
         out = original(*args, **kwargs)
         runs.append(out is not None)
         return out
 
-    monkeypatch.setattr(native_draft, "step", spy)
-    yield runs
-    native_draft.enabled = True
+    monkeypatch.setattr(native_draft, name, spy)
+    return runs
+
+
+@pytest.fixture
+def native_steps(monkeypatch):
+    """The number of draft steps the C++ call ran (its ``step`` returned outputs); the switches are
+    restored afterwards."""
+    yield _spy(monkeypatch, "step")
+    native_draft.enabled = native_draft.chains = True
+
+
+@pytest.fixture
+def chain_calls(monkeypatch):
+    """Whether each ``native_draft.chain`` call ran the chain; the switches are restored afterwards."""
+    yield _spy(monkeypatch, "chain")
+    native_draft.enabled = native_draft.chains = True
 
 
 def _head(target, bf16: bool | str):
@@ -137,22 +149,6 @@ def test_engine_outputs_with_and_without_the_native_draft(native_steps, mode):
     for a, b in zip(fast.completions, own.completions):
         assert a.completion_ids == b.completion_ids and a.kinds == b.kinds and a.step_emitted == b.step_emitted
         assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
-
-
-@pytest.fixture
-def chain_calls(monkeypatch):
-    """Whether each ``native_draft.chain`` call ran the chain (returned outputs); switches restored."""
-    runs = []
-    original = native_draft.chain
-
-    def spy(*args, **kwargs):
-        out = original(*args, **kwargs)
-        runs.append(out is not None)
-        return out
-
-    monkeypatch.setattr(native_draft, "chain", spy)
-    yield runs
-    native_draft.enabled = native_draft.chains = True
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])

@@ -1,5 +1,6 @@
 """rollout.native_linear's compact panels: weights whose every value is a bfloat16 (an EAGLE-3
-head stored in bf16) packed as bf16, and the same output bits as with fp32 panels."""
+head stored in bf16) packed as bf16, and the same output bits as with fp32 panels (the engine
+test covers int8 heads too; their panels: test_quantize.py)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from torch import nn
 from rollout import native_linear
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.quantize import quantize_int8_
 from tests.models import copy_head, tiny_target
 
 pytestmark = pytest.mark.skipif(not native_linear.available(),
@@ -98,22 +100,28 @@ def test_routed_repacks_a_weight_that_stops_being_bf16_valued():
 
 
 @pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_engine_with_a_bf16_valued_head_emits_the_same_bits_either_way(mode):
-    """A head whose weights are bf16 values (as the shipped one): the engine packs it compact and
+@pytest.mark.parametrize("weights", ["bf16", "int8"])
+def test_engine_with_a_compact_head_emits_the_same_bits_either_way(mode, weights):
+    """A head whose weights are bf16 values (as the shipped one) or rounded to int8 weights
+    (``drafter_weights: int8``, rollout.quantize): the engine packs it as bf16 / int8 panels and
     the fp32 target as fp32, and every token, kind and log-prob is the same as with fp32 panels."""
     target = tiny_target()
     head = copy_head(target, noise=0.3)
     with torch.no_grad():
-        for p in head.parameters():
-            p.copy_(p.bfloat16().float())
+        if weights == "int8":
+            quantize_int8_(head)
+        else:
+            for p in head.parameters():
+                p.copy_(p.bfloat16().float())
+    dtype = torch.int8 if weights == "int8" else torch.bfloat16
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
     spec = SpecConfig(mode=mode, num_draft_tokens=3) if mode == "chain" else SpecConfig(mode="tree")
     kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=30), spec=spec,
               verifier=VerifierConfig(name="overshoot", params={"lenience": 0.7}), seed=3)
     engine = Engine(target, head, num_threads=2, linear="native")
     compact = engine.generate(prompts, **kw)
-    assert native_linear._buffers[head.lm_head.weight].dtype == torch.bfloat16
-    assert native_linear._merged_buffers[head.midlayer.self_attn].dtype == torch.bfloat16
+    assert native_linear._buffers[head.lm_head.weight].dtype == dtype
+    assert native_linear._merged_buffers[head.midlayer.self_attn].dtype == dtype
     assert native_linear._buffers[target.model.lm_head.weight].dtype == torch.float32
     native_linear.compact = False
     try:

@@ -1,7 +1,7 @@
 """rollout.quantize and the kernel's int8 panels: the head rounded to integers times a scale per
 row, packed as a quarter of fp32's bytes, with the output bits of fp32 panels of the rounded
 weight; the hf backend's ``drafter_weights: int8`` option. (The rollouts' law with an int8 head:
-``test_engine_sampling.py``.)"""
+``test_engine_sampling.py``; whole generate calls against fp32 panels: ``test_native_linear_compact.py``.)"""
 
 from __future__ import annotations
 
@@ -13,11 +13,9 @@ from torch import nn
 from rollout import native_linear
 from rollout.backend import WorkerSpec, build_backend
 from rollout.config import ConfigError
-from rollout.engine import Engine
 from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.quantize import int8_rows, quantize_int8_
-from tests.models import copy_head, tiny_target
 
 native = pytest.mark.skipif(not native_linear.available(),
                             reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
@@ -161,35 +159,6 @@ def test_routed_follows_the_weight_between_int8_and_fp32():
                 got = net(x)
             assert native_linear._buffers[net.weight].dtype == dtype
             torch.testing.assert_close(got, F.linear(x, net.weight), rtol=1e-5, atol=1e-4)
-
-
-@native
-@pytest.mark.parametrize("mode", ["chain", "tree"])
-def test_engine_with_an_int8_head_emits_the_bits_of_fp32_panels(mode):
-    """The int8 head packed as int8 panels (the target stays fp32): every token, kind and log-prob
-    is the same as with the head's rounded weights packed as fp32 panels."""
-    target = tiny_target()
-    head = copy_head(target, noise=0.3)
-    quantize_int8_(head)
-    prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9]]
-    spec = SpecConfig(mode=mode, num_draft_tokens=3) if mode == "chain" else SpecConfig(mode="tree")
-    kw = dict(sampling=SamplingParams(temperature=1.0, max_new_tokens=30), spec=spec,
-              verifier=VerifierConfig(name="overshoot", params={"lenience": 0.7}), seed=3)
-    engine = Engine(target, head, num_threads=2, linear="native")
-    small = engine.generate(prompts, **kw)
-    assert native_linear._buffers[head.lm_head.weight].dtype == torch.int8
-    assert native_linear._merged_buffers[head.midlayer.self_attn].dtype == torch.int8
-    assert native_linear._buffers[target.model.lm_head.weight].dtype == torch.float32
-    native_linear.compact = False
-    try:
-        full = engine.generate(prompts, **kw)
-        assert native_linear._buffers[head.lm_head.weight].dtype == torch.float32
-    finally:
-        native_linear.compact = True
-    assert small.timings.draft_forwards > 0
-    for a, b in zip(small.completions, full.completions):
-        assert a.completion_ids == b.completion_ids and a.kinds == b.kinds
-        assert a.behaviour_logprobs == b.behaviour_logprobs and a.target_logprobs == b.target_logprobs
 
 
 # ------------------------------------------------------------------ the hf backend's option
