@@ -27,9 +27,9 @@ import torch
 from rollout import native_linear
 from rollout.config import ConfigError
 from rollout.models import WEIGHT_ROUNDINGS, TargetConfig, TargetModel, load_target, round_weights_
-from rollout.quantize import DRAFTER_WEIGHTS, quantize_int8_
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.quantize import check_drafter_weights, quantize_int8_
 
 #: backend name -> "module:class", imported on first use (vLLM is an optional extra)
 BACKENDS: dict[str, str] = {"hf": "rollout.backend:HFBackend", "vllm": "rollout.vllm.backend:VLLMBackend"}
@@ -112,13 +112,10 @@ class HFBackend:
                  version: int = 0, linear: str = "auto", weights: str = "exact", drafter_weights: str = "stored"):
         from rollout.engine import Engine
 
-        if drafter_weights not in DRAFTER_WEIGHTS:
-            raise ConfigError("backend_options.drafter_weights", f"unknown drafter weights {drafter_weights!r}",
-                              allowed=DRAFTER_WEIGHTS)
         self.target, self.pad_id, self._version = target, pad_id, int(version)
-        self.weights, self.drafter_weights = weights, drafter_weights
-        if head is not None and drafter_weights == "int8":
-            quantize_int8_(head)
+        self.weights, self.drafter_weights = weights, check_drafter_weights(drafter_weights)
+        if head is not None:
+            self._prepare_head(head)
         round_weights_(target.model, weights, seed=self._version)
         self.engine = Engine(target, head, num_threads=num_threads, linear=linear)
 
@@ -134,9 +131,7 @@ class HFBackend:
         if options.get("weights", "exact") not in WEIGHT_ROUNDINGS:
             raise ConfigError("backend_options.weights", f"unknown weight rounding {options['weights']!r}",
                               allowed=WEIGHT_ROUNDINGS)
-        if options.get("drafter_weights", "stored") not in DRAFTER_WEIGHTS:
-            raise ConfigError("backend_options.drafter_weights",
-                              f"unknown drafter weights {options['drafter_weights']!r}", allowed=DRAFTER_WEIGHTS)
+        check_drafter_weights(options.get("drafter_weights", "stored"))  # before the target loads
         target, tokenizer = load_target(spec.target)
         target.to(spec.device)
         pad_id = getattr(tokenizer, "pad_token_id", None)
@@ -174,10 +169,14 @@ class HFBackend:
         if head.cfg.vocab_size != self.target.vocab_size:
             raise ValueError(f"drafter {path}: vocab_size {head.cfg.vocab_size} != target vocab_size "
                              f"{self.target.vocab_size}")
-        if self.drafter_weights == "int8":
-            quantize_int8_(head)
+        self._prepare_head(head)
         self.engine.head = head
         self.engine.forget_plans()  # acceptance was learned with the old head
+
+    def _prepare_head(self, head) -> None:
+        """The head as ``drafter_weights`` says: rounded to int8 weights in place, or as loaded."""
+        if self.drafter_weights == "int8":
+            quantize_int8_(head)
 
     def set_weights(self, state_dict: Mapping[str, torch.Tensor] | None, version: int) -> int:
         """Load new policy weights in place, rounded as ``weights`` says (None: the parameters are

@@ -163,7 +163,7 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     out = torch.empty(b, k, vocab)
     out[:, 0] = logits
     ids = torch.empty(b, k, dtype=torch.int64)
-    hid = hidden.contiguous().clone()
+    hid = hidden.clone(memory_format=torch.contiguous_format)  # written in place by the call
     mask = torch.cat([committed, torch.ones(b, k, dtype=torch.bool)], 1).contiguous()  # [B, slot0 + k]
     cos, sin = (x.contiguous() for x in head.rotary.tables(positions))  # [k - 1, B, d]
     u = uniforms.contiguous()

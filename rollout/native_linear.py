@@ -255,9 +255,10 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     scales = [_int8_scales.get(w) for w in weights]
     if compact and None not in scales:
         sizes8 = [lib.hr_linear_packed_size8(w.shape[0], k) for w in weights]
+        starts8 = [sum(sizes8[:i]) for i in range(len(sizes8))]
         buf = _buffer(out, sum(sizes8), torch.int8)
-        if all(lib.hr_linear_pack8(w.data_ptr(), sc.data_ptr(), buf[sum(sizes8[:i]):].data_ptr(), w.shape[0], k) == 0
-               for i, (w, sc) in enumerate(zip(weights, scales))):
+        if all(lib.hr_linear_pack8(w.data_ptr(), sc.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
+               for w, sc, s in zip(weights, scales, starts8)):
             return buf
     if compact and all(lib.hr_linear_pack16(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights):
         buf = _buffer(out, sum(sizes), torch.bfloat16)

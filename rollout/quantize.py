@@ -24,9 +24,19 @@ import torch
 from torch import nn
 
 from rollout import native_linear
+from rollout.config import ConfigError
 
 DRAFTER_WEIGHTS = ("stored", "int8")  # the hf backend's ``drafter_weights`` option
 LEVELS = 127  # integers in [-LEVELS, LEVELS]
+
+
+def check_drafter_weights(value: str) -> str:
+    """``value`` if it is one of :data:`DRAFTER_WEIGHTS`, else a ConfigError naming
+    ``backend_options.drafter_weights`` and the allowed values."""
+    if value not in DRAFTER_WEIGHTS:
+        raise ConfigError("backend_options.drafter_weights", f"unknown drafter weights {value!r}",
+                          allowed=DRAFTER_WEIGHTS)
+    return value
 
 
 def int8_rows(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

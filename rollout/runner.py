@@ -359,6 +359,10 @@ class ModelRunner:
         self._spec_past = None
         self._spec_cached = 0  # speculative entries in the cache's slots after the longest row
 
+    def _committed(self, lc: int) -> torch.Tensor:
+        """``[B, lc]`` bool: the draft cache slots each row has committed (what every draft query sees)."""
+        return torch.arange(lc, device=self.device)[None, :] < self.draft_kv.lengths[:, None]
+
     def draft_chain(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature: float,
                     uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Right after ``draft_root``: its ``logits [B, Vd]`` and ``hidden [B, H]``, then k - 1 draft
@@ -370,7 +374,7 @@ class ModelRunner:
             return None
         kv = self.draft_kv
         lc = max(kv.host_lengths)
-        committed = torch.arange(lc, device=self.device)[None, :] < kv.lengths[:, None]  # [B, lc]
+        committed = self._committed(lc)  # [B, lc]
         levels = torch.arange(1, k, device=self.device)[:, None]  # [k - 1, 1]
         positions = kv.lengths[None, :] - 1 + levels + DRAFT_POSITION_OFFSET  # [k - 1, B]
         out = native_draft.chain(self.head, logits, hidden, k, temperature, uniforms, self.draft_ids, committed,
@@ -392,8 +396,7 @@ class ModelRunner:
         kv = self.draft_kv
         b, t = tokens.shape
         lc = max(kv.host_lengths)
-        committed = (torch.arange(lc, device=self.device)[None, :] < kv.lengths[:, None])[:, None, :]
-        parts = [committed.expand(b, t, lc)]
+        parts = [self._committed(lc)[:, None, :].expand(b, t, lc)]
         if spec_visible is not None:
             parts.append(spec_visible)
         parts.append(torch.eye(t, dtype=torch.bool, device=self.device)[None].expand(b, t, t))

@@ -290,9 +290,10 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         calls: list[list[float]] = [[] for _ in configs]  # tokens/s of each call, in order
         groups = batches(prompts, size)
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
-        samples: dict = {}  # step -> seconds, over every batch of prompts
-        samples_r: dict = {}  # the same on the engine with bf16-rounded weights (--bf16-weights)
-        samples_8: dict = {}  # and on the engine with the int8 head (--int8-head)
+        # the engines whose step costs are timed: the default one, the --bf16-weights and --int8-head ones
+        timed = [(eng, label) for eng, label in ((engine, ""), (args.rounded, " [bf16 weights]"),
+                                                 (args.int8, " [int8 head]")) if eng is not None]
+        samples: dict = {id(eng): {} for eng, _ in timed}  # engine -> step -> seconds, over every batch of prompts
         for w in range(args.plan_warmup):  # the planners learn their costs (kept by the engine)
             for c in configs:
                 if c[2] is not None and c[2].auto:
@@ -307,16 +308,14 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                     tot[key] = tot.get(key, 0) + value
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
             if args.cost_reps > 0:
-                for eng, into in ((engine, samples), (args.rounded, samples_r), (args.int8, samples_8)):
-                    if eng is not None:
-                        for step, values in step_costs(eng, group, blocks, args.cost_reps, raw=True).items():
-                            into.setdefault(step, []).extend(values)
+                for eng, _ in timed:
+                    for step, values in step_costs(eng, group, blocks, args.cost_reps, raw=True).items():
+                        samples[id(eng)].setdefault(step, []).extend(values)
             print(f"  batch {size}: {i + 1}/{len(groups) * args.passes} batches done", file=sys.stderr, flush=True)
-        costs = {step: median(values) for step, values in samples.items()}
-        costs_r = {step: median(values) for step, values in samples_r.items()}
-        costs_8 = {step: median(values) for step, values in samples_8.items()}
-        for label, c, taken in (("", costs, samples), (" [bf16 weights]", costs_r, samples_r),
-                                (" [int8 head]", costs_8, samples_8)):
+        costs_of = {key: {step: median(values) for step, values in taken.items()} for key, taken in samples.items()}
+        costs = costs_of[id(engine)]
+        for eng, label in timed:
+            c, taken = costs_of[id(eng)], samples[id(eng)]
             if c:
                 print(f"  batch {size} step costs{label} (ms, median of {len(taken[1])} over the run): " + ", ".join(
                     f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in c.items()),
@@ -347,11 +346,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             row["paired_vs_ar"] = {"median": median(pairs), "min": pairs[0], "max": pairs[-1], "n": len(pairs)}
             row["speedup_vs_hf"] = row["tokens_per_s"] / hf if hf is not None else None
             # a row on another engine has a bound from that engine's own step costs, if they were measured
-            if isinstance(backend, Engine):
-                # --torch-linear's engine: not timed
-                own = costs_r if backend is args.rounded else costs_8 if backend is args.int8 else None
-            else:
-                own = costs
+            own = costs_of.get(id(backend)) if isinstance(backend, Engine) else costs  # --torch-linear's: not timed
             row["step_costs_ms"] = {str(k): v * 1000 for k, v in (own or {}).items()}
             row["bound"] = bound(spec, row["tau"], own, steps, costs.get(1)) if own and backend not in SWITCHES \
                 else None

@@ -45,15 +45,13 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
     if rounded is not None:
         rows.append(("off [bf16 weights]", "lossless", off, lossless, rounded))
         rows += [(f"{describe(spec)} [bf16 weights]", verifier_label(v), spec, v, rounded) for spec, v in pairs]
-    int8 = getattr(args, "int8", None)  # bench_rollout.int8_engine (--int8-head)
-    if int8 is not None:
-        rows += [(f"{describe(spec)} [int8 head]", verifier_label(v), spec, v, int8) for spec, v in pairs
-                 if spec.mode != "off"]
+    if args.int8 is not None:  # bench_rollout.int8_engine (--int8-head)
+        rows += [(f"{describe(spec)} [int8 head]", verifier_label(v), spec, v, args.int8) for spec, v in pairs]
     if args.python_layers:
         rows.append(("off [python layers]", "lossless", off, lossless, "python-layers"))
     for flag, switch, label in ((args.python_layers, "python-layers", "python layers"),
                                 (args.python_draft, "python-draft", "python draft"),
-                                (getattr(args, "draft_steps", False), "draft-steps", "draft steps"),
+                                (args.draft_steps, "draft-steps", "draft steps"),
                                 (args.fp32_head, "fp32-head", "fp32 head")):
         if flag:
             rows += [(f"{describe(spec)} [{label}]", verifier_label(v), spec, v, switch) for spec, v in pairs]

@@ -29,10 +29,9 @@
 #include <ATen/ops/silu.h>
 
 #include <cmath>
-#include <vector>
-
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 extern "C" {
 int64_t hr_linear(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
@@ -133,8 +132,8 @@ extern "C" {
 
 // h [R, H] (R = B x T rows, row-major) is updated in place to the layer's output.
 // panels: q/k/v side by side, o, gate/up side by side, down; bit i of ``compact`` set: panel i
-// holds bf16 values (hr_linear_pack16); bit 8 + i: int8 values and scales (hr_linear_pack8). cos, sin: [R, D] (the rotary tables of each row's
-// position). kc, vc: this layer's key and value cache of the B rows, [B, Hkv, >= L, D] with
+// holds bf16 values (hr_linear_pack16); bit 8 + i: int8 values and scales (hr_linear_pack8).
+// cos, sin: [R, D] (the rotary tables of each row's position). kc, vc: this layer's key and value cache of the B rows, [B, Hkv, >= L, D] with
 // strides (ks_b, ks_h, ks_l, 1); slots [R]: the slot each row's token is written to. mask:
 // bytes [B, T, L] with strides (ms_b, ms_t, 1). scratch: at least
 // hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I) floats. Returns 0, or the status of the first
@@ -246,8 +245,7 @@ int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* 
   float* z = scratch;          // [B, V]: the step's processed logits
   float* q = z + B * V;        // [B, V]: their softmax
   float* emb = q + B * V;      // [B, H]
-  float* out = emb + B * H;    // [B, H]
-  float* step = out + B * H;   // [B, V]: the step's logits
+  float* step = emb + B * H;   // [B, V]: the step's logits
   float* layer = step + B * V;
   std::vector<int64_t> slots(B);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
@@ -283,12 +281,11 @@ int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* 
       std::memcpy(emb + b * H, emb_table + draft_ids[ids[b * k + s]] * H, H * sizeof(float));
       slots[b] = slot0 + s;
     }
-    const int64_t status = hr_draft_layer(
-        emb, hidden, out, B, 1, H, w_in, w_hid, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, Hq, Hkv, D, I,
+    const int64_t status = hr_draft_layer(  // hidden in place (the layer's output may be its residual input)
+        emb, hidden, hidden, B, 1, H, w_in, w_hid, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, Hq, Hkv, D, I,
         cos + s * B * D, sin + s * B * D, kc, vc, ks_b, ks_h, ks_l, slots.data(), mask, ms_b, 0, slot0 + s + 1,
         scale, w_norm, p_lm, V, logit_scale, step, layer);
     if (status != 0) return status;
-    std::memcpy(hidden, out, B * H * sizeof(float));
     for (int64_t b = 0; b < B; ++b) std::memcpy(logits + (b * k + s + 1) * V, step + b * V, V * sizeof(float));
   }
   return 0;
@@ -296,7 +293,7 @@ int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* 
 
 // Floats of scratch hr_draft_chain needs.
 int64_t hr_draft_chain_scratch(int64_t B, int64_t H, int64_t Hq, int64_t Hkv, int64_t D, int64_t I, int64_t V) {
-  return 3 * B * V + 2 * B * H + hr_draft_layer_scratch(B, H, Hq, Hkv, D, I);
+  return 3 * B * V + B * H + hr_draft_layer_scratch(B, H, Hq, Hkv, D, I);
 }
 
 }  // extern "C"

@@ -14,6 +14,7 @@ from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.quantize import quantize_int8_
 from tests.models import copy_head, tiny_target
+from tests.rollout.panels import assert_fp32_bits, fp32_pack
 
 pytestmark = pytest.mark.skipif(not native_linear.available(),
                                 reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
@@ -30,14 +31,6 @@ def fp32_panels():
     native_linear.compact = True
 
 
-def fp32_pack(weight: torch.Tensor) -> torch.Tensor:
-    native_linear.compact = False
-    try:
-        return native_linear.pack(weight)
-    finally:
-        native_linear.compact = True
-
-
 @pytest.mark.parametrize("n,k", [(8192, 576), (37, 17), (5, 3), (33, 1536), (192, 1152)])
 @pytest.mark.parametrize("bias", [False, True])
 def test_compact_panels_give_the_bits_of_fp32_panels(n, k, bias):
@@ -47,13 +40,7 @@ def test_compact_panels_give_the_bits_of_fp32_panels(n, k, bias):
     assert compact.dtype == torch.bfloat16 and full.dtype == torch.float32
     assert compact.numel() == full.numel()  # the same layout, half the bytes
     assert torch.equal(compact.float(), full)
-    g = torch.Generator().manual_seed(k)
-    # every row count of the register groups and their tails, and a second row block
-    for m in [*range(1, 30), 64, 257]:
-        x = torch.randn(m, k, generator=g)
-        got = native_linear.linear(x, w, b, compact)
-        assert torch.equal(got, native_linear.linear(x, w, b, full))
-        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    assert_fp32_bits(w, b, compact, full)
 
 
 @pytest.mark.parametrize("where", ["first row", "middle", "last value"])

@@ -16,6 +16,7 @@ from rollout.config import ConfigError
 from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.quantize import int8_rows, quantize_int8_
+from tests.rollout.panels import assert_fp32_bits, fp32_pack
 
 native = pytest.mark.skipif(not native_linear.available(),
                             reason="the native linear kernel needs an AVX-512 CPU and a C++ compiler")
@@ -26,14 +27,6 @@ def rounded(n: int, k: int, seed: int) -> torch.Tensor:
     values, scales = int8_rows(torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
     native_linear.register_int8(values, scales)
     return values
-
-
-def fp32_pack(weight: torch.Tensor) -> torch.Tensor:
-    native_linear.compact = False
-    try:
-        return native_linear.pack(weight)
-    finally:
-        native_linear.compact = True
 
 
 # ------------------------------------------------------------------ the rounding itself
@@ -101,12 +94,7 @@ def test_int8_panels_give_the_bits_of_fp32_panels(n, k, bias):
     assert small.dtype == torch.int8 and full.dtype == torch.float32
     panels = (n + 15) // 16
     assert small.numel() == panels * (16 * k + 64)  # a byte a value, 16 scales a panel
-    g = torch.Generator().manual_seed(k)
-    for m in [*range(1, 30), 64, 257]:  # every register group and tail, and a second row block
-        x = torch.randn(m, k, generator=g)
-        got = native_linear.linear(x, w, b, small)
-        assert torch.equal(got, native_linear.linear(x, w, b, full))
-        torch.testing.assert_close(got, F.linear(x, w, b), rtol=1e-5, atol=1e-4 * k ** 0.5)
+    assert_fp32_bits(w, b, small, full)
 
 
 @native

@@ -41,7 +41,7 @@ from rollout.config import check_int
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
-from rollout.quantize import DRAFTER_WEIGHTS
+from rollout.quantize import check_drafter_weights
 
 PLACEMENTS = ("local", "ray")
 
@@ -100,10 +100,8 @@ class RolloutSettings:
             raise ConfigError("backend_options", f"{sorted(self.backend_options)}: placement 'local' with the hf "
                               "backend shares the trainer's model and reads only drafter_weights (weights: "
                               "bfloat16 needs a copy of its own: placement 'ray')", allowed=["drafter_weights"])
-        if self.backend == "hf" and self.backend_options.get("drafter_weights", "stored") not in DRAFTER_WEIGHTS:
-            raise ConfigError("backend_options.drafter_weights",
-                              f"unknown drafter weights {self.backend_options['drafter_weights']!r}",
-                              allowed=DRAFTER_WEIGHTS)
+        if self.backend == "hf":
+            check_drafter_weights(self.backend_options.get("drafter_weights", "stored"))
 
     def drafter_path(self) -> str | None:
         if self.drafter == "default":
