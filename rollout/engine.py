@@ -289,18 +289,18 @@ class Engine:
     def _draft_chain(self, call: _Call, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft k tokens per row: draft ids ``[B, k]`` and their draft logits ``[B, k, Vd]``."""
         runner = call.runner
-        greedy = call.spec.draft_sampling == "greedy"
+        temperature = call.sampling.temperature
+        greedy = call.spec.draft_sampling == "greedy" or temperature == 0
         step = runner.draft_root()
         logits, hidden = step.logits, step.hidden  # [B, Vd], [B, H]
-        temperature = call.sampling.temperature
         uniforms = None  # [k, B]: drawn at once, the same stream as one draw of B per draft
-        if not greedy and temperature > 0:
+        if not greedy:
             uniforms = torch.rand(k, logits.shape[0], generator=call.generator, dtype=torch.float64,
                                   device=logits.device)
-            fused = runner.draft_chain(logits, hidden, k, temperature, uniforms)  # one C++ call, the same bits
-            if fused is not None:
-                call.timings.draft_forwards += k
-                return fused
+        fused = runner.draft_chain(logits, hidden, k, 0.0 if greedy else temperature, uniforms)  # one C++ call
+        if fused is not None:  # the same bits as the loop
+            call.timings.draft_forwards += k
+            return fused
         ids, all_logits = [], [logits]
         for s in range(k):
             ids.append(sample_draft(logits, temperature, greedy, call.generator,

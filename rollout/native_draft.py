@@ -124,22 +124,24 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
     return scores, out
 
 
-def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature: float, uniforms: torch.Tensor,
+def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature: float, uniforms: torch.Tensor | None,
           draft_ids: torch.Tensor, committed: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
           values: torch.Tensor, slot0: int) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """A chain of ``k`` sampled drafts after the root, from one C++ call (``hr_draft_chain``): the
-    draws of ``rollout.runner.sample_draft`` and the steps of :func:`step`, the same bits.
+    """A chain of ``k`` drafts after the root, from one C++ call (``hr_draft_chain``): the draws of
+    ``rollout.runner.sample_draft`` and the steps of :func:`step`, the same bits.
 
     ``logits [B, Vd]`` and ``hidden [B, H]``: the root's; ``uniforms [k, B]`` (float64): draft s
-    of row b takes ``uniforms[s, b]``; ``draft_ids [Vd]``: each draft id's target id;
+    of row b takes ``uniforms[s, b]``; ``temperature`` 0 with ``uniforms`` None: a greedy chain
+    (each draft the argmax of its logits, as ``torch.argmax``); ``draft_ids [Vd]``: each draft id's target id;
     ``committed [B, slot0]`` bool: the draft cache slots each row sees; ``positions [k - 1, B]``:
     the RoPE positions of steps 1 .. k - 1; ``keys``, ``values``: the draft cache, whose slots
     ``slot0 .. slot0 + k - 2`` take the steps' entries. Returns the draft ids ``[B, k]`` and the
     logits each was drawn from ``[B, k, Vd]``, or None where the chain does not fit (then
     nothing was written and the caller runs the steps one by one)."""
     lib = native_linear._lib
+    greedy = uniforms is None
     if not (enabled and chains and fused_layers.enabled and fused_layers.native_norm and lib is not None
-            and temperature > 0):
+            and (temperature == 0 if greedy else temperature > 0)):
         return None
     plan = _plan(head)
     if plan is None:
@@ -149,7 +151,7 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     length = slot0 + k
     table = head.embed_tokens.weight
     if not (k >= 1 and hidden.shape == (b, h) and hidden.dtype == logits.dtype == torch.float32
-            and uniforms.shape == (k, b) and uniforms.dtype == torch.float64
+            and (greedy or (uniforms.shape == (k, b) and uniforms.dtype == torch.float64))
             and draft_ids.shape == (vocab,) and draft_ids.dtype == torch.int64
             and committed.shape == (b, slot0) and committed.dtype == torch.bool
             and positions.shape == (k - 1, b) and logits.device.type == hidden.device.type == "cpu"
@@ -166,11 +168,11 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     hid = hidden.clone(memory_format=torch.contiguous_format)  # written in place by the call
     mask = torch.cat([committed, torch.ones(b, k, dtype=torch.bool)], 1).contiguous()  # [B, slot0 + k]
     cos, sin = (x.contiguous() for x in head.rotary.tables(positions))  # [k - 1, B, d]
-    u = uniforms.contiguous()
+    u = None if greedy else uniforms.contiguous()
     scratch = torch.empty(lib.hr_draft_chain_scratch(b, h, n_q, n_kv, d, inter, vocab))
     ks = keys.stride()
     status = lib.hr_draft_chain(table.data_ptr(), draft_ids.data_ptr(), hid.data_ptr(), out.data_ptr(),
-                                ids.data_ptr(), u.data_ptr(), float(temperature), b, k, h, w_in, w_hid, w_post, eps,
+                                ids.data_ptr(), None if u is None else u.data_ptr(), float(temperature), b, k, h, w_in, w_hid, w_post, eps,
                                 p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, cos.data_ptr(),
                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), ks[0], ks[1], ks[2],
                                 mask.data_ptr(), mask.stride(0), slot0, d ** -0.5, w_norm, p_lm, vocab, logit_scale,

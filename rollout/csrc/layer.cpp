@@ -222,7 +222,22 @@ int64_t hr_draft_layer_scratch(int64_t R, int64_t H, int64_t Hq, int64_t Hkv, in
   return hr_decoder_layer_scratch(R, H, Hq, Hkv, D, I) + R * 2 * H;
 }
 
-// A chain of k sampled drafts after the root (rollout.engine's _draft_chain with the steps of
+// The index torch.argmax gives over a float row: the first maximum, or the first NaN.
+static int64_t first_argmax(const float* row, int64_t n) {
+  int64_t pick = 0;
+  float best = row[0];
+  if (std::isnan(best)) return 0;
+  for (int64_t i = 1; i < n; ++i) {
+    if (std::isnan(row[i])) return i;
+    if (row[i] > best) {
+      best = row[i];
+      pick = i;
+    }
+  }
+  return pick;
+}
+
+// A chain of k sampled (or greedy) drafts after the root (rollout.engine's _draft_chain with the steps of
 // rollout.native_draft), from one call: at batch 1 the ~40 torch ops and the Python around each
 // draft step (the mask, positions, embedding, the sampling) had cost about as much as the step's
 // own C++ layer call. Step s (0-based) draws draft s from the logits ``logits[:, s]`` as
@@ -233,7 +248,9 @@ int64_t hr_draft_layer_scratch(int64_t R, int64_t H, int64_t Hq, int64_t Hkv, in
 // with the step's output hidden) at cache slot slot0 + s with the mask row ``mask[b, :slot0 + s
 // + 1]`` (bytes, row stride ms_b) and the rotary rows ``cos/sin[s]`` ([k - 1, B, D]); its
 // logits go to ``logits[:, s + 1]``. The same bits as the Python loop (tests). logits: [B, k, V],
-// ``logits[:, 0]`` the root's on entry; ids: [B, k] draft ids out; u: [k, B]. scratch: at least
+// ``logits[:, 0]`` the root's on entry; ids: [B, k] draft ids out; u: [k, B]. temperature <= 0:
+// a greedy chain, each draft the argmax of its logits as torch.argmax picks it (the first
+// maximum; the first NaN where there is one), ``u`` unread (may be null). scratch: at least
 // hr_draft_chain_scratch(B, H, Hq, Hkv, D, I, V) floats. Returns 0, or the first refusal's status.
 int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* hidden, float* logits, int64_t* ids,
                        const double* u, float temperature, int64_t B, int64_t k, int64_t H, const float* w_in,
@@ -250,8 +267,11 @@ int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* 
   std::vector<int64_t> slots(B);
   const auto f32 = at::TensorOptions().dtype(at::kFloat);
   at::Tensor zt = at::from_blob(z, {B, V}, f32), qt = at::from_blob(q, {B, V}, f32);
+  const bool greedy = !(temperature > 0.0f);
   for (int64_t s = 0; s < k; ++s) {
-    for (int64_t b = 0; b < B; ++b) {
+    if (greedy)
+      for (int64_t b = 0; b < B; ++b) ids[b * k + s] = first_argmax(logits + (b * k + s) * V, V);
+    for (int64_t b = 0; b < B && !greedy; ++b) {
       const float* row = logits + (b * k + s) * V;
       float* zr = z + b * V;
       if (temperature != 1.0f)
@@ -259,8 +279,8 @@ int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* 
       else
         std::memcpy(zr, row, V * sizeof(float));
     }
-    at::_softmax_out(qt, zt, 1, false);
-    for (int64_t b = 0; b < B; ++b) {
+    if (!greedy) at::_softmax_out(qt, zt, 1, false);
+    for (int64_t b = 0; b < B && !greedy; ++b) {
       const float* qr = q + b * V;
       double total = 0.0;
       for (int64_t i = 0; i < V; ++i) total += static_cast<double>(qr[i]);

@@ -152,16 +152,19 @@ def test_engine_outputs_with_and_without_the_native_draft(native_steps, mode):
 
 
 @pytest.mark.parametrize("k", [1, 3, 6])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("temperature, drafts", [(1.0, "sampled"), (0.7, "sampled"), (0.0, "sampled"),
+                                                 (0.7, "greedy")])
 @pytest.mark.parametrize("weights", [True, "int8"])
-def test_a_chain_in_one_call_gives_the_bits_of_its_steps(chain_calls, k, temperature, weights):
-    """A sampled chain drafted by one ``hr_draft_chain`` call, by one C++ call per step, and by the
-    head's Python forwards: every token, kind and log-prob the same (the same uniforms, the same
-    draws, the same logits), with a bf16-valued and an int8 head."""
+def test_a_chain_in_one_call_gives_the_bits_of_its_steps(chain_calls, k, temperature, drafts, weights):
+    """A chain drafted by one ``hr_draft_chain`` call, by one C++ call per step, and by the head's
+    Python forwards: every token, kind and log-prob the same (the same uniforms, the same draws,
+    the same logits), with a bf16-valued and an int8 head; sampled drafts, and greedy ones (T = 0,
+    or ``draft_sampling: greedy``: each draft the argmax)."""
     target = tiny_target(seed=3)
     head = _head(target, weights)
     kw = dict(sampling=SamplingParams(temperature=temperature, max_new_tokens=30),
-              spec=SpecConfig(mode="chain", num_draft_tokens=k), verifier=VerifierConfig(name="lossless"), seed=5)
+              spec=SpecConfig(mode="chain", num_draft_tokens=k, draft_sampling=drafts),
+              verifier=VerifierConfig(name="lossless"), seed=5)
     prompts = [[1, 2, 3], [4, 5, 6, 7, 8], [9], [1, 2, 3]]
     engine = Engine(target, head, num_threads=2, linear="native")
     fused = engine.generate(prompts, **kw)
@@ -179,12 +182,32 @@ def test_a_chain_in_one_call_gives_the_bits_of_its_steps(chain_calls, k, tempera
         assert a.target_logprobs == b.target_logprobs == c.target_logprobs
 
 
-def test_greedy_chains_and_trees_draft_step_by_step(chain_calls, native_steps):
+def test_trees_draft_step_by_step(chain_calls, native_steps):
     target = tiny_target()
     head = _head(target, True)
     engine = Engine(target, head, num_threads=2, linear="native")
-    for spec, temperature in [(SpecConfig(mode="chain", num_draft_tokens=3), 0.0),
-                              (SpecConfig(mode="chain", num_draft_tokens=3, draft_sampling="greedy"), 1.0),
-                              (SpecConfig(mode="tree"), 1.0)]:
-        engine.generate([[1, 2, 3]], SamplingParams(temperature=temperature, max_new_tokens=12), spec, seed=1)
+    for temperature in [1.0, 0.0]:
+        engine.generate([[1, 2, 3]], SamplingParams(temperature=temperature, max_new_tokens=12),
+                        SpecConfig(mode="tree"), seed=1)
     assert not any(chain_calls) and native_steps and all(native_steps)
+
+
+def test_a_greedy_chain_picks_what_torch_argmax_picks():
+    """Ties go to the first maximum and a NaN wins, as ``torch.argmax`` (``sample_draft``) has it:
+    root logits with tied maxima, a NaN, a NaN first, -inf everywhere but one id, all equal."""
+    target = tiny_target(seed=2)
+    head = _head(target, True)
+    with torch.inference_mode(), native_linear.routed(target, head):
+        runner = ModelRunner(target, head)
+        prompts = [[1, 2, 3], [4, 5], [6], [7, 8, 9], [1]]
+        runner.set_first_tokens(runner.start(prompts, 40).argmax(-1))
+        root = runner.draft_root()
+        logits = torch.zeros_like(root.logits)
+        logits[0, [5, 9]] = 2.0
+        logits[1, 3], logits[1, 7], logits[1, 11] = 5.0, float("nan"), float("nan")
+        logits[2, 0] = float("nan")
+        logits[3] = float("-inf")
+        logits[3, 40] = -1.0
+        ids, out = runner.draft_chain(logits, root.hidden, 1, 0.0, None)
+    assert ids[:, 0].tolist() == logits.argmax(-1).tolist() == [5, 7, 0, 40, 0]
+    assert torch.equal(out[:, 0].nan_to_num(), logits.nan_to_num())  # the root's logits, kept
