@@ -23,18 +23,33 @@ def upper_median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
-def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int, raw: bool = False) -> dict:
+def chain_key(k: int) -> str:
+    """The step-cost key of a chain of ``k`` drafts after the root in one C++ call."""
+    return f"chain{k}"
+
+
+def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int, raw: bool = False,
+               chains: tuple[int, ...] = (), temperature: float = 1.0) -> dict:
     """Median seconds of a target forward over ``n`` block tokens per row (``T(n)``) for each n
     in ``blocks``, and of one draft step (``draft``), on ``group`` after its prefill; the
     measurements are interleaved rep by rep. ``raw``: every timed repetition's seconds (a list
-    per step) instead of their median."""
+    per step) instead of their median.
+
+    ``chains``: also, for each k, a chain of k drafts after the root drafted in one C++ call
+    (``ModelRunner.draft_chain``: k draws at ``temperature``, greedy at 0, and k - 1 draft steps;
+    key :func:`chain_key`), as the engine drafts sampled and greedy chains; left out where that
+    call does not run here (no AVX-512, ``native_draft.chains`` off), so a round's drafting is then
+    timed one step at a time."""
     runner = ModelRunner(engine.target, engine.head, engine.prefill_tokens)
     times: dict = {n: [] for n in blocks}
     times["draft"] = []
+    chains = tuple(chains) if engine.head is not None else ()
+    times |= {chain_key(k): [] for k in chains}
+    generator = torch.Generator().manual_seed(0)
     with torch.inference_mode(), engine.linear_routing(engine.head):
-        logits = runner.start(group, max(len(p) for p in group) + max(blocks) + 8)
+        logits = runner.start(group, max(len(p) for p in group) + max([*blocks, *chains]) + 8)
         runner.set_first_tokens(logits.argmax(-1))
-        hidden = runner.draft_root().hidden if engine.head is not None else None
+        root = runner.draft_root() if engine.head is not None else None
         for rep in range(reps + 1):  # rep 0 warms up
             for n in blocks:
                 block = runner.pending[:, None].expand(-1, n).contiguous()
@@ -42,12 +57,21 @@ def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: 
                 runner.verify_forward(block, torch.arange(n, device=block.device)[None], None)
                 if rep:
                     times[n].append(time.perf_counter() - t0)
-            if engine.head is not None:
-                runner.drop_speculation()  # every timed draft step is the round's first one
-                t0 = time.perf_counter()
-                runner.draft_step(runner.draft_ids[:1].expand(len(group))[:, None], hidden[:, None], 1, None)
-                if rep:
-                    times["draft"].append(time.perf_counter() - t0)
+            if root is None:
+                continue
+            runner.drop_speculation()  # every timed draft step is the round's first one
+            t0 = time.perf_counter()
+            runner.draft_step(runner.draft_ids[:1].expand(len(group))[:, None], root.hidden[:, None], 1, None)
+            if rep:
+                times["draft"].append(time.perf_counter() - t0)
+            for k in chains:
+                runner.drop_speculation()
+                t0 = time.perf_counter()  # the uniforms are drawn in the timed span, as the engine does
+                uniforms = torch.rand(k, len(group), generator=generator, dtype=torch.float64) \
+                    if temperature > 0 else None
+                ran = runner.draft_chain(root.logits, root.hidden, k, temperature, uniforms)
+                if rep and ran is not None:
+                    times[chain_key(k)].append(time.perf_counter() - t0)
     return {k: (v if raw else upper_median(v)) for k, v in times.items() if v}
 
 

@@ -55,7 +55,11 @@ configuration with the measured tau can then at best run at
 ``bound = tau x T(1) / (T(n) + steps x T_draft)`` times our autoregressive mode (chain:
 n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft levels
 counted as single-token steps, so its bound is optimistic; a sampled tree: the head steps its
-drafting rounds ran on average, as its shape is re-planned during a call). ``of bound`` = achieved
+drafting rounds ran on average, as its shape is re-planned during a call). A chain whose drafts
+the engine makes in one C++ call (``hr_draft_chain``: sampled and greedy chains with the native
+kernels) has ``K x T_draft`` replaced by ``T_draft + T_chain(K)``: the root step, then that call
+timed as the engine runs it (its K draws and K - 1 steps; greedy-drafted rows at T > 0 take the
+sampled chain's time, a little more than their argmax draws cost). ``of bound`` = achieved
 speedup / bound shows how far the engine (verifier, bookkeeping, Python) is from its own
 cost model. Rows whose draft length varies per round (``max_batch: auto``) have no bound.
 ``paired vs AR``: the median (and range) over the batches of prompts of a row's tokens/s against
@@ -97,7 +101,7 @@ from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.planner import trace_summary  # noqa: E402
-from rollout.timing import step_costs  # noqa: E402
+from rollout.timing import chain_key, step_costs  # noqa: E402
 from scripts.bench_plot import plot_rows  # noqa: E402
 from scripts.bench_rows import (SWITCHES, describe, header, int8_engine, plan_line, print_row, rounded_engine,  # noqa: E402
                                 row_configs, spec_configs, switched_off, widths)
@@ -258,6 +262,13 @@ def run_order(n: int, i: int, order: str) -> list[int]:
     return [*range(start, n), *range(start)]
 
 
+def cost_label(key) -> str:
+    """How a step cost is printed: T(n), T_draft, T_chain(k)."""
+    if key == "draft":
+        return "T_draft"
+    return f"T_chain({key[len('chain'):]})" if str(key).startswith("chain") else f"T({key})"
+
+
 def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None = None,
           base: float | None = None) -> float | None:
     """tau x T(1) / (T(n) + steps x T_draft) (see the module docstring); None without one.
@@ -269,7 +280,10 @@ def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None 
     n, fixed = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
         (spec.total_tokens + 1, spec.depth)
     steps = fixed if steps is None else steps
-    return tau * (costs[1] if base is None else base) / (costs[n] + steps * costs["draft"])
+    drafting = steps * costs["draft"]
+    if spec.mode == "chain" and chain_key(spec.num_draft_tokens) in costs:  # the root, then one chain call
+        drafting = costs["draft"] + costs[chain_key(spec.num_draft_tokens)]
+    return tau * (costs[1] if base is None else base) / (costs[n] + drafting)
 
 
 def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
@@ -290,6 +304,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
         calls: list[list[float]] = [[] for _ in configs]  # tokens/s of each call, in order
         groups = batches(prompts, size)
         blocks = sorted({1} | {c[2].block_size for c in configs if c[2] is not None and c[2].speculative})
+        chains = tuple(sorted({c[2].num_draft_tokens for c in configs if c[2] is not None and c[2].speculative
+                               and c[2].mode == "chain" and not c[2].auto}))
         # the engines whose step costs are timed: the default one, the --bf16-weights and --int8-head ones
         timed = [(eng, label) for eng, label in ((engine, ""), (args.rounded, " [bf16 weights]"),
                                                  (args.int8, " [int8 head]")) if eng is not None]
@@ -309,7 +325,8 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
                 tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
             if args.cost_reps > 0:
                 for eng, _ in timed:
-                    for step, values in step_costs(eng, group, blocks, args.cost_reps, raw=True).items():
+                    for step, values in step_costs(eng, group, blocks, args.cost_reps, raw=True, chains=chains,
+                                                     temperature=sampling.temperature).items():
                         samples[id(eng)].setdefault(step, []).extend(values)
             print(f"  batch {size}: {i + 1}/{len(groups) * args.passes} batches done", file=sys.stderr, flush=True)
         costs_of = {key: {step: median(values) for step, values in taken.items()} for key, taken in samples.items()}
@@ -318,7 +335,7 @@ def measure(args, target, tok, engine, prompts, sampling) -> list[dict]:
             c, taken = costs_of[id(eng)], samples[id(eng)]
             if c:
                 print(f"  batch {size} step costs{label} (ms, median of {len(taken[1])} over the run): " + ", ".join(
-                    f"{'T(%s)' % k if k != 'draft' else 'T_draft'} {v * 1000:.1f}" for k, v in c.items()),
+                    f"{cost_label(k)} {v * 1000:.1f}" for k, v in c.items()),
                     flush=True)
         # keyed by (mode, verifier): the verifiers of one speculative mode are separate rows
         keys = [(mode, vname) for mode, vname, *_ in configs]

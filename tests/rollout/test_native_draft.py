@@ -211,3 +211,18 @@ def test_a_greedy_chain_picks_what_torch_argmax_picks():
         ids, out = runner.draft_chain(logits, root.hidden, 1, 0.0, None)
     assert ids[:, 0].tolist() == logits.argmax(-1).tolist() == [5, 7, 0, 40, 0]
     assert torch.equal(out[:, 0].nan_to_num(), logits.nan_to_num())  # the root's logits, kept
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_step_costs_time_the_one_call_chain_only_where_it_runs(chain_calls, temperature):
+    """``rollout.timing.step_costs(chains=...)`` times each chain length as one ``hr_draft_chain``
+    call (sampled, and greedy at T = 0), and leaves the cost out where the call does not run."""
+    from rollout.timing import step_costs
+
+    target = tiny_target(seed=3)
+    engine = Engine(target, _head(target, True), num_threads=2, linear="native")
+    costs = step_costs(engine, [[1, 2, 3], [4, 5]], [1, 4], 2, chains=(2, 3), temperature=temperature)
+    assert set(costs) == {1, 4, "draft", "chain2", "chain3"} and all(v > 0 for v in costs.values())
+    assert len(chain_calls) == 6 and all(chain_calls)  # a warm-up and two timed calls per length
+    native_draft.chains = False
+    assert set(step_costs(engine, [[1, 2, 3]], [1], 1, chains=(3,), temperature=temperature)) == {1, "draft"}
