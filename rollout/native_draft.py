@@ -18,12 +18,12 @@ A speculative step leaves them there (the next ``draft_root`` overwrites them; a
 of the same round reads them from the cache); ``draft_root`` moves them to each row's own slots,
 as it does with the forward's.
 
-A sampled chain goes further (:func:`chain`, ``hr_draft_chain``): after the root, its k draws and
-k - 1 steps run from one call, the draws as ``rollout.runner.sample_draft`` makes them (ATen's
-softmax, the float64 running sum, the caller's uniforms) and the steps as :func:`step` runs
-them, so the drafts and logits are the same bits as the loop's; the ~40 small torch ops and the
-Python of each step (the mask, positions, embedding, the draw) go. Greedy chains and trees
-keep the loop.
+A chain goes further (:func:`chain`, ``hr_draft_chain``): after the root, its k draws and k - 1
+steps run from one call, the draws as ``rollout.runner.sample_draft`` makes them (sampled: ATen's
+softmax, the float64 running sum, the caller's uniforms; greedy, at T = 0 or with
+``draft_sampling: greedy``: the argmax as ``torch.argmax`` picks it) and the steps as :func:`step`
+runs them, so the drafts and logits are the same bits as the loop's; the ~40 small torch ops and
+the Python of each step (the mask, positions, embedding, the draw) go. Trees keep the loop.
 
 Where a call does not fit (no native library, ``enabled`` off, the fused forwards not in place,
 another head class, hooks, autograd, other dtypes, too many rows for the kernel, head sizes other
