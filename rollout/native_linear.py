@@ -42,8 +42,9 @@ bandwidth is about 16-18 ms.)
   same bits as fp32 panels of that weight (tests). The pack checks every value against that
   product and falls back to bf16 or fp32 panels where a value is not one (a weight changed
   since it was quantized), so what a forward computes is always the weight as it is.
-- The same library holds the decoding attention (``csrc/attention.cpp``, :func:`attend`) and
-  RMS norm (``csrc/norm.cpp``, :func:`rms_norm`) that ``rollout.fused_layers`` runs.
+- The same library (:mod:`rollout.native_lib` lists its files and declares its functions) holds
+  the decoding attention (``csrc/attention.cpp``, :func:`attend`) and RMS norm
+  (``csrc/norm.cpp``, :func:`rms_norm`) that ``rollout.fused_layers`` runs.
 - Needs AVX-512 (x86); elsewhere :func:`available` is False and the torch path runs.
 - ``HONEST_ROLLOUTS_NATIVE`` (as for the fused verifier): ``0`` never uses it, ``1`` raises
   when it cannot be built.
@@ -57,18 +58,16 @@ import contextlib
 import ctypes
 import functools
 import threading
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rollout import fused_layers
+from rollout import fused_layers, native_lib
 from verifiers import cbuild
 
-SOURCES = [Path(__file__).with_name("csrc") / name for name in ("linear.cpp", "attention.cpp", "norm.cpp", "layer.cpp",
-                                                                "digest.cpp")]
+SOURCES = native_lib.SOURCES  # the library's files (its build key)
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 compact = True  # switch: pack bf16-valued weights as bf16 panels (False: fp32 panels for all)
 
@@ -98,52 +97,7 @@ def _load() -> ctypes.CDLL | None:
         if lib is None:
             _tried = True
             return None
-        lib.hr_linear.restype = ctypes.c_int64
-        lib.hr_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.hr_linear_pack.restype = None
-        lib.hr_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-        lib.hr_linear_packed_size.restype = ctypes.c_int64
-        lib.hr_linear_packed_size.argtypes = [ctypes.c_int64] * 2
-        lib.hr_linear16.restype = ctypes.c_int64
-        lib.hr_linear16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.hr_linear_pack16.restype = ctypes.c_int64
-        lib.hr_linear_pack16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-        lib.hr_linear8.restype = ctypes.c_int64
-        lib.hr_linear8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-        lib.hr_linear_pack8.restype = ctypes.c_int64
-        lib.hr_linear_pack8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-        lib.hr_linear_packed_size8.restype = ctypes.c_int64
-        lib.hr_linear_packed_size8.argtypes = [ctypes.c_int64] * 2
-        lib.hr_digest.restype = ctypes.c_uint64
-        lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-        lib.hr_linear_max_rows.restype = ctypes.c_int64
-        lib.hr_linear_vectorised.restype = ctypes.c_int64
-        i64, ptr = ctypes.c_int64, ctypes.c_void_p
-        lib.hr_attend.restype = i64
-        lib.hr_attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr] + [i64] * 6 + [
-            ctypes.c_float]
-        lib.hr_attend_vectorised.restype = i64
-        lib.hr_rms_norm.restype = None
-        lib.hr_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
-        f32 = ctypes.c_float
-        lib.hr_decoder_layer.restype = i64
-        lib.hr_decoder_layer.argtypes = ([ptr, i64, i64, i64, ptr, ptr, f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
-                                         + [i64] * 3 + [ptr, ptr, i64, i64, i64, f32, ptr])
-        lib.hr_decoder_layer_scratch.restype = i64
-        lib.hr_decoder_layer_scratch.argtypes = [i64] * 6
-        lib.hr_decoder_stack.restype = i64
-        lib.hr_decoder_stack.argtypes = ([ptr, i64, i64, i64, i64, ptr, f32] + [i64] * 4 + [ptr, ptr] + [i64] * 3
-                                         + [ptr, ptr] + [i64] * 3 + [f32, ptr, ptr])
-        lib.hr_draft_layer.restype = i64
-        lib.hr_draft_layer.argtypes = ([ptr] * 3 + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
-                                       + [i64] * 3 + [ptr] * 2 + [i64] * 3 + [f32, ptr, ptr, i64, f32, ptr, ptr])
-        lib.hr_draft_layer_scratch.restype = i64
-        lib.hr_draft_layer_scratch.argtypes = [i64] * 6
-        lib.hr_draft_chain.restype = i64
-        lib.hr_draft_chain.argtypes = ([ptr] * 6 + [f32] + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5
-                                       + [ptr] * 4 + [i64] * 3 + [ptr, i64, i64, f32, ptr, ptr, i64, f32, ptr])
-        lib.hr_draft_chain_scratch.restype = i64
-        lib.hr_draft_chain_scratch.argtypes = [i64] * 7
+        native_lib.declare(lib)
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
         return _lib
 

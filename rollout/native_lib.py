@@ -1,0 +1,71 @@
+"""The C++ library of ``rollout/csrc``: its source files and its functions' ctypes signatures.
+
+One shared library (built by ``verifiers/cbuild.py``, keyed by every file below) holds the
+decoding linear kernel (``linear.cpp``, over the panels that ``pack.cpp`` packs, in the layout of
+``panels.h``), the weight digest (``digest.cpp``), attention (``attention.cpp``), RMS norm
+(``norm.cpp``) and the fused decoder and draft layers (``layer.cpp``). :mod:`rollout.native_linear`
+loads it once per process (its ``_lib``, which :mod:`rollout.native_layers` and
+:mod:`rollout.native_draft` call too) and runs :func:`declare` on it first: ctypes then passes
+every argument with the C type the function takes (a Python float as ``float``, an int as
+``int64_t``) and reads every result as its C type.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+CSRC = Path(__file__).with_name("csrc")
+# every file the library is built from: a change to any of them (the header too) rebuilds it
+SOURCES = [CSRC / name for name in ("linear.cpp", "pack.cpp", "attention.cpp", "norm.cpp", "layer.cpp", "digest.cpp",
+                                    "panels.h")]
+
+
+def declare(lib: ctypes.CDLL) -> None:
+    """Set the argument and result types of every entry point of the opened library ``lib``."""
+    lib.hr_linear.restype = ctypes.c_int64
+    lib.hr_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.hr_linear_pack.restype = None
+    lib.hr_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.hr_linear_packed_size.restype = ctypes.c_int64
+    lib.hr_linear_packed_size.argtypes = [ctypes.c_int64] * 2
+    lib.hr_linear16.restype = ctypes.c_int64
+    lib.hr_linear16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.hr_linear_pack16.restype = ctypes.c_int64
+    lib.hr_linear_pack16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.hr_linear8.restype = ctypes.c_int64
+    lib.hr_linear8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.hr_linear_pack8.restype = ctypes.c_int64
+    lib.hr_linear_pack8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
+    lib.hr_linear_packed_size8.restype = ctypes.c_int64
+    lib.hr_linear_packed_size8.argtypes = [ctypes.c_int64] * 2
+    lib.hr_digest.restype = ctypes.c_uint64
+    lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.hr_linear_max_rows.restype = ctypes.c_int64
+    lib.hr_linear_vectorised.restype = ctypes.c_int64
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.hr_attend.restype = i64
+    lib.hr_attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr] + [i64] * 6 + [
+        ctypes.c_float]
+    lib.hr_attend_vectorised.restype = i64
+    lib.hr_rms_norm.restype = None
+    lib.hr_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
+    f32 = ctypes.c_float
+    lib.hr_decoder_layer.restype = i64
+    lib.hr_decoder_layer.argtypes = ([ptr, i64, i64, i64, ptr, ptr, f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
+                                     + [i64] * 3 + [ptr, ptr, i64, i64, i64, f32, ptr])
+    lib.hr_decoder_layer_scratch.restype = i64
+    lib.hr_decoder_layer_scratch.argtypes = [i64] * 6
+    lib.hr_decoder_stack.restype = i64
+    lib.hr_decoder_stack.argtypes = ([ptr, i64, i64, i64, i64, ptr, f32] + [i64] * 4 + [ptr, ptr] + [i64] * 3
+                                     + [ptr, ptr] + [i64] * 3 + [f32, ptr, ptr])
+    lib.hr_draft_layer.restype = i64
+    lib.hr_draft_layer.argtypes = ([ptr] * 3 + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
+                                   + [i64] * 3 + [ptr] * 2 + [i64] * 3 + [f32, ptr, ptr, i64, f32, ptr, ptr])
+    lib.hr_draft_layer_scratch.restype = i64
+    lib.hr_draft_layer_scratch.argtypes = [i64] * 6
+    lib.hr_draft_chain.restype = i64
+    lib.hr_draft_chain.argtypes = ([ptr] * 6 + [f32] + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5
+                                   + [ptr] * 4 + [i64] * 3 + [ptr, i64, i64, f32, ptr, ptr, i64, f32, ptr])
+    lib.hr_draft_chain_scratch.restype = i64
+    lib.hr_draft_chain_scratch.argtypes = [i64] * 7
