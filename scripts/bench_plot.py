@@ -43,7 +43,7 @@ def plot_data(rows: list[dict]) -> dict[int, list[dict]]:
 
 
 def plot_rows(rows: list[dict], path: str | Path) -> Path:
-    """Write the figure of ``rows`` (``bench_rollout.measure``'s dicts, or a ``--json`` file's
+    """Write the figure of ``rows`` (``bench_measure.measure``'s dicts, or a ``--json`` file's
     ``results``) to ``path``."""
     data = plot_data(rows)
     plt = _plt()
