@@ -35,11 +35,12 @@ import torch
 
 from rollout import native_linear
 from rollout.allocator import tune_malloc
+from rollout.draft_sampling import sample_draft
 from rollout.kv_cache import fill_from_tail
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
 from rollout.planner import RoundPlanner
-from rollout.runner import ModelRunner, sample_draft
+from rollout.runner import ModelRunner
 from rollout.sampled_tree import ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_sampled
 from rollout.sequences import RoundOutput, SequenceTable
 from rollout.tree import chain_tree, draft_tree, root_tree, walk

@@ -66,7 +66,7 @@ NORMS = frozenset({"LlamaRMSNorm", "MistralRMSNorm", "Qwen2RMSNorm", "RMSNorm"})
 ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention"})
 DRAFT_ATTENTIONS = frozenset({"DraftAttention"})  # rollout.eagle3_head's (the EAGLE-3 head's layer)
 # attention implementations that compute softmax(q k^T * scale, masked) v and nothing else (the
-# first is the engine's own, rollout.runner's)
+# first is the engine's own, rollout.attention's)
 PLAIN_ATTENTION = frozenset({"rollout_sdpa_gqa", "sdpa", "eager"})
 MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "DraftMLP"})
 # decoder stacks and layers whose forward is: embed, rotary tables, for each layer x += attn(norm(x)),

@@ -19,11 +19,12 @@ of the same round reads them from the cache); ``draft_root`` moves them to each 
 as it does with the forward's.
 
 A chain goes further (:func:`chain`, ``hr_draft_chain``): after the root, its k draws and k - 1
-steps run from one call, the draws as ``rollout.runner.sample_draft`` makes them (sampled: ATen's
-softmax, the float64 running sum, the caller's uniforms; greedy, at T = 0 or with
-``draft_sampling: greedy``: the argmax as ``torch.argmax`` picks it) and the steps as :func:`step`
-runs them, so the drafts and logits are the same bits as the loop's; the ~40 small torch ops and
-the Python of each step (the mask, positions, embedding, the draw) go. Trees keep the loop.
+steps run from one call, the draws as ``rollout.draft_sampling.sample_draft`` makes them
+(sampled: ATen's softmax, the float64 running sum, the caller's uniforms; greedy, at T = 0 or
+with ``draft_sampling: greedy``: the argmax as ``torch.argmax`` picks it) and the steps as
+:func:`step` runs them, so the drafts and logits are the same bits as the loop's; the ~40 small
+torch ops and the Python of each step (the mask, positions, embedding, the draw) go. Trees keep
+the loop.
 
 Where a call does not fit (no native library, ``enabled`` off, the fused forwards not in place,
 another head class, hooks, autograd, other dtypes, too many rows for the kernel, head sizes other
@@ -128,7 +129,7 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
           draft_ids: torch.Tensor, committed: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor,
           values: torch.Tensor, slot0: int) -> tuple[torch.Tensor, torch.Tensor] | None:
     """A chain of ``k`` drafts after the root, from one C++ call (``hr_draft_chain``): the draws of
-    ``rollout.runner.sample_draft`` and the steps of :func:`step`, the same bits.
+    ``rollout.draft_sampling.sample_draft`` and the steps of :func:`step`, the same bits.
 
     ``logits [B, Vd]`` and ``hidden [B, H]``: the root's; ``uniforms [k, B]`` (float64): draft s
     of row b takes ``uniforms[s, b]``; ``temperature`` 0 with ``uniforms`` None: a greedy chain

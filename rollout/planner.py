@@ -84,9 +84,9 @@ Why it chose what it chose: with ``trace`` set to a list (``Engine.trace_plans``
 --planner-trace``), every round appends a record: ``call`` (numbered from 0 by ``new_call``),
 ``round``, ``batch``, ``k``, ``why`` (``REASONS``), ``rates`` (the expected tokens per second per
 row of each option compared, keyed by k as text; empty in a new bucket), then ``round_s``,
-``draft_s``, ``emitted`` (per row) and ``catch_up`` as ``observe`` got them. :func:`trace_summary`
-counts the rounds by choice and reason. The records grow by one per round: for diagnosis, not
-for a long training run.
+``draft_s``, ``emitted`` (per row) and ``catch_up`` as ``observe`` got them (written by
+:mod:`rollout.planner_trace`). :func:`trace_summary` counts the rounds by choice and reason. The
+records grow by one per round: for diagnosis, not for a long training run.
 
 Across calls: the costs stay (they are properties of the machine, the model and the batch
 size; the last 5 rounds of each decide, so a change of load still shows within a few rounds),
@@ -107,14 +107,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from rollout.planner_costs import Recent, covers, pooled_curve, read_curve
-
-
-# why a round was chosen (``RoundPlanner.trace``)
-NEW_BUCKET = "new bucket"  # the first plain round / cheapest draft measured at this batch bucket
-BEST = "best"  # the best rate (speculative: by a clear gain)
-NO_CLEAR_GAIN = "no clear gain"  # plain: a speculative option was best, but by less than hold / stay
-REPROBE = "re-probe"  # an alternative run again to keep its measurements fresh
-REASONS = (NEW_BUCKET, BEST, NO_CLEAR_GAIN, REPROBE)
+from rollout.planner_trace import BEST, NEW_BUCKET, NO_CLEAR_GAIN, REPROBE, record_choice, record_measured
+from rollout.planner_trace import REASONS, trace_summary  # noqa: F401  (re-exported: scripts, tests)
 
 
 def bucket(batch: int) -> int:
@@ -259,8 +253,7 @@ class RoundPlanner:
         self._round += 1
         k, why, rates = self._choose(b)
         if self.trace is not None:
-            self.trace.append({"call": self._calls, "round": self._round, "batch": b, "k": k, "why": why,
-                               "rates": {str(o): r for o, r in rates.items()}})
+            record_choice(self.trace, self._calls, self._round, b, k, why, rates)
         return k
 
     def _choose(self, b: int) -> tuple[int, str, dict[int, float]]:
@@ -376,8 +369,7 @@ class RoundPlanner:
         not typical: what it costs beyond a typical draft is the switch cost)."""
         bk = bucket(b)
         n = self.block_tokens[k] if k else 1
-        if self.trace and self.trace[-1]["round"] == self._round and "round_s" not in self.trace[-1]:
-            self.trace[-1].update(round_s=round_s, draft_s=draft_s, emitted=list(emitted), catch_up=catch_up)
+        record_measured(self.trace, self._round, round_s, draft_s, emitted, catch_up)
         self._curve_memo = None
         self._round_cost.setdefault((bk, n), Recent()).add(max(round_s, 1e-9), self._round)
         self._round_rows.setdefault((bk, n), Recent()).add(float(b), self._round)
@@ -398,19 +390,3 @@ class RoundPlanner:
             for j in range(1, min(accepted + 1, k) + 1):  # depth j was tried when j - 1 were accepted
                 self._attempts[j] += 1
                 self._accepts[j] += j <= accepted
-
-
-def trace_summary(trace: list[dict]) -> dict:
-    """Rounds of a planner trace (``RoundPlanner.trace``, or a slice of it) by choice and reason:
-    ``{"rounds": n, "plain": {reason: n}, "draft": {reason: n}, "tokens": {"plain": t, "draft": t},
-    "seconds": {"plain": s, "draft": s}}`` (tokens and seconds over the rounds that were measured;
-    seconds include drafting)."""
-    out = {"rounds": len(trace), "plain": {}, "draft": {}, "tokens": {"plain": 0, "draft": 0},
-           "seconds": {"plain": 0.0, "draft": 0.0}}
-    for r in trace:
-        side = "draft" if r["k"] else "plain"
-        out[side][r["why"]] = out[side].get(r["why"], 0) + 1
-        if "round_s" in r:
-            out["tokens"][side] += sum(r["emitted"])
-            out["seconds"][side] += r["round_s"] + r["draft_s"]
-    return out

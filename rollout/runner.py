@@ -32,46 +32,17 @@ All row-indexed tensors follow the live order of ``rollout.sequences.SequenceTab
 
 from __future__ import annotations
 
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 
 import torch
-import torch.nn.functional as F
 
 from rollout import native_draft
+from rollout.attention import gqa_attention
 from rollout.chunking import prefill_chunks
 from rollout.eagle3_head import DraftOutput
 from rollout.kv_cache import RowKVCache
-from verifiers.processing import draft_logits as scale_draft_logits
-from verifiers.processing import sample_inverse_cdf
 
 DRAFT_POSITION_OFFSET = 0  # draft pair j sits at RoPE position j + this offset
-GQA_ATTENTION = "rollout_sdpa_gqa"
-
-
-def _sdpa_gqa(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, **kwargs):
-    """SDPA with grouped kv heads and a mask, without materialising repeated keys/values
-    (transformers' own sdpa path repeats them whenever a mask is given). Outputs [B, T, H, D]."""
-    assert attention_mask is not None, "the engine always passes an explicit mask"
-    out = F.scaled_dot_product_attention(query, key, value, attn_mask=attention_mask, scale=scaling,
-                                         enable_gqa=key.shape[1] != query.shape[1])
-    return out.transpose(1, 2).contiguous(), None
-
-
-@contextmanager
-def _gqa_attention(target):
-    """On CPU, run the target's sdpa attention through :func:`_sdpa_gqa` for the duration."""
-    config = target.model.config
-    if target.device.type != "cpu" or config._attn_implementation != "sdpa":
-        yield
-        return
-    from transformers import AttentionInterface
-
-    AttentionInterface.register(GQA_ATTENTION, _sdpa_gqa)
-    config._attn_implementation = GQA_ATTENTION
-    try:
-        yield
-    finally:
-        config._attn_implementation = "sdpa"
 
 
 class ModelRunner:
@@ -175,7 +146,7 @@ class ModelRunner:
         mask = causal[None] & (key_ok[:, None, :] | torch.eye(t, dtype=torch.bool, device=self.device)[None])
         last = (plen - 1)[:, None, None]
         if not self._plain_lm_head:  # e.g. soft-capped logits: take them from the full forward
-            with _gqa_attention(self.target):
+            with gqa_attention(self.target):
                 out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None],
                                   cache=self.cache, final=self.capture)
             return out.logits.gather(1, last.expand(b, 1, out.logits.shape[-1]))[:, 0], out.features, out.final
@@ -188,7 +159,7 @@ class ModelRunner:
         needs logits at one position per row, not over the whole prompt. Captures the
         EAGLE-3 features (``TargetModel.capture``) when there is a head or a capture."""
         features = self.head is not None or self.capture
-        with _gqa_attention(self.target):
+        with gqa_attention(self.target):
             lean = self.target.body(ids, positions, mask, self.cache)
             if lean is not None:
                 return lean[0], lean[1].features() if features else None
@@ -264,7 +235,7 @@ class ModelRunner:
             in_block = (rel >= 0) & (rel < t)
             seen = block_mask.expand(b, t, t).gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, kv_len))
             mask = (rel < 0)[:, None, :] | (seen & in_block[:, None, :])  # [B, T, L]
-        with _gqa_attention(self.target):
+        with gqa_attention(self.target):
             out = self.target(tokens, position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
                               final=self.capture)
         if self.capture:  # plain rounds only: the block is the pending token, committed whatever comes
@@ -367,10 +338,10 @@ class ModelRunner:
                     uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Right after ``draft_root``: its ``logits [B, Vd]`` and ``hidden [B, H]``, then k - 1 draft
         steps, the k drafts sampled (``uniforms [k, B]``; None with temperature 0: the argmax) as
-        ``sample_draft`` does, from one C++
-        call (``rollout.native_draft.chain``). Returns the draft ids ``[B, k]`` and their logits
-        ``[B, k, Vd]``, the same as the loop over ``draft_step`` gives, or None where the call does
-        not fit (nothing written; the caller runs the loop)."""
+        ``rollout.draft_sampling.sample_draft`` does, from one C++ call (``rollout.native_draft.chain``).
+        Returns the draft ids ``[B, k]`` and their logits ``[B, k, Vd]``, the same as the loop over
+        ``draft_step`` gives, or None where the call does not fit (nothing written; the caller runs
+        the loop)."""
         if self._spec_past is not None or self._spec_cached:
             return None
         kv = self.draft_kv
@@ -413,25 +384,3 @@ class ModelRunner:
         d = self.head(tokens, hidden, pos, mask, past)
         self._spec_past = d.kv
         return d
-
-
-def sample_draft(logits: torch.Tensor, temperature: float, greedy: bool,
-                 generator: torch.Generator, uniforms: torch.Tensor | None = None) -> torch.Tensor:
-    """Draft ids ``[...]`` from draft logits ``[..., Vd]``: the argmax when greedy or T = 0, else
-    a sample from q = softmax(logits / T) by inversion (``verifiers.processing.sample_inverse_cdf``,
-    as the verifier samples its residuals): one uniform per row picks the first id whose
-    cumulative q, summed in float64, exceeds u times the total (no host sync).
-
-    One uniform per row instead of an exponential race over the vocabulary: torch's CPU
-    ``exponential_`` costs about 0.2 ms per row of 8192 draft ids (3.2 ms at 16 rows), about
-    a ninth of a batch-1 draft step; the inversion costs ~0.03 ms. The law is q up to float64
-    rounding of the cumulative sums (an id is picked only where the sum grows, so never an id
-    with q = 0; one with q below ~1e-16 of the total can be skipped). ``uniforms``: the rows'
-    uniforms (float64, one per row), drawn by the caller; None: drawn here from ``generator``."""
-    if greedy or temperature == 0:
-        return logits.argmax(-1)
-    q = torch.softmax(scale_draft_logits(logits, temperature), dim=-1)
-    rows = q.reshape(-1, q.shape[-1])
-    u = uniforms if uniforms is not None else torch.rand(rows.shape[0], generator=generator, dtype=torch.float64,
-                                                         device=q.device)
-    return sample_inverse_cdf(rows, u).view(q.shape[:-1])

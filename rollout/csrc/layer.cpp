@@ -241,9 +241,9 @@ static int64_t first_argmax(const float* row, int64_t n) {
 // rollout.native_draft), from one call: at batch 1 the ~40 torch ops and the Python around each
 // draft step (the mask, positions, embedding, the sampling) had cost about as much as the step's
 // own C++ layer call. Step s (0-based) draws draft s from the logits ``logits[:, s]`` as
-// rollout.runner.sample_draft does (z = logits / T in float32, q = ATen's softmax of z, the first
-// id whose float64 running sum of q exceeds u[s, b] times the row's total, the target kept below
-// the total), then, unless s = k - 1, maps it to its target id (``draft_ids``), takes that id's
+// rollout.draft_sampling.sample_draft does (z = logits / T in float32, q = ATen's softmax of z, the
+// first id whose float64 running sum of q exceeds u[s, b] times the row's total, the target kept
+// below the total), then, unless s = k - 1, maps it to its target id (``draft_ids``), takes that id's
 // row of ``emb_table`` [Vt, H] and runs hr_draft_layer on it and ``hidden`` [B, H] (written back
 // with the step's output hidden) at cache slot slot0 + s with the mask row ``mask[b, :slot0 + s
 // + 1]`` (bytes, row stride ms_b) and the rotary rows ``cos/sin[s]`` ([k - 1, B, D]); its

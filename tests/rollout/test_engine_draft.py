@@ -110,7 +110,7 @@ def test_sampled_drafts_follow_q(temperature):
     never an id with q = 0, the same draws for the same seed, any leading shape."""
     from scipy.stats import chisquare
 
-    from rollout.runner import sample_draft
+    from rollout.draft_sampling import sample_draft
     from verifiers.processing import draft_logits
 
     g = torch.Generator().manual_seed(3)
@@ -131,7 +131,7 @@ def test_sampled_drafts_follow_q(temperature):
 
 
 def test_greedy_and_cold_drafts_are_the_argmax():
-    from rollout.runner import sample_draft
+    from rollout.draft_sampling import sample_draft
 
     logits = torch.randn(4, 9, generator=torch.Generator().manual_seed(0))
     g = torch.Generator().manual_seed(0)
