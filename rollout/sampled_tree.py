@@ -172,7 +172,7 @@ def fused_walk_usable(tree: Tree, rule, device: torch.device) -> bool:
 
 def walk_sampled(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, top_k: int | None,
                  top_p: float | None, generator: torch.Generator, record: list | None = None) -> WalkResult:
-    """``rollout.tree.walk`` over a sampled tree in one C++ call (``csrc/sampled.cpp``,
+    """``rollout.tree.walk`` over a sampled tree in one C++ call (``verifiers/csrc/sampled_tree.cpp``,
     ``hr_walk_sampled``): each row's walk runs the same node step as ``verify_sampled_candidates``
     (recursive rejection towards p, or a lossy rule's P_R; a leaf's bonus token from p). Its
     randomness differs from the level-by-level walk's: ``u_accept = rand(B, W, K)``, then

@@ -1,5 +1,6 @@
-"""The fused C++ verifier (``csrc/``: chain.cpp, candidates.cpp, sampled.cpp, block.cpp, the rule
-part rules.h and the shared common.h; verifiers/README.md, "Kernel layout"): build, load and call it.
+"""The fused C++ verifier (``csrc/``: chain.cpp, candidates.cpp, sampled.cpp, sampled_tree.cpp,
+block.cpp, the sampled kernels' node step sampled.h, the rule part rules.h and the shared common.h;
+verifiers/README.md, "Kernel layout"): build, load and call it.
 
 ``verify_chain`` and ``verify_candidates`` use it for sampled chains and tree nodes on the
 CPU; the PyTorch code in :mod:`.chain` and :mod:`.candidates` is the other backend (any

@@ -29,10 +29,10 @@ Randomness, in this fixed order from ``generator``: ``u_accept = torch.rand(N, m
 accepted iff u_accept[n, i] < its acceptance), then ``u_final = torch.rand(N)`` (the
 fallback by inverse CDF), as in :func:`verifiers.verify_candidates`.
 
-Backends: on the CPU both functions run fused in C++ (:mod:`.native`, ``csrc/sampled.cpp``:
-the same procedure on the same uniforms; a lossy rule's chain law from the kernel's closed forms,
-``csrc/rules.h``, for the rules with a kernel id); the PyTorch code below serves other devices and
-other rules, and is the fallback.
+Backends: on the CPU both functions run fused in C++ (:mod:`.native`, ``csrc/sampled.cpp`` with
+its node step ``csrc/sampled.h``: the same procedure on the same uniforms; a lossy rule's chain
+law from the kernel's closed forms, ``csrc/rules.h``, for the rules with a kernel id); the
+PyTorch code below serves other devices and other rules, and is the fallback.
 """
 
 from __future__ import annotations
@@ -241,7 +241,7 @@ def verify_chain_towards_law(rule, target_logits: Tensor, draft_logits: Tensor, 
 
 
 def _chain_walk_native(rule, target, draft, x, u_accept, u_final, temperature, top_k, top_p):
-    """The chain as a tree for ``hr_walk_sampled`` (``csrc/sampled.cpp``): nodes 0..K, node j's
+    """The chain as a tree for ``hr_walk_sampled`` (``csrc/sampled_tree.cpp``): nodes 0..K, node j's
     one child j + 1, q over the target vocabulary (identity id map); ``draft`` [B, K, V] (node K, a
     leaf, has no draft row)."""
     b, k1, v = target.shape

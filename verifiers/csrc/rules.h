@@ -133,7 +133,7 @@ inline bool chain_exact(const Params& prm, const RuleState& rs) {
 // The full-row statistics at one drafted position (``chain_stats`` of the rules with
 // ``full_row_stats``): overshoot's rejected mass and TV, the truncation rules' feed term, over
 // p_at(i), q_at(i) (i < V): from the logits rows (``chain_row_stats``) or from p and q as arrays
-// (a sampled tree node, sampled.cpp).
+// (a sampled tree node, sampled.h).
 template <class PAt, class QAt>
 inline void chain_row_stats_of(const Params& prm, int64_t V, PAt p_at, QAt q_at, RuleState& rs) {
   const float thr = rs.thr;
