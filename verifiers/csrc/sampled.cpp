@@ -81,12 +81,7 @@ int64_t hr_verify_sampled(const float* target, const float* draft, const int64_t
       logp[n] = r.logp;
     }
   });
-  int64_t worst = 0;
-  for (int64_t n = 0; n < N; ++n) {
-    bad_rows[n] = status[n];
-    if (status[n] > worst) worst = status[n];
-  }
-  return worst;
+  return report_rows(status, bad_rows);
 }
 
 }  // extern "C"

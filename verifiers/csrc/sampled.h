@@ -338,4 +338,15 @@ NodeResult verify_node(const Params& prm, const RowView& tr, const DraftRow& dr,
   return out;
 }
 
+// Each row's status (0 fine, else the refusal's code) into ``bad_rows``; returns the largest,
+// the call's status (both kernels of sampled.cpp and sampled_tree.cpp end this way).
+inline int64_t report_rows(const std::vector<uint8_t>& status, uint8_t* bad_rows) {
+  int64_t worst = 0;
+  for (size_t n = 0; n < status.size(); ++n) {
+    bad_rows[n] = status[n];
+    if (status[n] > worst) worst = status[n];
+  }
+  return worst;
+}
+
 }  // namespace

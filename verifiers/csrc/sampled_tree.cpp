@@ -76,12 +76,7 @@ int64_t hr_walk_sampled(const float* target, const float* draft, const int64_t* 
       emitted[b] = n;
     }
   });
-  int64_t worst = 0;
-  for (int64_t b = 0; b < B; ++b) {
-    bad_rows[b] = status[b];
-    if (status[b] > worst) worst = status[b];
-  }
-  return worst;
+  return report_rows(status, bad_rows);
 }
 
 }  // extern "C"
