@@ -298,7 +298,7 @@ class Engine:
         if not greedy:
             uniforms = torch.rand(k, logits.shape[0], generator=call.generator, dtype=torch.float64,
                                   device=logits.device)
-        fused = runner.draft_chain(logits, hidden, k, 0.0 if greedy else temperature, uniforms)  # one C++ call
+        fused = runner.draft_chain(logits, hidden, k, temperature, uniforms)  # one C++ call (greedy: no uniforms)
         if fused is not None:  # the same bits as the loop
             call.timings.draft_forwards += k
             return fused

@@ -132,8 +132,9 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     ``rollout.draft_sampling.sample_draft`` and the steps of :func:`step`, the same bits.
 
     ``logits [B, Vd]`` and ``hidden [B, H]``: the root's; ``uniforms [k, B]`` (float64): draft s
-    of row b takes ``uniforms[s, b]``; ``temperature`` 0 with ``uniforms`` None: a greedy chain
-    (each draft the argmax of its logits, as ``torch.argmax``); ``draft_ids [Vd]``: each draft id's target id;
+    of row b takes ``uniforms[s, b]``; ``uniforms`` None: a greedy chain (each draft the argmax of
+    its logits, as ``torch.argmax``; ``temperature`` unread); ``draft_ids [Vd]``: each draft id's
+    target id;
     ``committed [B, slot0]`` bool: the draft cache slots each row sees; ``positions [k - 1, B]``:
     the RoPE positions of steps 1 .. k - 1; ``keys``, ``values``: the draft cache, whose slots
     ``slot0 .. slot0 + k - 2`` take the steps' entries. Returns the draft ids ``[B, k]`` and the
@@ -142,7 +143,7 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     lib = native_linear._lib
     greedy = uniforms is None
     if not (enabled and chains and fused_layers.enabled and fused_layers.native_norm and lib is not None
-            and (temperature == 0 if greedy else temperature > 0)):
+            and (greedy or temperature > 0)):
         return None
     plan = _plan(head)
     if plan is None:
@@ -173,7 +174,8 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     scratch = torch.empty(lib.hr_draft_chain_scratch(b, h, n_q, n_kv, d, inter, vocab))
     ks = keys.stride()
     status = lib.hr_draft_chain(table.data_ptr(), draft_ids.data_ptr(), hid.data_ptr(), out.data_ptr(),
-                                ids.data_ptr(), None if u is None else u.data_ptr(), float(temperature), b, k, h, w_in, w_hid, w_post, eps,
+                                ids.data_ptr(), None if greedy else u.data_ptr(),
+                                0.0 if greedy else float(temperature), b, k, h, w_in, w_hid, w_post, eps,
                                 p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, cos.data_ptr(),
                                 sin.data_ptr(), keys.data_ptr(), values.data_ptr(), ks[0], ks[1], ks[2],
                                 mask.data_ptr(), mask.stride(0), slot0, d ** -0.5, w_norm, p_lm, vocab, logit_scale,

@@ -337,7 +337,7 @@ class ModelRunner:
     def draft_chain(self, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature: float,
                     uniforms: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Right after ``draft_root``: its ``logits [B, Vd]`` and ``hidden [B, H]``, then k - 1 draft
-        steps, the k drafts sampled (``uniforms [k, B]``; None with temperature 0: the argmax) as
+        steps, the k drafts sampled (``uniforms [k, B]``; None: greedy, the argmax) as
         ``rollout.draft_sampling.sample_draft`` does, from one C++ call (``rollout.native_draft.chain``).
         Returns the draft ids ``[B, k]`` and their logits ``[B, k, Vd]``, the same as the loop over
         ``draft_step`` gives, or None where the call does not fit (nothing written; the caller runs

@@ -23,9 +23,19 @@ def upper_median(xs: list[float]) -> float:
     return xs[len(xs) // 2]
 
 
+CHAIN = "chain"  # step-cost keys of one-call chains: CHAIN + K
+
+
 def chain_key(k: int) -> str:
     """The step-cost key of a chain of ``k`` drafts after the root in one C++ call."""
-    return f"chain{k}"
+    return f"{CHAIN}{k}"
+
+
+def cost_label(key) -> str:
+    """How a step cost of :func:`step_costs` is printed: T(n), T_draft, T_chain(K)."""
+    if key == "draft":
+        return "T_draft"
+    return f"T_chain({key[len(CHAIN):]})" if str(key).startswith(CHAIN) else f"T({key})"
 
 
 def step_costs(engine: Engine, group: list[list[int]], blocks: list[int], reps: int, raw: bool = False,

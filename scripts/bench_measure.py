@@ -21,7 +21,7 @@ import torch
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig
 from rollout.planner import trace_summary
-from rollout.timing import chain_key, step_costs
+from rollout.timing import chain_key, cost_label, step_costs
 from scripts.bench_rows import SWITCHES, header, plan_line, print_row, row_configs, switched_off, widths
 from verifiers import native
 
@@ -92,17 +92,11 @@ def run_order(n: int, i: int, order: str) -> list[int]:
     return [*range(start, n), *range(start)]
 
 
-def cost_label(key) -> str:
-    """How a step cost is printed: T(n), T_draft, T_chain(k)."""
-    if key == "draft":
-        return "T_draft"
-    return f"T_chain({key[len('chain'):]})" if str(key).startswith("chain") else f"T({key})"
-
-
 def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None = None,
           base: float | None = None) -> float | None:
-    """tau x T(1) / (T(n) + steps x T_draft) (see ``scripts/bench_rollout.py``'s docstring); None
-    without one. ``steps``: the head steps a drafting round ran on average (a sampled tree's shape
+    """tau x T(1) / (T(n) + drafting) (see ``scripts/bench_rollout.py``'s docstring); None without
+    one. Drafting: ``steps`` x T_draft, or T_draft + T_chain(K) for a chain whose one-call cost was
+    measured. ``steps``: the head steps a drafting round ran on average (a sampled tree's shape
     is re-planned during a call); None: the config's own (K, or the depth). ``base``: the T(1) of
     the autoregressive mode the speedup is over, when ``costs`` are another engine's."""
     if spec is None or not spec.speculative or spec.auto or "draft" not in costs:
@@ -110,9 +104,8 @@ def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None 
     n, fixed = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
         (spec.total_tokens + 1, spec.depth)
     steps = fixed if steps is None else steps
-    drafting = steps * costs["draft"]
-    if spec.mode == "chain" and chain_key(spec.num_draft_tokens) in costs:  # the root, then one chain call
-        drafting = costs["draft"] + costs[chain_key(spec.num_draft_tokens)]
+    chain = chain_key(spec.num_draft_tokens) if spec.mode == "chain" else None
+    drafting = costs["draft"] + costs[chain] if chain in costs else steps * costs["draft"]  # root + one call
     return tau * (costs[1] if base is None else base) / (costs[n] + drafting)
 
 

@@ -237,6 +237,20 @@ static int64_t first_argmax(const float* row, int64_t n) {
   return pick;
 }
 
+// The id sample_draft's inversion picks from q [V] with the uniform u: the first whose float64
+// running sum exceeds u times the total (kept below the total).
+static int64_t inverse_cdf_pick(const float* q, int64_t V, double u) {
+  double total = 0.0;
+  for (int64_t i = 0; i < V; ++i) total += static_cast<double>(q[i]);
+  const double target = std::fmin(u * total, std::nextafter(total, 0.0));
+  double run = 0.0;
+  for (int64_t i = 0; i < V; ++i) {
+    run += static_cast<double>(q[i]);
+    if (run > target) return i;
+  }
+  return V - 1;
+}
+
 // A chain of k sampled (or greedy) drafts after the root (rollout.engine's _draft_chain with the steps of
 // rollout.native_draft), from one call: at batch 1 the ~40 torch ops and the Python around each
 // draft step (the mask, positions, embedding, the sampling) had cost about as much as the step's
@@ -269,32 +283,19 @@ int64_t hr_draft_chain(const float* emb_table, const int64_t* draft_ids, float* 
   at::Tensor zt = at::from_blob(z, {B, V}, f32), qt = at::from_blob(q, {B, V}, f32);
   const bool greedy = !(temperature > 0.0f);
   for (int64_t s = 0; s < k; ++s) {
-    if (greedy)
+    if (greedy) {
       for (int64_t b = 0; b < B; ++b) ids[b * k + s] = first_argmax(logits + (b * k + s) * V, V);
-    for (int64_t b = 0; b < B && !greedy; ++b) {
-      const float* row = logits + (b * k + s) * V;
-      float* zr = z + b * V;
-      if (temperature != 1.0f)
-        for (int64_t i = 0; i < V; ++i) zr[i] = row[i] / temperature;
-      else
-        std::memcpy(zr, row, V * sizeof(float));
-    }
-    if (!greedy) at::_softmax_out(qt, zt, 1, false);
-    for (int64_t b = 0; b < B && !greedy; ++b) {
-      const float* qr = q + b * V;
-      double total = 0.0;
-      for (int64_t i = 0; i < V; ++i) total += static_cast<double>(qr[i]);
-      const double target = std::fmin(u[s * B + b] * total, std::nextafter(total, 0.0));
-      double run = 0.0;
-      int64_t pick = V - 1;
-      for (int64_t i = 0; i < V; ++i) {
-        run += static_cast<double>(qr[i]);
-        if (run > target) {
-          pick = i;
-          break;
-        }
+    } else {
+      for (int64_t b = 0; b < B; ++b) {
+        const float* row = logits + (b * k + s) * V;
+        float* zr = z + b * V;
+        if (temperature != 1.0f)
+          for (int64_t i = 0; i < V; ++i) zr[i] = row[i] / temperature;
+        else
+          std::memcpy(zr, row, V * sizeof(float));
       }
-      ids[b * k + s] = pick;
+      at::_softmax_out(qt, zt, 1, false);
+      for (int64_t b = 0; b < B; ++b) ids[b * k + s] = inverse_cdf_pick(q + b * V, V, u[s * B + b]);
     }
     if (s == k - 1) break;
     for (int64_t b = 0; b < B; ++b) {
