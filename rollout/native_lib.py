@@ -41,6 +41,9 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.hr_linear_packed_size8.argtypes = [ctypes.c_int64] * 2
     lib.hr_digest.restype = ctypes.c_uint64
     lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
+    lib.hr_digest_many.restype = None
+    lib.hr_digest_many.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
+                                   ctypes.POINTER(ctypes.c_uint64)]
     lib.hr_linear_max_rows.restype = ctypes.c_int64
     lib.hr_linear_vectorised.restype = ctypes.c_int64
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -55,6 +55,21 @@ def test_the_digest_does_not_depend_on_the_thread_count():
         torch.set_num_threads(before)
 
 
+def test_the_digests_of_many_tensors_in_one_call_are_each_ones_own():
+    """``digests`` (one C++ call, the chunks of every tensor shared among the threads) gives each
+    tensor's ``digest``, in order, for tensors of 1 value to several chunks, and an empty list."""
+    g = torch.Generator().manual_seed(3)
+    ts = [torch.randn(n, generator=g) for n in (1, 65, (1 << 18) + 5, 7, 3 * (1 << 18) + 1, 1000)]
+    ts.append(torch.randint(-127, 128, (4099,), dtype=torch.int8, generator=g))
+    assert native_linear.digests(ts) == [native_linear.digest(t) for t in ts]
+    assert native_linear.digests(ts[::-1]) == [native_linear.digest(t) for t in ts[::-1]]
+    assert native_linear.digests([]) == []
+    changed = [t.clone() for t in ts]
+    changed[2][-1] += 1
+    assert [a != b for a, b in zip(native_linear.digests(changed), native_linear.digests(ts))] == [
+        i == 2 for i in range(len(ts))]
+
+
 def routed_out(net: nn.Module, x: torch.Tensor) -> torch.Tensor:
     with torch.no_grad(), native_linear.routed(net):  # (no autograd: the kernel runs)
         return net(x)
