@@ -261,27 +261,16 @@ def _due(owner, table: WeakIdKeyDictionary, source: tuple) -> bool:
     return table.get(owner) is not None and stamp is not None and stamp[0] == source
 
 
-def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor], sums: tuple | None = None,
-            source: tuple | None = None) -> torch.Tensor:
+def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor], source: tuple,
+            sums: tuple | None) -> torch.Tensor:
     """``owner``'s packed buffer in ``table`` (a weight's or a fused module's), packed again
-    unless it still holds ``weights`` as they are. It does when it was packed from the same
-    tensors (:func:`_source`: address, shape, version counter, int8 scales, the ``compact``
-    switch) and their bytes have the same digests as then. A version counter alone cannot tell:
-    a write through ``.data`` (as some optimizers and weight loaders do) does not move it, so
-    the digests, read at memory bandwidth, are compared each time (``sums``: read already,
-    for every owner of a block at once, :func:`routed`). A buffer packed after its weights'
-    version moved is stamped without digests (reading them would cost every training step a
-    pass over the weights): it is packed again, with digests, at the next call that finds the
-    versions unchanged, and kept from then on."""
+    unless it still holds ``weights`` as they are: ``sums``, their digests, read where the
+    buffer was packed from the same ``source`` (:func:`_due`), equal the digests read then.
+    Packed again, it is stamped with ``source`` and ``sums`` (None: no digests read)."""
     global repacks
     panels = table.get(owner)
-    source = _source(weights) if source is None else source
-    if _due(owner, table, source):
-        sums = tuple(digests(weights)) if sums is None else sums
-        if sums == _stamps[owner][1]:
-            return panels
-    else:
-        sums = None
+    if sums is not None and sums == _stamps[owner][1]:
+        return panels
     panels = table[owner] = pack_merged(weights, panels)
     _stamps[owner] = (source, sums)
     repacks += 1
@@ -289,18 +278,21 @@ def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor], sums
 
 
 def _refill_all(jobs: list[tuple]) -> list[torch.Tensor]:
-    """:func:`_refill` of each ``(owner, table, weights)``, the digests of every job that needs
-    them read in one :func:`digests` call (one pass over the weights' bytes instead of a
-    parallel region per weight: 8 ms less of a 27 ms check of SmolLM2-135M's weights)."""
+    """:func:`_refill` of each ``(owner, table, weights)``: each buffer kept where it was packed
+    from the same tensors (:func:`_source`: address, shape, version counter, int8 scales, the
+    ``compact`` switch) and their bytes have the same digests as then, else packed again. A
+    version counter alone cannot tell: a write through ``.data`` (as some optimizers and weight
+    loaders do) does not move it, so the digests are read each time, for every job that needs
+    them in one :func:`digests` call (one pass over the weights' bytes instead of a parallel
+    region per weight: 8 ms less of a 27 ms check of SmolLM2-135M's weights). A buffer packed
+    after its weights' version moved is stamped without digests (reading them would cost every
+    training step a pass over the weights): it is packed again, with digests, at the next call
+    that finds the versions unchanged, and kept from then on."""
     sources = [_source(weights) for _, _, weights in jobs]
-    due = [j for j, source in zip(jobs, sources) if _due(j[0], j[1], source)]
-    flat = digests([w for _, _, weights in due for w in weights])
-    sums, i = {}, 0
-    for owner, _, weights in due:
-        sums[id(owner)] = tuple(flat[i:i + len(weights)])
-        i += len(weights)
-    return [_refill(owner, table, weights, sums.get(id(owner)), source)
-            for (owner, table, weights), source in zip(jobs, sources)]
+    due = [_due(owner, table, source) for (owner, table, _), source in zip(jobs, sources)]
+    flat = iter(digests([w for (_, _, weights), d in zip(jobs, due) if d for w in weights]))
+    return [_refill(owner, table, weights, source, tuple(next(flat) for _ in weights) if d else None)
+            for (owner, table, weights), source, d in zip(jobs, sources, due)]
 
 
 def _mergeable(layers: list[nn.Linear]) -> bool:

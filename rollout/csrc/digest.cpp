@@ -87,24 +87,9 @@ uint64_t chunk_digest(const unsigned char* p, int64_t n) {
 
 extern "C" {
 
-// The digest of ``bytes`` bytes at ``data`` (see the top of the file).
-uint64_t hr_digest(const void* data, int64_t bytes) {
-  const auto* p = static_cast<const unsigned char*>(data);
-  const int64_t chunks = (bytes + kChunk - 1) / kChunk;
-  std::vector<uint64_t> parts(chunks);
-  at::parallel_for(0, chunks, 1, [&](int64_t lo, int64_t hi) {
-    for (int64_t c = lo; c < hi; ++c) {
-      const int64_t start = c * kChunk;
-      parts[c] = chunk_digest(p + start, bytes - start < kChunk ? bytes - start : kChunk);
-    }
-  });
-  uint64_t h = finish(kSeed ^ static_cast<uint64_t>(bytes));
-  for (uint64_t d : parts) h = step(h, d);
-  return finish(h);
-}
-
-// out[i] = hr_digest(data[i], bytes[i]) for i < n, the chunks of all n buffers shared out among
-// the threads in one parallel region (a region per buffer costs more than a small buffer's bytes).
+// out[i] = the digest of the bytes[i] bytes at data[i] (see the top of the file), the chunks of
+// all n buffers shared out among the threads in one parallel region (a region per buffer costs
+// more than a small buffer's bytes).
 void hr_digest_many(const void* const* data, const int64_t* bytes, int64_t n, uint64_t* out) {
   std::vector<int64_t> first(n + 1, 0);  // buffer i's chunks are [first[i], first[i + 1])
   for (int64_t i = 0; i < n; ++i) first[i + 1] = first[i] + (bytes[i] + kChunk - 1) / kChunk;
@@ -124,6 +109,13 @@ void hr_digest_many(const void* const* data, const int64_t* bytes, int64_t n, ui
     for (int64_t c = first[i]; c < first[i + 1]; ++c) h = step(h, parts[c]);
     out[i] = finish(h);
   }
+}
+
+// The digest of ``bytes`` bytes at ``data``: hr_digest_many of that one buffer.
+uint64_t hr_digest(const void* data, int64_t bytes) {
+  uint64_t out;
+  hr_digest_many(&data, &bytes, 1, &out);
+  return out;
 }
 
 }  // extern "C"
