@@ -4,7 +4,7 @@ At batch 1 a SmolLM2-135M step runs about 1300 small ops besides its 211 linear 
 this project's 2-core CPU their dispatch costs about a fifth of the step. Inside an engine call
 (the native linear kernel in use), these modules run a leaner forward with the same arithmetic:
 
-- **RMS norms** (Llama's formula, fp32): ``csrc/norm.cpp`` (``native_linear.rms_norm``, handed in
+- **RMS norms** (Llama's formula, fp32): ``csrc/norm.cpp`` (``native_ops.rms_norm``, handed in
   by ``native_linear.routed``), one call of ~1 us instead of torch's 14-28 us (61 norms a
   SmolLM2 step): batch-invariant, equal to the module's own up to float32 rounding of the sum of
   squares. Without it (``native_norm = False``, or where it does not fit)
@@ -17,7 +17,7 @@ this project's 2-core CPU their dispatch costs about a fifth of the step. Inside
   ``x * cos + swap_halves(x) * sin'`` with ``sin'`` the sine with its first half negated: the
   same products, so the same bits. With a mask (the engine always passes one) and plain
   softmax attention, the attention itself runs ``csrc/attention.cpp``
-  (``native_linear.attend``, which ``native_linear.routed`` hands in: this module calls no
+  (``native_ops.attend``, which ``native_linear.routed`` hands in: this module calls no
   kernel of its own): 2-3x cheaper than torch's at batch 16, batch-invariant, and equal to
   torch's up to float32 rounding (with the norms, the only parts of this module that are not the
   same bits).
@@ -115,7 +115,7 @@ def merged_groups(module: nn.Module) -> list[nn.Linear] | None:
 
 def norm_forward(module: nn.Module, kernel=None):
     """The fused forward of an RMS norm module, or None. ``kernel(x, weight, eps)``:
-    ``native_linear.rms_norm`` (None where it does not fit; then torch's ``rms_norm``)."""
+    ``native_ops.rms_norm`` (None where it does not fit; then torch's ``rms_norm``)."""
     eps = _norm_eps(module)
     if eps is None:
         return None
@@ -132,7 +132,7 @@ def norm_forward(module: nn.Module, kernel=None):
 
 def fused_forward(module: nn.Module, merged, attend):
     """The fused forward of an attention or MLP module (``merged(x)``: the concatenated outputs
-    of :func:`merged_groups`'s layers; ``attend``: ``native_linear.attend``, the attention
+    of :func:`merged_groups`'s layers; ``attend``: ``native_ops.attend``, the attention
     kernel, which returns None where it does not fit)."""
     if type(module).__name__ in ATTENTIONS:
         return functools.partial(_attention, module, merged, attend)

@@ -38,7 +38,7 @@ import weakref
 
 import torch
 
-from rollout import fused_layers, native_linear
+from rollout import fused_layers, native_lib, native_linear
 from rollout.eagle3_head import DraftLayer, Eagle3Head
 
 enabled = True  # switch: False runs every draft step through the head's forward (A/B measurements)
@@ -87,7 +87,7 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
     keys and values. Returns the draft logits ``[B, T, Vd]`` (float32, scaled as
     ``Eagle3Head.draft_logits``; None unless ``logits``) and output hidden states ``[B, T, H]``,
     or None where the forward does not fit (nothing was written then)."""
-    lib = native_linear._lib
+    lib = native_lib._lib
     if not (enabled and fused_layers.enabled and fused_layers.native_norm and lib is not None):
         return None
     plan = _plan(head)
@@ -140,7 +140,7 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     ``slot0 .. slot0 + k - 2`` take the steps' entries. Returns the draft ids ``[B, k]`` and the
     logits each was drawn from ``[B, k, Vd]``, or None where the chain does not fit (then
     nothing was written and the caller runs the steps one by one)."""
-    lib = native_linear._lib
+    lib = native_lib._lib
     greedy = uniforms is None
     if not (enabled and chains and fused_layers.enabled and fused_layers.native_norm and lib is not None
             and (greedy or temperature > 0)):

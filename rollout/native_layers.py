@@ -22,7 +22,7 @@ import weakref
 import torch
 from torch import nn
 
-from rollout import fused_layers, native_linear
+from rollout import fused_layers, native_lib, native_linear
 from rollout.kv_cache import RowKVCache
 
 enabled = True  # switch: False runs the stack's layers one by one from Python (A/B measurements)
@@ -46,7 +46,7 @@ def _plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tens
     conditions (plain softmax attention, no sliding window, head size 16-128, a bool mask over
     the cache's visible slots), the native norms and every layer's weights packed by this
     ``routed`` block."""
-    lib = native_linear._lib
+    lib = native_lib._lib
     config = base.config
     rows = hidden.shape[0] * hidden.shape[1]
     if not (lib is not None and fused_layers.native_norm and isinstance(cache, RowKVCache) and cache._index is not None
@@ -84,7 +84,7 @@ def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask:
     """The layers over ``hidden`` (updated in place: the inputs kept for the features are copies),
     then the final norm: all of them in one ``hr_decoder_stack`` call where :data:`stack` is on and
     they share their sizes, else each in one ``hr_decoder_layer`` call."""
-    lib = native_linear._lib
+    lib = native_lib._lib
     b, t, h = hidden.shape
     hidden = hidden.contiguous()
     cos, sin = (x.to(torch.float32).expand(b, t, -1).contiguous() for x in position_embeddings)

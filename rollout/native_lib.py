@@ -3,22 +3,65 @@
 One shared library (built by ``verifiers/cbuild.py``, keyed by every file below) holds the
 decoding linear kernel (``linear.cpp``, over the panels that ``pack.cpp`` packs, in the layout of
 ``panels.h``), the weight digest (``digest.cpp``), attention (``attention.cpp``), RMS norm
-(``norm.cpp``) and the fused decoder and draft layers (``layer.cpp``). :mod:`rollout.native_linear`
-loads it once per process (its ``_lib``, which :mod:`rollout.native_layers` and
-:mod:`rollout.native_draft` call too) and runs :func:`declare` on it first: ctypes then passes
-every argument with the C type the function takes (a Python float as ``float``, an int as
-``int64_t``) and reads every result as its C type.
+(``norm.cpp``) and the fused decoder and draft layers (``layer.cpp``). :func:`load` opens it once
+per process (``_lib``, which :mod:`rollout.native_linear`, :mod:`rollout.native_ops`,
+:mod:`rollout.native_layers` and :mod:`rollout.native_draft` call) and runs :func:`declare` on it
+first: ctypes then passes every argument with the C type the function takes (a Python float as
+``float``, an int as ``int64_t``) and reads every result as its C type.
 """
 
 from __future__ import annotations
 
 import ctypes
+import threading
 from pathlib import Path
+
+from verifiers import cbuild
 
 CSRC = Path(__file__).with_name("csrc")
 # every file the library is built from: a change to any of them (the header too) rebuilds it
 SOURCES = [CSRC / name for name in ("linear.cpp", "pack.cpp", "attention.cpp", "norm.cpp", "layer.cpp", "digest.cpp",
                                     "panels.h")]
+
+_lib: ctypes.CDLL | None = None  # the opened library (None: not loaded, or not usable here)
+_tried = False  # one attempt per process
+_lock = threading.Lock()
+
+
+def load() -> ctypes.CDLL | None:
+    """The library, built and opened on the first call (None where it cannot be, or where it was
+    built without AVX-512: then every caller runs torch's path)."""
+    global _lib, _tried
+    if _tried:
+        return _lib
+    with _lock:
+        if _tried:
+            return _lib
+        try:
+            lib = cbuild.open_library("linear", SOURCES, "the native linear kernel", "torch's GEMM")
+        except Exception:
+            _tried = True
+            raise
+        if lib is None:
+            _tried = True
+            return None
+        declare(lib)
+        _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
+        return _lib
+
+
+def available() -> bool:
+    """Whether the library is switched on (``HONEST_ROLLOUTS_NATIVE`` != 0), built and vectorised."""
+    return cbuild.mode() != "0" and load() is not None
+
+
+def required() -> ctypes.CDLL:
+    """The library, loaded (a pack or a digest may be the process's first call into it); a clear
+    error where it is not available."""
+    if not available():
+        raise RuntimeError("the native linear kernel is not available here: it needs an x86 CPU with AVX-512 and "
+                           "a C++ compiler, and HONEST_ROLLOUTS_NATIVE=0 turns it off (native_linear.available())")
+    return _lib
 
 
 def declare(lib: ctypes.CDLL) -> None:

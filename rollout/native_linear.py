@@ -44,9 +44,9 @@ bandwidth is about 16-18 ms.)
   same bits as fp32 panels of that weight (tests). The pack checks every value against that
   product and falls back to bf16 or fp32 panels where a value is not one (a weight changed
   since it was quantized), so what a forward computes is always the weight as it is.
-- The same library (:mod:`rollout.native_lib` lists its files and declares its functions) holds
-  the decoding attention (``csrc/attention.cpp``, :func:`attend`) and RMS norm
-  (``csrc/norm.cpp``, :func:`rms_norm`) that ``rollout.fused_layers`` runs.
+- The same library (:mod:`rollout.native_lib` lists its files, loads it and declares its
+  functions) holds the decoding attention and RMS norm (:mod:`rollout.native_ops`) that
+  ``rollout.fused_layers`` runs; :func:`available` is the library's.
 - Needs AVX-512 (x86); elsewhere :func:`available` is False and the torch path runs.
 - ``HONEST_ROLLOUTS_NATIVE`` (as for the fused verifier): ``0`` never uses it, ``1`` raises
   when it cannot be built.
@@ -59,23 +59,19 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
-import threading
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rollout import fused_layers, native_lib
-from verifiers import cbuild
+from rollout import fused_layers, native_lib, native_ops
+from rollout.native_lib import available
 
 SOURCES = native_lib.SOURCES  # the library's files (its build key)
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 compact = True  # switch: pack bf16-valued weights as bf16 panels (False: fp32 panels for all)
 
-_lib: ctypes.CDLL | None = None
-_tried = False
-_lock = threading.Lock()
 _buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (see ``routed``)
 _merged_buffers = WeakIdKeyDictionary()  # fused module -> its merged layers' packed buffer (likewise)
 _stamps = WeakIdKeyDictionary()  # weight or fused module -> what its buffer was packed from (``_refill``)
@@ -84,35 +80,10 @@ repacks = 0  # buffers packed (not kept) by ``routed`` so far: for tests and mea
 epoch = 0  # counts ``routed`` entries: what was derived from the packed buffers is stale when it moves
 
 
-def _load() -> ctypes.CDLL | None:
-    global _lib, _tried
-    if _tried:
-        return _lib
-    with _lock:
-        if _tried:
-            return _lib
-        try:
-            lib = cbuild.open_library("linear", SOURCES, "the native linear kernel", "torch's GEMM")
-        except Exception:
-            _tried = True  # one attempt per process
-            raise
-        if lib is None:
-            _tried = True
-            return None
-        native_lib.declare(lib)
-        _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
-        return _lib
-
-
-def available() -> bool:
-    """Whether the kernel is switched on (``HONEST_ROLLOUTS_NATIVE`` != 0), built and vectorised."""
-    return cbuild.mode() != "0" and _load() is not None
-
-
 @functools.lru_cache(maxsize=1)
 def max_rows() -> int:
     """The most input rows one kernel call takes (larger calls go to torch)."""
-    lib = _load()
+    lib = native_lib.load()
     return int(lib.hr_linear_max_rows()) if lib is not None else 0
 
 
@@ -131,15 +102,6 @@ def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> b
 
 def _buffer(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Tensor:
     return out if out is not None and out.numel() == size and out.dtype == dtype else torch.empty(size, dtype=dtype)
-
-
-def _required() -> ctypes.CDLL:
-    """The library, loaded (``pack`` or ``digest`` may be the process's first call into it); a
-    clear error where it is not available."""
-    if not available():
-        raise RuntimeError("the native linear kernel is not available here: it needs an x86 CPU with AVX-512 and "
-                           "a C++ compiler, and HONEST_ROLLOUTS_NATIVE=0 turns it off (native_linear.available())")
-    return _lib
 
 
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -169,7 +131,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     """``F.linear(x, weight, bias)``, through the kernel when it fits (see the module docstring).
     ``packed``: ``pack(weight)``, made by the caller while the weight is unchanged (else packed here;
     a caller with panels, ``routed``, has checked :func:`available`, so the hot path does not)."""
-    if not (available() if packed is None else _lib is not None) or not _fits(x, weight, bias):
+    if not (available() if packed is None else native_lib._lib is not None) or not _fits(x, weight, bias):
         return F.linear(x, weight, bias)
     return _kernel(x, weight, bias, pack(weight) if packed is None else packed)
 
@@ -186,7 +148,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     n, k = weight.shape if shape is None else shape
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
-    call = {torch.bfloat16: _lib.hr_linear16, torch.int8: _lib.hr_linear8}.get(panels.dtype, _lib.hr_linear)
+    lib = native_lib._lib
+    call = {torch.bfloat16: lib.hr_linear16, torch.int8: lib.hr_linear8}.get(panels.dtype, lib.hr_linear)
     status = call(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(), out.data_ptr(), n, k,
                   xs.numel() // k)
     if status != 0:  # cannot happen after _fits; never return an unwritten tensor
@@ -200,7 +163,7 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     panels when :data:`compact` and every weight is registered (:func:`register_int8`) and still
     holds its integers times its scales, else bf16 panels when every value of every weight is a
     bfloat16, else fp32."""
-    lib = _required()
+    lib = native_lib.required()
     if not all(_packable(w) for w in weights) or len({w.shape[1] for w in weights}) != 1:
         got = [(tuple(w.shape), str(w.dtype), w.device.type, w.is_contiguous()) for w in weights]
         raise ValueError("pack needs contiguous 2-D float32 CPU weights of one input size; got (shape, dtype, "
@@ -231,7 +194,7 @@ def digest(t: torch.Tensor) -> int:
     """A 64-bit digest of a contiguous CPU tensor's bytes (``csrc/digest.cpp``): any change of
     one 8-byte word changes it; several changes leave it equal only by chance (about 2^-64)."""
     assert t.device.type == "cpu" and t.is_contiguous(), (t.device, t.stride())
-    return int(_required().hr_digest(t.data_ptr(), t.numel() * t.element_size()))
+    return int(native_lib.required().hr_digest(t.data_ptr(), t.numel() * t.element_size()))
 
 
 def digests(ts: list[torch.Tensor]) -> list[int]:
@@ -244,7 +207,7 @@ def digests(ts: list[torch.Tensor]) -> list[int]:
     ptrs = (ctypes.c_void_p * n)(*(t.data_ptr() for t in ts))
     sizes = (ctypes.c_int64 * n)(*(t.numel() * t.element_size() for t in ts))
     out = (ctypes.c_uint64 * n)()
-    _required().hr_digest_many(ptrs, sizes, n, out)
+    native_lib.required().hr_digest_many(ptrs, sizes, n, out)
     return [int(d) for d in out]
 
 
@@ -319,7 +282,7 @@ def routed(*modules: nn.Module | None):
     """Inside the block, every ``nn.Linear`` of ``modules`` (None entries skipped) computes through
     :func:`linear` (the kernel when a call fits, else torch), and Llama-style norms, attention
     and MLPs run the leaner forwards of :mod:`rollout.fused_layers` (q/k/v and gate/up from one
-    kernel call each; norms through :func:`rms_norm`, attention through :func:`attend`; a
+    kernel call each; norms and attention through :mod:`rollout.native_ops`; a
     decoder stack of such layers as one loop, ``fused_layers.stack_forward``). On entry each
     weight's packed copy (bf16-valued ones as compact panels, see the module docstring) is
     packed again unless it still holds the weight as it is (``_refill``: same tensor and
@@ -339,7 +302,7 @@ def routed(*modules: nn.Module | None):
         if "forward" in mod.__dict__ or id(mod) in seen:
             continue
         seen.add(id(mod))
-        forward = fused_layers.norm_forward(mod, rms_norm)
+        forward = fused_layers.norm_forward(mod, native_ops.rms_norm)
         group = fused_layers.merged_groups(mod) if forward is None else None
         if group is not None and _mergeable(group) and not any(id(m) in covered for m in group):
             merged.append((mod, group))
@@ -353,7 +316,7 @@ def routed(*modules: nn.Module | None):
     jobs += [(w, _buffers, [w]) for w in singles.values()]
     buffers = _refill_all(jobs)  # packed again where the weights changed; the digests in one call
     for (mod, group), panels in zip(merged, buffers):
-        mod.forward = fused_layers.fused_forward(mod, functools.partial(_merged, group, panels), attend)
+        mod.forward = fused_layers.fused_forward(mod, functools.partial(_merged, group, panels), native_ops.attend)
         patched.append(mod)
     single_panels = dict(zip(singles, buffers[len(merged):]))
     for layer in layers:
@@ -363,29 +326,6 @@ def routed(*modules: nn.Module | None):
     finally:
         for mod in (*layers, *patched):
             mod.__dict__.pop("forward", None)
-
-
-def attend(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, mask: torch.Tensor,
-           scale: float) -> torch.Tensor | None:
-    """Attention through ``csrc/attention.cpp``: ``query [B, Hq, T, D]``, ``key`` and ``value
-    [B, Hkv, L, D]`` (views of one cache layout: the same strides), ``mask [B, 1, T, L]`` bool
-    (True: may attend); returns ``[B, T, Hq, D]`` (contiguous), or None where it does not fit
-    (then the caller runs torch's attention)."""
-    b, hq, t, d = query.shape
-    if not (_lib is not None and query.dtype == key.dtype == value.dtype == torch.float32
-            and mask.dtype == torch.bool and query.device.type == key.device.type == "cpu"
-            and d in (16, 32, 64, 128) and key.dim() == 4 and key.shape == value.shape and key.stride() == value.stride()
-            and key.shape[0] == b and key.shape[3] == d and hq % key.shape[1] == 0
-            and mask.shape == (b, 1, t, key.shape[2])
-            and query.stride(-1) == key.stride(-1) == mask.stride(-1) == 1
-            and not (torch.is_grad_enabled() and (query.requires_grad or key.requires_grad or value.requires_grad))):
-        return None
-    out = torch.empty(b, t, hq, d, dtype=torch.float32)
-    qs, ks, ms = query.stride(), key.stride(), mask.stride()
-    status = _lib.hr_attend(query.data_ptr(), qs[0], qs[1], qs[2], key.data_ptr(), value.data_ptr(), ks[0], ks[1],
-                            ks[2], mask.data_ptr(), ms[0], ms[2], out.data_ptr(), b, t, hq, key.shape[1],
-                            key.shape[2], d, scale)
-    return out if status == 0 else None
 
 
 def panels_of(module: nn.Module) -> torch.Tensor | None:
@@ -401,20 +341,6 @@ def compact_bits(panels: list[torch.Tensor]) -> int:
     (compact) panels, bit 8 + i where it holds int8 panels; neither: fp32."""
     return sum((1 << i if p.dtype == torch.bfloat16 else 1 << (8 + i) if p.dtype == torch.int8 else 0)
                for i, p in enumerate(panels))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor | None:
-    """Llama's RMS norm of ``x [..., N]`` with ``weight [N]`` through ``csrc/norm.cpp`` (fp32, CPU,
-    no autograd), or None where it does not fit (then the caller runs torch's)."""
-    n = x.shape[-1]
-    if not (_lib is not None and x.dtype == weight.dtype == torch.float32 and x.device.type == weight.device.type
-            == "cpu" and weight.shape == (n,) and weight.is_contiguous() and x.numel() > 0
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
-        return None
-    xs = x.contiguous()
-    out = torch.empty_like(xs)
-    _lib.hr_rms_norm(xs.data_ptr(), weight.data_ptr(), out.data_ptr(), xs.numel() // n, n, eps)
-    return out
 
 
 def _forward(layer: nn.Linear, panels: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout import fused_layers, native_layers, native_linear
+from rollout import fused_layers, native_layers, native_linear, native_ops
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
@@ -61,13 +61,13 @@ def test_native_norms_match_the_modules_own_up_to_rounding(unfused):
     target = tiny_target(seed=2)
     ids = torch.randint(0, 64, (3, 7), generator=torch.Generator().manual_seed(0))
     calls = []
-    original = native_linear.rms_norm
-    native_linear.rms_norm = lambda *a: calls.append(a[0].shape) or original(*a)
+    original = native_ops.rms_norm
+    native_ops.rms_norm = lambda *a: calls.append(a[0].shape) or original(*a)
     try:
         with native_linear.routed(target):
             fused = _forward(target, ids)
     finally:
-        native_linear.rms_norm = original
+        native_ops.rms_norm = original
     assert len(calls) == 2 * 4 + 1  # every norm of the 4 layers and the final one
     unfused(True)
     with native_linear.routed(target):
@@ -81,13 +81,13 @@ def test_native_norms_match_the_modules_own_up_to_rounding(unfused):
 def test_norm_kernel_against_torch_and_batch_invariant(shape):
     g = torch.Generator().manual_seed(shape[-1])
     x, w = torch.randn(*shape, generator=g) * 3, torch.randn(shape[-1], generator=g)
-    got = native_linear.rms_norm(x, w, 1e-5)
+    got = native_ops.rms_norm(x, w, 1e-5)
     torch.testing.assert_close(got, F.rms_norm(x, (shape[-1],), w, 1e-5), rtol=2e-6, atol=1e-6)
     rows = x.reshape(-1, shape[-1])
     for i in range(0, rows.shape[0], 7):  # a row alone gives the bits it has in the batch
-        assert torch.equal(native_linear.rms_norm(rows[i:i + 1], w, 1e-5), got.reshape(-1, shape[-1])[i:i + 1])
-    assert native_linear.rms_norm(x.double(), w.double(), 1e-5) is None  # not fp32: the caller's torch path
-    assert native_linear.rms_norm(x.requires_grad_(True), w, 1e-5) is None  # autograd
+        assert torch.equal(native_ops.rms_norm(rows[i:i + 1], w, 1e-5), got.reshape(-1, shape[-1])[i:i + 1])
+    assert native_ops.rms_norm(x.double(), w.double(), 1e-5) is None  # not fp32: the caller's torch path
+    assert native_ops.rms_norm(x.requires_grad_(True), w, 1e-5) is None  # autograd
 
 
 @needs_kernel
@@ -177,14 +177,14 @@ def test_engine_outputs_fused_or_not(mode, unfused):
               verifier=VerifierConfig(name="mars", params={"theta": 0.9}), seed=7)
     engine = Engine(target, head, num_threads=2, linear="native")
     calls = []
-    original, layers = native_linear.attend, native_layers._run
-    native_linear.attend = lambda *a: calls.append(a[0].shape) or original(*a)
+    original, layers = native_ops.attend, native_layers._run
+    native_ops.attend = lambda *a: calls.append(a[0].shape) or original(*a)
     # (the target's stack runs each layer in one C++ call, attention kernel included)
     native_layers._run = lambda *a: calls.extend([a[2].shape] * len(a[1])) or layers(*a)
     try:
         fused = engine.generate(prompts, **kw)
     finally:
-        native_linear.attend, native_layers._run = original, layers
+        native_ops.attend, native_layers._run = original, layers
     assert len(calls) >= 4 * 30 // 3  # every target forward's layers (4) went through the kernel
     unfused(True)
     plain = engine.generate(prompts, **kw)
@@ -225,7 +225,7 @@ def test_attention_kernel_matches_torch(d, b, t, length, hq, hkv):
         with torch.inference_mode():
             ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d ** -0.5,
                                                   enable_gqa=hq != hkv).transpose(1, 2)
-            got = native_linear.attend(q, k, v, mask, d ** -0.5)
+            got = native_ops.attend(q, k, v, mask, d ** -0.5)
         assert got is not None and got.shape == (b, t, hq, d) and got.is_contiguous(), name
         torch.testing.assert_close(got, ref, rtol=1e-5, atol=2e-5, msg=name)
 
@@ -239,10 +239,10 @@ def test_attention_kernel_is_batch_invariant():
     q = torch.randn(b, 9, t, d, generator=g)
     mask = _masks(b, t, length, g)["causal"]
     with torch.inference_mode():
-        out = native_linear.attend(q, kb[:, :, :length], vb[:, :, :length], mask, 0.125)
+        out = native_ops.attend(q, kb[:, :, :length], vb[:, :, :length], mask, 0.125)
         for row in range(b):
             own = int(mask[row, 0, -1].sum())  # the keys this row may see end here
-            alone = native_linear.attend(q[row:row + 1], kb[row:row + 1, :, :own], vb[row:row + 1, :, :own],
+            alone = native_ops.attend(q[row:row + 1], kb[row:row + 1, :, :own], vb[row:row + 1, :, :own],
                                          mask[row:row + 1, :, :, :own], 0.125)
             assert torch.equal(alone[0], out[row])
 
@@ -252,13 +252,13 @@ def test_attention_kernel_refuses_what_it_does_not_fit():
     q, k = torch.randn(1, 4, 2, 64), torch.randn(1, 2, 10, 64)
     mask = torch.ones(1, 1, 2, 10, dtype=torch.bool)
     with torch.inference_mode():
-        assert native_linear.attend(q, k, k, mask, 0.1) is not None
-        assert native_linear.attend(q[..., :48], k[..., :48], k[..., :48], mask, 0.1) is None  # head dim 48
-        assert native_linear.attend(q, k, k, mask.float(), 0.1) is None  # an additive mask
+        assert native_ops.attend(q, k, k, mask, 0.1) is not None
+        assert native_ops.attend(q[..., :48], k[..., :48], k[..., :48], mask, 0.1) is None  # head dim 48
+        assert native_ops.attend(q, k, k, mask.float(), 0.1) is None  # an additive mask
         longer = torch.randn(1, 2, 16, 64)[:, :, :10]  # values laid out unlike the keys
-        assert native_linear.attend(q, k, longer, mask, 0.1) is None
-        assert native_linear.attend(q.double(), k.double(), k.double(), mask, 0.1) is None
-    assert native_linear.attend(q.requires_grad_(), k, k, mask, 0.1) is None  # autograd
+        assert native_ops.attend(q, k, longer, mask, 0.1) is None
+        assert native_ops.attend(q.double(), k.double(), k.double(), mask, 0.1) is None
+    assert native_ops.attend(q.requires_grad_(), k, k, mask, 0.1) is None  # autograd
 
 
 @needs_kernel
@@ -300,13 +300,13 @@ def test_draft_attention_fused_matches_its_own_forward(past_len, unfused):
             own, own_kv = attn(x, head.rotary, pos, mask, past)
         unfused(False)
         calls = []
-        original = native_linear.attend
-        native_linear.attend = lambda *a: calls.append(1) or original(*a)
+        original = native_ops.attend
+        native_ops.attend = lambda *a: calls.append(1) or original(*a)
         try:
             with native_linear.routed(head):
                 fused, fused_kv = attn(x, head.rotary, pos, mask, past)
         finally:
-            native_linear.attend = original
+            native_ops.attend = original
     assert calls == [1]
     torch.testing.assert_close(fused, own, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused_kv[0], own_kv[0]) and torch.equal(fused_kv[1], own_kv[1])

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout import fused_layers, native_layers, native_linear
+from rollout import fused_layers, native_layers, native_lib, native_linear
 from rollout.engine import Engine
 from rollout.kv_cache import RowKVCache
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
@@ -265,7 +265,7 @@ def test_one_stack_call_gives_the_bits_of_a_call_per_layer(with_head, monkeypatc
     head = copy_head(target, noise=0.3) if with_head else None
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9], [10, 11, 12, 13], [14], [15, 16, 17, 18, 19]]
     stack_calls = []
-    lib = native_linear._lib
+    lib = native_lib._lib
     original = lib.hr_decoder_stack
     monkeypatch.setattr(lib, "hr_decoder_stack", lambda *a: stack_calls.append(a[4]) or original(*a))
     got, calls = {}, {}

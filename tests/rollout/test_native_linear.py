@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout import native_linear
+from rollout import native_lib, native_linear
 from rollout.backend import HFBackend, WorkerSpec
 from rollout.config import ConfigError
 from rollout.engine import Engine
@@ -276,10 +276,10 @@ def test_native_off_means_torch_everywhere(monkeypatch):
 def test_pack_loads_the_library_and_checks_its_weights(monkeypatch):
     """``pack`` as a process's first call into the library loads it (it once raised an
     AttributeError on the unloaded library), and names what it cannot pack."""
-    monkeypatch.setattr(native_linear, "_lib", None)
-    monkeypatch.setattr(native_linear, "_tried", False)
+    monkeypatch.setattr(native_lib, "_lib", None)
+    monkeypatch.setattr(native_lib, "_tried", False)
     w = torch.randn(32, 24)
-    assert native_linear.pack(w).numel() == native_linear._lib.hr_linear_packed_size(32, 24)
+    assert native_linear.pack(w).numel() == native_lib._lib.hr_linear_packed_size(32, 24)
     for bad in (w.double(), w.t(), torch.randn(24), [w, torch.randn(16, 8)]):
         with pytest.raises(ValueError, match="contiguous 2-D float32 CPU weights of one input size"):
             native_linear.pack_merged(bad if isinstance(bad, list) else [bad])
