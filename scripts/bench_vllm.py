@@ -10,7 +10,9 @@ Configurations (T = 1 by default, chain K = 3 with probabilistic drafts for EAGL
 ``hf-plain`` and ``hf-chain<K>-<verifier>`` (our engine: each ``--hf-k`` K, default ``--k``, with
 each ``--hf-rules`` verifier, specs with parameters as ``bench_rollout --verifiers`` takes them,
 e.g. ``'lossless:test=block;overshoot:lenience=0.3,min_p=0.1'``; ``--int8-head`` runs them on
-the head rounded to int8 weights, the hf backend's ``drafter_weights: int8``). For batch size b one call completes the first
+the head rounded to int8 weights, the hf backend's ``drafter_weights: int8``; ``--hf-max-batch
+auto`` lets the engine decide per round whether to draft and how much, as training runs it at
+larger batches). For batch size b one call completes the first
 b held-out prompts (``--repeats`` calls, seeds differ), or with ``--prompts N`` the first N
 prompts in calls of b; tokens/s = completion tokens / wall time.
 ``sampler_ms`` is the mean time of one rejection-sampler call (ours or vLLM's) and
@@ -58,6 +60,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                          "(';'), as bench_rollout --verifiers")
     ap.add_argument("--hf-k", default=None, help="chain lengths K of our hf engine's configs (comma list; "
                                                  "default: --k)")
+    ap.add_argument("--hf-max-batch", default=None,
+                    help="spec.max_batch of our hf engine's chain configs (an int, or 'auto': the engine decides "
+                         "per round whether to draft, with the adaptive K; default: draft in every round)")
     ap.add_argument("--int8-head", action="store_true",
                     help="our hf engine's head rounded to int8 weights (drafter_weights: int8)")
     ap.add_argument("--hf-python", default=None,
@@ -144,10 +149,12 @@ def build(args):
             quantize_int8_(drafter)
         engine = Engine(target, drafter, num_threads=2)
         runs["hf-plain"] = hf_runner(engine, off, VerifierConfig("lossless"))
+        cap = args.hf_max_batch if args.hf_max_batch in (None, "auto") else int(args.hf_max_batch)
+        tag = ("-int8" if args.int8_head else "") + ("" if cap is None else f"-mb{cap}")
         for k in (args.hf_k or str(args.k)).split(","):
-            spec = dataclasses.replace(chain, num_draft_tokens=int(k))
+            spec = dataclasses.replace(chain, num_draft_tokens=int(k), max_batch=cap, adaptive_k=cap == "auto")
             for text, verifier in zip(texts, verifiers):
-                runs[f"hf-chain{k}{'-int8' if args.int8_head else ''}-{text}"] = hf_runner(engine, spec, verifier)
+                runs[f"hf-chain{k}{tag}-{text}"] = hf_runner(engine, spec, verifier)
     return runs
 
 

@@ -31,6 +31,22 @@ def test_our_rows_take_chain_lengths_verifier_specs_and_the_int8_head(tmp_path, 
             assert 1.0 <= row["tau"] <= int(name[len("hf-chain")]) + 1  # at most K drafts and a bonus token a round
 
 
+def test_our_rows_can_let_the_engine_decide_per_round(tmp_path, monkeypatch):
+    from rollout.engine import Engine
+
+    specs, real = [], Engine.generate
+    monkeypatch.setattr(Engine, "generate", lambda self, prompts, sampling, spec, *a, **k:
+                        specs.append(spec) or real(self, prompts, sampling, spec, *a, **k))
+    out = tmp_path / "rows.json"
+    bench_vllm.main(["--hf-only", "--batch-sizes", "2", "--max-new-tokens", "6", "--hf-max-batch", "auto",
+                     "--hf-rules", "lossless", "--json", str(out)])
+    rows = json.loads(out.read_text())["results"]
+    assert [r["config"] for r in rows] == ["hf-plain", "hf-chain3-mbauto-lossless"]
+    assert all(r["batch"] == 2 and r["tokens"] > 0 for r in rows)
+    chains = [s for s in specs if s.mode == "chain"]
+    assert chains and all(s.max_batch == "auto" and s.adaptive_k and s.num_draft_tokens == 3 for s in chains)
+
+
 def test_a_bad_verifier_spec_names_itself():
     with pytest.raises(SystemExit, match="lossless:test=nope"):
         bench_vllm.main(["--hf-only", "--batch-sizes", "1", "--max-new-tokens", "4", "--hf-rules", "lossless:test=nope"])
