@@ -75,6 +75,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.quick:
         args.batch_sizes, args.max_new_tokens = "1,4", 24
+    if args.hf_k is not None and not all(k.strip().isdigit() and int(k) > 0 for k in args.hf_k.split(",")):
+        ap.error(f"--hf-k: chain lengths K >= 1, comma-separated; got {args.hf_k!r}")
+    if args.hf_max_batch not in (None, "auto") and not (args.hf_max_batch.isdigit() and int(args.hf_max_batch) > 0):
+        ap.error(f"--hf-max-batch: 'auto' or a row count >= 1; got {args.hf_max_batch!r}")
     return args
 
 

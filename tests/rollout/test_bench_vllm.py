@@ -50,3 +50,11 @@ def test_our_rows_can_let_the_engine_decide_per_round(tmp_path, monkeypatch):
 def test_a_bad_verifier_spec_names_itself():
     with pytest.raises(SystemExit, match="lossless:test=nope"):
         bench_vllm.main(["--hf-only", "--batch-sizes", "1", "--max-new-tokens", "4", "--hf-rules", "lossless:test=nope"])
+
+
+@pytest.mark.parametrize("flags, field", [(["--hf-k", "3,x"], "--hf-k"), (["--hf-k", "0"], "--hf-k"),
+                                          (["--hf-max-batch", "some"], "--hf-max-batch")])
+def test_bad_chain_lengths_and_caps_name_their_flag(flags, field, capsys):
+    with pytest.raises(SystemExit):
+        bench_vllm.parse_args(flags)
+    assert field in capsys.readouterr().err
