@@ -224,6 +224,10 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
         row["decode_tokens_per_s"] = mine
         row["decode_vs_ar"] = mine / decode[("off", "lossless")] if mine is not None else None
         row["decode_of_bound"] = row["decode_vs_ar"] / row["bound"] if row["bound"] and mine else None
+        # the whole-call ceiling: this row's setup and tokens, its decoding exactly at the bound
+        ar_decode = decode.get(("off", "lossless"))
+        row["call_bound"] = (row["tokens"] / (tot["setup_s"] + row["tokens"] / (row["bound"] * ar_decode)) / ar
+                             if row["bound"] and mine and ar_decode else None)
         rows.append(row)
         print_row(row, width)
     return rows

@@ -76,7 +76,10 @@ alone (each call's time after its setup). ``len``: the row's completion tokens o
 autoregressive mode's on the same prompts (``mean_length`` per prompt in the JSON). A lossy
 verifier that shortens completions drifts (MARS on tree candidates runs near greedy: about
 0.63x on the held-out arithmetic), and its calls spread their fixed setup over fewer tokens,
-which lowers its whole-call ``of bound`` but not ``dec bd``.
+which lowers its whole-call ``of bound`` but not ``dec bd``. ``call bd`` puts the setup back:
+the speedup the row's calls would reach with their own setup and tokens if their decoding ran
+exactly at the bound (``tokens / (setup + tokens / (bound x AR's decoding rate))`` over AR's
+whole-call rate), the ceiling for the whole-call speedup this head and this setup allow.
 """
 
 from __future__ import annotations

@@ -98,8 +98,11 @@ def test_bound_is_tau_times_measured_step_costs(tiny):
         assert r["decode_vs_ar"] == pytest.approx(r["decode_tokens_per_s"] / ar["decode_tokens_per_s"])
         if r["bound"]:
             assert r["decode_of_bound"] == pytest.approx(r["decode_vs_ar"] / r["bound"])
+            # the whole-call ceiling: the row's own setup, its decoding at the bound, over AR's whole calls
+            at_bound = r["tokens"] / (r["setup_s"] + r["tokens"] / (r["bound"] * ar["decode_tokens_per_s"]))
+            assert r["call_bound"] == pytest.approx(at_bound / ar["tokens_per_s"])
         else:
-            assert r["decode_of_bound"] is None
+            assert r["decode_of_bound"] is None and r["call_bound"] is None
         # completions per prompt and against the autoregressive mode's on the same prompts
         assert r["mean_length"] == pytest.approx(r["tokens"] / 2)
         assert r["length_vs_ar"] == pytest.approx(r["tokens"] / ar["tokens"])
