@@ -7,8 +7,9 @@ autoregressive mode next to the bound its measured tau and step costs allow; or 
     python -m scripts.bench_plot plans.json [--out plans.png]   # from a run's --planner-trace file
 
 One panel per batch size; per row a bar for the whole call's speedup, a dot for the decoding
-alone (``dec AR``) and a black tick for the bound (rows without one, e.g. ``max_batch: auto``,
-have none). The gap between bar and tick is the engine's distance from its own cost model;
+alone (``dec AR``), a black tick for the bound and a grey one for the bound with each call's
+setup put back (``call bd``; rows without a bound, e.g. ``max_batch: auto``, have neither). The
+gap between bar and grey tick is the engine's distance from its own cost model over whole calls;
 the line at 1.0 is our autoregressive mode.
 
 A planner trace: one panel per auto row and batch size; each round a dot at its draft length
@@ -28,7 +29,8 @@ from trainers.drift.plots import _plt, _save
 
 def plot_data(rows: list[dict]) -> dict[int, list[dict]]:
     """Per batch size (ascending), the rows to draw in run order: ``label``, ``speedup`` (whole
-    call), ``decode`` (decoding alone) and ``bound`` (None where a row has none). Rows without a
+    call), ``decode`` (decoding alone), ``bound`` and ``call_bound`` (None where a row has none; a
+    file from before ``call_bound`` existed has None there). Rows without a
     speedup over the autoregressive mode (HF generate) are left out; ValueError when none is left."""
     out: dict[int, list[dict]] = {}
     for r in rows:
@@ -36,7 +38,8 @@ def plot_data(rows: list[dict]) -> dict[int, list[dict]]:
             continue
         out.setdefault(r["batch"], []).append({
             "label": f"{r['mode']}  {r['verifier']}", "speedup": r["speedup_vs_ar"], "tau": r["tau"],
-            "decode": r.get("decode_vs_ar"), "bound": r.get("bound"), "plain": r["mode"].startswith("off")})
+            "decode": r.get("decode_vs_ar"), "bound": r.get("bound"), "call_bound": r.get("call_bound"),
+            "plain": r["mode"].startswith("off")})
     if not out:
         raise ValueError("no rows with a speedup over the autoregressive mode to plot")
     return dict(sorted(out.items()))
@@ -56,7 +59,9 @@ def plot_rows(rows: list[dict], path: str | Path) -> Path:
         ax.barh(ys, [d["speedup"] for d in mine], height=0.6, label="whole call",
                 color=["tab:grey" if d["plain"] else "tab:blue" for d in mine])
         for key, style, name in (("decode", dict(marker="o", color="tab:orange", ms=5), "decoding alone"),
-                                 ("bound", dict(marker="|", color="black", ms=16, mew=2.5), "bound")):
+                                 ("bound", dict(marker="|", color="black", ms=16, mew=2.5), "bound"),
+                                 ("call_bound", dict(marker="|", color="tab:grey", ms=16, mew=2.5),
+                                  "bound with setup")):
             pts = [(d[key], y) for d, y in zip(mine, ys) if d[key] is not None]
             if pts:
                 ax.plot(*zip(*pts), ls="none", label=name, **style)

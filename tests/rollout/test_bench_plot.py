@@ -13,7 +13,7 @@ def _bench_rows() -> list[dict]:
     return [{**base, "batch": 1, "mode": "hf generate", "verifier": "-", "speedup_vs_ar": 0.8},
             {**base, "batch": 1, "mode": "off", "verifier": "lossless", "speedup_vs_ar": 1.0, "decode_vs_ar": 1.0},
             {**base, "batch": 1, "mode": "chain K=4 sampled", "verifier": "mars:theta=0.9,test=law",
-             "speedup_vs_ar": 1.55, "tau": 2.33, "decode_vs_ar": 1.67, "bound": 1.73},
+             "speedup_vs_ar": 1.55, "tau": 2.33, "decode_vs_ar": 1.67, "bound": 1.73, "call_bound": 1.62},
             {**base, "batch": 1, "mode": "chain K=3 sampled mb=auto", "verifier": "overshoot",
              "speedup_vs_ar": 1.4, "tau": 2.1, "decode_vs_ar": 1.5},
             {**base, "batch": 8, "mode": "off", "verifier": "lossless", "speedup_vs_ar": 1.0, "decode_vs_ar": 1.0},
@@ -29,7 +29,9 @@ def test_plot_data_keeps_each_batch_size_in_run_order_and_leaves_out_hf():
     assert [d["label"] for d in data[1]] == ["chain K=3 sampled mb=auto  overshoot",
                                              "chain K=4 sampled  mars:theta=0.9,test=law", "off  lossless"]
     chain = data[1][1]
-    assert (chain["speedup"], chain["decode"], chain["bound"], chain["tau"]) == (1.55, 1.67, 1.73, 2.33)
+    assert (chain["speedup"], chain["decode"], chain["bound"], chain["call_bound"], chain["tau"]) == (
+        1.55, 1.67, 1.73, 1.62, 2.33)
+    assert data[8][1]["call_bound"] is None  # a row from a file written before call_bound existed
     assert data[1][0]["bound"] is None and [d["plain"] for d in data[8]] == [False, True]
     with pytest.raises(ValueError, match="no rows"):
         plot_data(_bench_rows()[:1])
