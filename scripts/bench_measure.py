@@ -194,6 +194,7 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
     # decoding only: without each call's setup (weight packing, prefill), which the bound leaves out
     decode = {key: t["tokens"] / (t["seconds"] - t["setup_s"]) for key, t in zip(keys, totals) if "setup_s" in t}
     ar, hf = speeds[("off", "lossless")], speeds.get(("hf generate", "-"))
+    ar_decode = decode.get(("off", "lossless"))
     ar_index = keys.index(("off", "lossless"))
     ar_calls, ar_tokens = calls[ar_index], totals[ar_index]["tokens"]
     rows = []
@@ -222,10 +223,9 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
         row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
         mine = decode.get((mode, vname))
         row["decode_tokens_per_s"] = mine
-        row["decode_vs_ar"] = mine / decode[("off", "lossless")] if mine is not None else None
+        row["decode_vs_ar"] = mine / ar_decode if mine is not None else None
         row["decode_of_bound"] = row["decode_vs_ar"] / row["bound"] if row["bound"] and mine else None
         # the whole-call ceiling: this row's setup and tokens, its decoding exactly at the bound
-        ar_decode = decode.get(("off", "lossless"))
         row["call_bound"] = (row["tokens"] / (tot["setup_s"] + row["tokens"] / (row["bound"] * ar_decode)) / ar
                              if row["bound"] and mine and ar_decode else None)
         rows.append(row)

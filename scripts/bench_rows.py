@@ -87,7 +87,7 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
                 raise SystemExit(f"--tree: {err}") from None
         else:
             raise SystemExit(f"--modes: unknown mode {mode!r} (allowed: chain, tree)")
-    caps = [_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
+    caps = [parse_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
     # test=law and test=block rows run on chains only: a sampled tree always verifies towards the
@@ -113,7 +113,8 @@ def verifier_texts(text: str) -> list[str]:
     return [v.strip() for v in text.split(";" if ";" in text or ":" in text else ",") if v.strip()]
 
 
-def _cap(text: str) -> int | str | None:
+def parse_cap(text: str) -> int | str | None:
+    """A ``spec.max_batch`` value as the benchmarks take it: 'none', 'auto' or a row count."""
     return None if text == "none" else "auto" if text == "auto" else int(text)
 
 

@@ -144,7 +144,7 @@ def build(args):
         from rollout.engine import Engine
         from rollout.models import load_embedded_target
         from rollout.quantize import quantize_int8_
-        from scripts.bench_rows import parse_verifiers, verifier_texts
+        from scripts.bench_rows import parse_cap, parse_verifiers, verifier_texts
 
         verifiers, texts = parse_verifiers(args.hf_rules), verifier_texts(args.hf_rules)
         target, _ = load_embedded_target()
@@ -153,7 +153,7 @@ def build(args):
             quantize_int8_(drafter)
         engine = Engine(target, drafter, num_threads=2)
         runs["hf-plain"] = hf_runner(engine, off, VerifierConfig("lossless"))
-        cap = args.hf_max_batch if args.hf_max_batch in (None, "auto") else int(args.hf_max_batch)
+        cap = parse_cap(args.hf_max_batch) if args.hf_max_batch else None
         tag = ("-int8" if args.int8_head else "") + ("" if cap is None else f"-mb{cap}")
         for k in (args.hf_k or str(args.k)).split(","):
             spec = dataclasses.replace(chain, num_draft_tokens=int(k), max_batch=cap, adaptive_k=cap == "auto")
