@@ -4,7 +4,8 @@
 
 Steps: load the target; build prompts (arithmetic problems from ``trainers.tasks`` and
 general instructions, chat template applied); generate the responses and features once
-and cache them; pick the draft vocabulary by response-token frequency; train with
+and cache them; pick the draft vocabulary by response-token frequency (or start from a
+trained head, ``init: head``, and keep its vocabulary); train with
 training-time test (checkpoints in ``out_dir``, resumed automatically); report held-out
 teacher-forced acceptance; calibrate the draft temperature on the held-out set
 (``draft_logit_scale``); export the head in the EAGLE format (``--export``).
@@ -24,10 +25,10 @@ import torch
 
 from rollout.allocator import tune_malloc
 from rollout.chat import chat_ids
-from rollout.config import from_dict, load_yaml
-from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+from rollout.config import ConfigError, from_dict, load_yaml
+from rollout.eagle3 import Eagle3Config, Eagle3Head, default_head_path, load_eagle3, save_eagle3
 from rollout.models import DTYPES, load_target, resolve_device
-from trainers.drafter.train import DrafterConfig, calibrate_logit_scale, init_from_target, train_drafter
+from trainers.drafter.train import DrafterConfig, calibrate_logit_scale, evaluate, init_from_target, train_drafter
 from trainers.drafter.data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
 from trainers.tasks.general import general_prompts, heldout_prompts
 from trainers.tasks.arithmetic import make_problems
@@ -101,18 +102,22 @@ def main(argv: list[str] | None = None) -> dict:
     train, heldout = load_or_generate(cfg, target, tok, args.regenerate_data)
     if args.data_only:
         return {"train_samples": len(train), "heldout_samples": len(heldout)}
-    ids, coverage = draft_vocab(train, cfg.draft_vocab_size, target.vocab_size)
-    _, held_cov = _coverage_on(heldout, ids)
+    head = initial_head(cfg, target, train, device)
+    _, coverage = _coverage_on(train, head.target_ids)
+    _, held_cov = _coverage_on(heldout, head.target_ids)
     print(f"draft vocab {cfg.draft_vocab_size}: covers {coverage:.4f} of train and {held_cov:.4f} of held-out response tokens")
-    torch.manual_seed(cfg.seed)  # the head's random initial weights: the same config gives the same head
-    head = Eagle3Head(Eagle3Config.for_target(target, cfg.draft_vocab_size), target.embed_tokens).to(device)
-    head.set_draft_vocab(ids)
-    init_from_target(head, target, cfg.init)
     for p in target.parameters():
         p.requires_grad_(False)
+    before = None
+    if cfg.init == "head":  # the starting point's held-out acceptance, at its own logit scale
+        before = evaluate(head, heldout, cfg, device, scale=head.cfg.logit_scale)
+        print(f"held-out before training: {json.dumps(before)}")
     t0 = time.time()
     report = train_drafter(cfg, head, train, heldout, resume=not args.no_resume, stop_at=args.stop_at)
-    report.update(train_seconds=round(time.time() - t0, 1), coverage_train=coverage, coverage_heldout=held_cov)
+    report.update(train_seconds=round(time.time() - t0, 1), coverage_train=coverage, coverage_heldout=held_cov,
+                  init=cfg.init, objective=cfg.objective)
+    if before is not None:
+        report["heldout_before"] = before
     head = head.to(DTYPES[cfg.export_dtype]).float()  # the weights inference loads
     scale, taus = calibrate_logit_scale(head, heldout, cfg, device)
     head.cfg = dataclasses.replace(head.cfg, logit_scale=scale)
@@ -122,6 +127,26 @@ def main(argv: list[str] | None = None) -> dict:
         save_eagle3(head.to(DTYPES[cfg.export_dtype]), args.export)
         print(f"exported to {args.export}")
     return report
+
+
+def initial_head(cfg: DrafterConfig, target, train: DrafterData, device) -> Eagle3Head:
+    """The head training starts from: a trained head (``init: head``, its draft vocabulary and
+    logit scale kept), or a new one whose draft vocabulary is the most frequent response tokens
+    of ``train``, seeded by ``cfg.seed`` and initialised from the target (``init_from_target``)."""
+    if cfg.init == "head":
+        path = default_head_path() if cfg.init_head == "default" else Path(cfg.init_head)
+        head = load_eagle3(path, target).to(device)
+        if head.cfg.draft_vocab_size != cfg.draft_vocab_size:
+            raise ConfigError("draft_vocab_size", f"the head at {path} drafts over {head.cfg.draft_vocab_size} "
+                              f"tokens; set draft_vocab_size: {head.cfg.draft_vocab_size} to start from it")
+        print(f"init: the head at {path} (logit scale {head.cfg.logit_scale})")
+        return head.train()
+    ids, _ = draft_vocab(train, cfg.draft_vocab_size, target.vocab_size)
+    torch.manual_seed(cfg.seed)  # the head's random initial weights: the same config gives the same head
+    head = Eagle3Head(Eagle3Config.for_target(target, cfg.draft_vocab_size), target.embed_tokens).to(device)
+    head.set_draft_vocab(ids)
+    init_from_target(head, target, cfg.init)
+    return head
 
 
 def _coverage_on(data: DrafterData, ids: torch.Tensor) -> tuple[int, float]:

@@ -13,7 +13,7 @@ from rollout.config import ConfigError, check_int, check_number
 from rollout.eagle3 import Eagle3Head
 from rollout.models import TargetConfig, TargetModel
 from trainers.drafter.data import DrafterDataConfig
-from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
+from trainers.drafter.ttt import OBJECTIVES, estimated_tau, ttt_acceptance, ttt_loss
 
 
 @dataclass(frozen=True)
@@ -21,8 +21,13 @@ class DrafterConfig:
     """Drafter training.
 
     target / data: see :class:`TargetConfig`, :class:`DrafterDataConfig`.
-    draft_vocab_size: Vd; init: how to start from the target ("random", "lm_head",
-    "layer", see :func:`init_from_target`);
+    draft_vocab_size: Vd; init: how to start ("random", "lm_head", "layer": from the target,
+    see :func:`init_from_target`; "head": from the trained head at ``init_head``, a folder or
+    "default" for the shipped head, whose draft vocabulary and logit scale it keeps, to adapt
+    a head to new data such as a policy that training has moved);
+    objective: the loss, "ce" (soft cross-entropy) or "tv" (one minus the expected T = 1
+    acceptance at the head's logit scale, plus ``ce_weight`` x "ce"; see
+    ``trainers/drafter/ttt.py``);
     ttt_steps / step_weight: unrolled steps and their 0.8^s weights; epochs, batch_size,
     max_steps (cap, None = epochs only); lr (peak), min_lr_ratio (cosine floor),
     warmup_steps, weight_decay, betas, grad_clip: AdamW; seed: the random initial weights
@@ -36,6 +41,9 @@ class DrafterConfig:
     data: DrafterDataConfig = field(default_factory=DrafterDataConfig)
     draft_vocab_size: int = 8192
     init: str = "random"
+    init_head: str | None = None
+    objective: str = "ce"
+    ce_weight: float = 0.0
     ttt_steps: int = 7
     step_weight: float = 0.8
     epochs: int = 2
@@ -70,8 +78,17 @@ class DrafterConfig:
             raise ConfigError("grad_clip", "must be positive")
         if self.device not in ("auto", "cpu", "cuda"):
             raise ConfigError("device", f"unknown device {self.device!r}", allowed=("auto", "cpu", "cuda"))
-        if self.init not in INIT_MODES:
-            raise ConfigError("init", f"unknown mode {self.init!r}", allowed=INIT_MODES)
+        if self.init not in INIT_MODES + ("head",):
+            raise ConfigError("init", f"unknown mode {self.init!r}", allowed=INIT_MODES + ("head",))
+        if (self.init == "head") != (self.init_head is not None):
+            raise ConfigError("init_head", "set it (a head folder or 'default') exactly when init is 'head'; "
+                              f"got init {self.init!r}, init_head {self.init_head!r}")
+        if self.objective not in OBJECTIVES:
+            raise ConfigError("objective", f"unknown objective {self.objective!r}", allowed=OBJECTIVES)
+        check_number("ce_weight", self.ce_weight, 0, None, finite=True)
+        if self.ce_weight and self.objective != "tv":
+            raise ConfigError("ce_weight", "adds the cross-entropy to the 'tv' objective only; "
+                              f"the objective is {self.objective!r}")
         if self.export_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("export_dtype", "unknown dtype", allowed=("float32", "bfloat16", "float16"))
 
@@ -245,7 +262,8 @@ def train_drafter(
         batch = collate(data, batches[step % per_epoch], device)
         for group in opt.param_groups:
             group["lr"] = lr_at(cfg, step, total)
-        loss, per_step = ttt_loss(head, batch, cfg.ttt_steps, cfg.step_weight)
+        loss, per_step = ttt_loss(head, batch, cfg.ttt_steps, cfg.step_weight, cfg.objective,
+                                  ce_weight=cfg.ce_weight, scale=head.cfg.logit_scale)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), cfg.grad_clip)
@@ -260,7 +278,7 @@ def train_drafter(
             torch.save({"head": head.state_dict(), "opt": opt.state_dict(), "step": step}, tmp)
             tmp.replace(ckpt_path)
         if heldout is not None and (step % cfg.eval_every == 0 or step == total):
-            report["heldout"] = evaluate(head, heldout, cfg, device)
+            report["heldout"] = evaluate(head, heldout, cfg, device, scale=head.cfg.logit_scale)
             log(f"step {step}: loss {float(loss.detach()):.4f} heldout {report['heldout']}")
     bar.close()
     return report

@@ -10,9 +10,15 @@ Vocabulary (see ``rollout/eagle3.py`` and ``trainers/drafter/data.py`` for the r
   ``pos + s``, and is scored against the target logits at i + 1 + s. It attends causally
   to the step-0 keys (j <= i) and, from steps 1..s, only to the keys at its own position i.
   This is exactly what chain drafting sees at inference (a test checks it).
-- **loss**: per step, the soft cross-entropy to the target distribution renormalised over
-  the draft vocabulary, on positions whose target predicts a response token and whose
-  target argmax is in the draft vocabulary; total = sum_s step_weight^s * loss_s.
+- **loss** (``objective``), per step s, total = sum_s step_weight^s * loss_s:
+  "ce": the soft cross-entropy to the target distribution renormalised over the draft
+  vocabulary, on positions whose target predicts a response token and whose target argmax
+  is in the draft vocabulary; "tv": one minus the expected acceptance of a draft sampled at
+  T = 1, ``1 - sum_v min(p_v, q_v)`` (p: the target's probabilities over the full
+  vocabulary at the draft ids, so mass outside the draft vocabulary counts as rejected;
+  q: the draft at its logit scale), on every position whose target predicts a response
+  token, plus ``ce_weight`` times the "ce" term. "tv" optimises what lossless verification
+  at T = 1 accepts; "ce" (forward KL) spreads the draft over the target's support.
 - **teacher-forced acceptance** (held-out report): per step, the share of positions where
   the draft's argmax equals the target's (T = 0) and the expected acceptance
   ``sum_v min(p, q)`` (T = 1); ``est_tau = 1 + sum_k prod_{s<k} a_s`` is the chain
@@ -87,21 +93,45 @@ def _targets(head: Eagle3Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     return logits, batch.lossable[:, 1:] & in_draft
 
 
-def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float) -> tuple[torch.Tensor, list[float]]:
-    """Weighted soft cross-entropy over the unrolled steps; returns (loss, per-step losses)."""
+OBJECTIVES = ("ce", "tv")
+
+
+def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float, objective: str = "ce", *,
+             ce_weight: float = 0.0, scale: float = 1.0) -> tuple[torch.Tensor, list[float]]:
+    """The weighted loss over the unrolled steps (module doc); returns (loss, per-step losses).
+
+    scale: the draft logit scale of the "tv" objective (q = softmax(scale * logits), the law
+    the head samples from); ce_weight: the "ce" term added to "tv". The per-step figures of
+    "tv" are ``1 - mean acceptance`` without the "ce" term."""
+    if objective not in OBJECTIVES:
+        raise ValueError(f"objective {objective!r}: allowed {OBJECTIVES}")
     with torch.no_grad():
         tl, mask = _targets(head, batch)
-        probs = torch.softmax(tl, dim=-1)  # [B, T, Vd]
+        probs = torch.softmax(tl, dim=-1)  # [B, T, Vd], renormalised over the draft vocabulary
+        if objective == "tv":
+            p_full = (tl - batch.lse[:, 1:, None]).exp()  # [B, T, Vd] over the full vocabulary
     t = tl.shape[1]
     total, per_step = 0.0, []
     for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
-        m = _shift(mask, first + s, t - first, fill=False)  # [B, Tq] scored positions
-        p = _shift(probs, first + s, t - first)[m]  # [N, Vd]
-        logits = head.logits_from_hidden(hidden[m])  # [N, Vd]: lm_head on scored positions only
-        ce = -(p * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
-        loss_s = ce.sum() / max(1, len(ce))
+        cols = (first + s, t - first)
+        loss_s = torch.zeros(())
+        if objective == "tv":
+            m = _shift(batch.lossable[:, 1:], *cols, fill=False)  # [B, Tq] scored positions
+            logits = head.logits_from_hidden(hidden[m])  # [N, Vd]
+            accept = torch.minimum(_shift(p_full, *cols)[m], torch.softmax(scale * logits, -1)).sum(-1)
+            loss_s = 1.0 - accept.sum() / max(1, len(accept))
+            per_step.append(float(loss_s.detach()))
+        if objective == "ce" or ce_weight > 0:
+            m = _shift(mask, *cols, fill=False)
+            logits = head.logits_from_hidden(hidden[m])  # lm_head on scored positions only
+            ce = -(_shift(probs, *cols)[m] * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
+            ce_s = ce.sum() / max(1, len(ce))
+            if objective == "ce":
+                loss_s = ce_s
+                per_step.append(float(ce_s.detach()))
+            else:
+                loss_s = loss_s + ce_weight * ce_s
         total = total + step_weight**s * loss_s
-        per_step.append(float(loss_s.detach()))
     return total, per_step
 
 

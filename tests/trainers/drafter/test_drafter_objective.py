@@ -1,0 +1,116 @@
+"""Drafter training objectives ("ce", "tv") and fine-tuning from a trained head (``init: head``)."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from rollout.config import ConfigError
+from rollout.eagle3 import save_eagle3
+from scripts.train_drafter import initial_head
+from tests.trainers.drafter.test_drafter import make_head, tiny_data, tiny_target
+from trainers.drafter.data import collate
+from trainers.drafter.train import DrafterConfig, train_drafter
+from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
+
+
+def _slow_acceptance(head, batch, steps: int, scale: float) -> list[float]:
+    """Mean T = 1 acceptance per step from first principles, position by position: the target's
+    softmax over its full vocabulary (from the final hidden), the draft's over its own, the
+    overlap sum_v min(p, q) at the draft ids, over the positions that predict a response token."""
+    from trainers.drafter.ttt import ttt_forward
+
+    emb = head.embed_tokens.weight
+    outs = ttt_forward(head, batch, steps)
+    rates = []
+    for s, (first, hidden) in enumerate(outs):
+        total, n = 0.0, 0
+        for r in range(batch.tokens.shape[0]):
+            for col in range(first, batch.tokens.shape[1] - 1):
+                k = col + 1 + s  # the target position this draft is scored against
+                if k >= batch.tokens.shape[1] or not batch.lossable[r, k]:
+                    continue
+                p = torch.softmax(batch.final[r, k] @ emb.T, -1)[head.target_ids]
+                q = torch.softmax(scale * head.logits_from_hidden(hidden[r, col - first]), -1)
+                total += float(torch.minimum(p, q).sum())
+                n += 1
+        rates.append(total / n)
+    return rates
+
+
+def test_tv_loss_is_one_minus_the_acceptance_it_reports():
+    target = tiny_target(init_range=0.3)
+    data = tiny_data(target, n=8)
+    head = make_head(target, data).eval()
+    batch = collate(data, list(range(8)))
+    with torch.no_grad():
+        loss, per_step = ttt_loss(head, batch, 3, 0.8, "tv", scale=1.3)
+        slow = _slow_acceptance(head, batch, 3, 1.3)
+        acc = ttt_acceptance(head, batch, 3, scales=(1.3,))
+    assert per_step == pytest.approx([1 - a for a in slow], abs=1e-5)
+    assert [float(a) for a in acc["acc_t1"][0] / acc["count"]] == pytest.approx(slow, abs=1e-5)
+    assert float(loss) == pytest.approx(sum(0.8**s * (1 - a) for s, a in enumerate(slow)), abs=1e-5)
+    with torch.no_grad():  # the cross-entropy term adds exactly ce_weight x the "ce" loss
+        mixed, mixed_steps = ttt_loss(head, batch, 3, 0.8, "tv", ce_weight=0.25, scale=1.3)
+        ce, _ = ttt_loss(head, batch, 3, 0.8, "ce")
+    assert mixed_steps == per_step
+    assert float(mixed) == pytest.approx(float(loss) + 0.25 * float(ce), rel=1e-5)
+
+
+def test_tv_training_raises_t1_acceptance(tmp_path):
+    """Both objectives from the same start, the same batches: each raises the chain acceptance
+    at T = 1, and the heads differ (the objective reaches the loop)."""
+    target = tiny_target(init_range=0.3)
+    data = tiny_data(target, n=16)
+    batch = collate(data, list(range(16)))
+
+    def est_tau(head) -> float:
+        with torch.no_grad():
+            acc = ttt_acceptance(head, batch, 3)
+        return estimated_tau(acc["acc_t1"][0] / acc["count"])
+
+    start = est_tau(make_head(target, data))
+    heads, taus = {}, {}
+    for objective in ("ce", "tv"):
+        heads[objective] = head = make_head(target, data)
+        cfg = DrafterConfig(draft_vocab_size=120, batch_size=8, epochs=20, lr=3e-3, warmup_steps=2, ttt_steps=3,
+                            out_dir=str(tmp_path / objective), objective=objective)
+        train_drafter(cfg, head, data, progress=False, log=lambda *_: None)
+        taus[objective] = est_tau(head)
+    assert min(taus.values()) > start + 0.1, (start, taus)
+    assert not torch.equal(heads["ce"].fc.weight, heads["tv"].fc.weight)
+
+
+def test_init_head_starts_from_the_saved_head(tmp_path):
+    target = tiny_target()
+    data = tiny_data(target, n=6)
+    saved = make_head(target, data)
+    with torch.no_grad():
+        saved.fc.weight.add_(0.5)  # not what a fresh head would be
+    saved.cfg = dataclasses.replace(saved.cfg, logit_scale=1.25)
+    save_eagle3(saved, tmp_path / "head")
+    cfg = DrafterConfig(draft_vocab_size=120, init="head", init_head=str(tmp_path / "head"))
+    head = initial_head(cfg, target, data, "cpu")
+    assert torch.equal(head.target_ids, saved.target_ids) and head.cfg.logit_scale == 1.25
+    for k, v in saved.state_dict().items():
+        assert torch.equal(v, head.state_dict()[k]), k
+    assert head.training
+    fresh = initial_head(dataclasses.replace(cfg, init="random", init_head=None), target, data, "cpu")
+    assert not torch.equal(fresh.fc.weight, saved.fc.weight)
+    with pytest.raises(ConfigError, match="draft_vocab_size.*120"):
+        initial_head(dataclasses.replace(cfg, draft_vocab_size=100), target, data, "cpu")
+
+
+@pytest.mark.parametrize("fields, field", [
+    ({"init": "head"}, "init_head"),
+    ({"init_head": "default"}, "init_head"),
+    ({"init": "heads", "init_head": "default"}, "init"),
+    ({"objective": "kl"}, "objective"),
+    ({"ce_weight": 0.1}, "ce_weight"),
+    ({"objective": "tv", "ce_weight": -1.0}, "ce_weight"),
+    ({"objective": "tv", "ce_weight": float("inf")}, "ce_weight"),
+])
+def test_bad_objective_and_init_fields_are_named(fields, field):
+    with pytest.raises(ConfigError, match=field):
+        DrafterConfig(**fields)
+    assert DrafterConfig(init="head", init_head="default", objective="tv", ce_weight=0.1).objective == "tv"
