@@ -114,3 +114,10 @@ def test_bad_objective_and_init_fields_are_named(fields, field):
     with pytest.raises(ConfigError, match=field):
         DrafterConfig(**fields)
     assert DrafterConfig(init="head", init_head="default", objective="tv", ce_weight=0.1).objective == "tv"
+
+
+def test_finetune_config_loads():
+    from rollout.config import from_dict, load_yaml
+
+    cfg = from_dict(DrafterConfig, load_yaml("configs/drafter_finetune.yaml"))
+    assert (cfg.init, cfg.init_head, cfg.objective, cfg.draft_vocab_size) == ("head", "default", "tv", 8192)
