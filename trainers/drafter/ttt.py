@@ -93,6 +93,18 @@ def _targets(head: Eagle3Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor
     return logits, batch.lossable[:, 1:] & in_draft
 
 
+def _full_probs(tl: torch.Tensor, batch: Batch) -> torch.Tensor:
+    """The target's probabilities over its full vocabulary, at the draft ids ``[B, T, Vd]``
+    (mass outside the draft vocabulary is left out, so a draft can never be accepted there)."""
+    return (tl - batch.lse[:, 1:, None]).exp()
+
+
+def _t1_acceptance(p: torch.Tensor, logits: torch.Tensor, scale: float) -> torch.Tensor:
+    """Expected acceptance of a draft sampled from softmax(scale * logits) against target
+    probabilities ``p`` (both ``[N, Vd]``): ``sum_v min(p_v, q_v)`` per position ``[N]``."""
+    return torch.minimum(p, torch.softmax(logits * scale, -1)).sum(-1)
+
+
 OBJECTIVES = ("ce", "tv")
 
 
@@ -105,32 +117,28 @@ def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float, obj
     "tv" are ``1 - mean acceptance`` without the "ce" term."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: allowed {OBJECTIVES}")
+    with_ce = objective == "ce" or ce_weight > 0
     with torch.no_grad():
         tl, mask = _targets(head, batch)
-        probs = torch.softmax(tl, dim=-1)  # [B, T, Vd], renormalised over the draft vocabulary
-        if objective == "tv":
-            p_full = (tl - batch.lse[:, 1:, None]).exp()  # [B, T, Vd] over the full vocabulary
+        probs = torch.softmax(tl, dim=-1) if with_ce else None  # [B, T, Vd], renormalised over the draft vocabulary
+        p_full = _full_probs(tl, batch) if objective == "tv" else None
     t = tl.shape[1]
     total, per_step = 0.0, []
     for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
         cols = (first + s, t - first)
-        loss_s = torch.zeros(())
-        if objective == "tv":
-            m = _shift(batch.lossable[:, 1:], *cols, fill=False)  # [B, Tq] scored positions
-            logits = head.logits_from_hidden(hidden[m])  # [N, Vd]
-            accept = torch.minimum(_shift(p_full, *cols)[m], torch.softmax(scale * logits, -1)).sum(-1)
-            loss_s = 1.0 - accept.sum() / max(1, len(accept))
-            per_step.append(float(loss_s.detach()))
-        if objective == "ce" or ce_weight > 0:
-            m = _shift(mask, *cols, fill=False)
-            logits = head.logits_from_hidden(hidden[m])  # lm_head on scored positions only
+        if with_ce:
+            m = _shift(mask, *cols, fill=False)  # [B, Tq] scored positions
+            logits = head.logits_from_hidden(hidden[m])  # [N, Vd]: lm_head on scored positions only
             ce = -(_shift(probs, *cols)[m] * F.log_softmax(logits, dim=-1)).sum(-1)  # [N]
-            ce_s = ce.sum() / max(1, len(ce))
-            if objective == "ce":
-                loss_s = ce_s
-                per_step.append(float(ce_s.detach()))
-            else:
-                loss_s = loss_s + ce_weight * ce_s
+            loss_s = ce.sum() / max(1, len(ce))
+        if objective == "tv":
+            m = _shift(batch.lossable[:, 1:], *cols, fill=False)
+            accept = _t1_acceptance(_shift(p_full, *cols)[m], head.logits_from_hidden(hidden[m]), scale)
+            tv_s = 1.0 - accept.sum() / max(1, len(accept))
+            loss_s = tv_s + ce_weight * loss_s if with_ce else tv_s
+            per_step.append(float(tv_s.detach()))
+        else:
+            per_step.append(float(loss_s.detach()))
         total = total + step_weight**s * loss_s
     return total, per_step
 
@@ -157,19 +165,18 @@ def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int,
     softmax(scale * logits), see ``Eagle3Config.logit_scale``), and position counts ``[steps]``.
     One unrolled forward serves every scale."""
     tl, _ = _targets(head, batch)
-    logp_target = tl - batch.lse[:, 1:, None]  # [B, T, Vd] log p over the full vocabulary, at draft ids
+    p_full = _full_probs(tl, batch)
     t = tl.shape[1]
     acc0, count = torch.zeros(steps), torch.zeros(steps)
     acc1 = torch.zeros(len(scales), steps)
     for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
         m = _shift(batch.lossable[:, 1:], first + s, t - first, fill=False)
         am = _shift(batch.argmax[:, 1:], first + s, t - first, fill=-1)[m]  # [N]
-        lp = _shift(logp_target, first + s, t - first)[m]  # [N, Vd]
+        p = _shift(p_full, first + s, t - first)[m]  # [N, Vd]
         logits = head.logits_from_hidden(hidden[m])  # [N, Vd]
         hit0 = head.target_ids[logits.argmax(-1)] == am
-        p = lp.exp()
         for i, scale in enumerate(scales):
-            acc1[i, s] = float(torch.minimum(p, torch.softmax(logits * scale, -1)).sum(-1).sum())
+            acc1[i, s] = float(_t1_acceptance(p, logits, scale).sum())
         acc0[s], count[s] = float(hit0.sum()), float(m.sum())
     return {"acc_t0": acc0, "acc_t1": acc1, "count": count}
 

@@ -5,21 +5,19 @@ import dataclasses
 import pytest
 import torch
 
-from rollout.config import ConfigError
+from rollout.config import ConfigError, from_dict, load_yaml
 from rollout.eagle3 import save_eagle3
 from scripts.train_drafter import initial_head
 from tests.trainers.drafter.test_drafter import make_head, tiny_data, tiny_target
 from trainers.drafter.data import collate
 from trainers.drafter.train import DrafterConfig, train_drafter
-from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
+from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_forward, ttt_loss
 
 
 def _slow_acceptance(head, batch, steps: int, scale: float) -> list[float]:
     """Mean T = 1 acceptance per step from first principles, position by position: the target's
     softmax over its full vocabulary (from the final hidden), the draft's over its own, the
     overlap sum_v min(p, q) at the draft ids, over the positions that predict a response token."""
-    from trainers.drafter.ttt import ttt_forward
-
     emb = head.embed_tokens.weight
     outs = ttt_forward(head, batch, steps)
     rates = []
@@ -117,7 +115,5 @@ def test_bad_objective_and_init_fields_are_named(fields, field):
 
 
 def test_finetune_config_loads():
-    from rollout.config import from_dict, load_yaml
-
     cfg = from_dict(DrafterConfig, load_yaml("configs/drafter_finetune.yaml"))
     assert (cfg.init, cfg.init_head, cfg.objective, cfg.draft_vocab_size) == ("head", "default", "tv", 8192)
