@@ -1,19 +1,21 @@
 """Measure a draft head's acceptance length tau on the engine (``rollout.engine``).
 
     python -m scripts.measure_acceptance [--head rollout/heads/smollm2-135m-eagle3] [--n-arith 16] [--n-general 8]
-        [--tree "s6,3,10;6,2,10"]
+        [--tree "s6,3,10;6,2,10"] [--temperatures 1,0]
 
 tau = tokens emitted per row per verifying target forward (accepted drafts + the recovered
 or bonus token; the engine's ``Timings.tau``: ``emitted / row_rounds``, reported as
 ``emitted`` and ``forwards``), chain of K drafts, lossless verification (``--verifier``: another
 rule). Modes: sampled
-drafts at T = 1 (x ~ q) and greedy drafts at T = 0. The same engine runs the trivial
+drafts at T = 1 (x ~ q) and greedy drafts at T = 0 (``--temperatures``: which of them, or other
+temperatures; drafts are greedy at T = 0 and sampled above). A set of 0 prompts (``--n-general 0``)
+is left out of the report. The same engine runs the trivial
 drafter (repeat the last token, q one-hot) for comparison, and the script times one draft
 step against one target decoding step at batch 1 (``rollout.timing``).
 
 ``--tree`` adds trees on the same prompts (``depth,top_k,total_tokens``; an ``s`` in front
-drafts sampled candidates, ``rollout.sampled_tree``, measured at T = 1 only; top-k trees at
-T = 1 and T = 0), on the same prompts and seeds as the chain (``--seeds N``: N calls per set
+drafts sampled candidates, ``rollout.sampled_tree``, measured at the temperatures above 0 only;
+top-k trees at every one), on the same prompts and seeds as the chain (``--seeds N``: N calls per set
 and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chain's.
 ``--verifier`` verifies every chain and tree with another rule (``name`` or
 ``name:key=value,...``, e.g. ``overshoot:lenience=0.5``, or ``mars:theta=0.9,test=law`` for the
@@ -72,8 +74,21 @@ class RepeatLastDraft(nn.Module):
 
 
 def held_out_prompts(tok, n_arith: int, n_general: int, seed: int = 1234) -> dict[str, list[list[int]]]:
+    """The held-out sets by kind, as token ids; a kind with no prompts is left out."""
     texts, kinds = heldout_prompts(n_arith, (1, 2, 3, 4), seed, n_general)
-    return {kind: [chat_ids(tok, t) for t, k in zip(texts, kinds) if k == kind] for kind in ("arithmetic", "general")}
+    sets = {kind: [chat_ids(tok, t) for t, k in zip(texts, kinds) if k == kind] for kind in ("arithmetic", "general")}
+    return {kind: prompts for kind, prompts in sets.items() if prompts}
+
+
+def parse_temperatures(text: str) -> tuple[float, ...]:
+    """``--temperatures``: a comma list of temperatures >= 0 (e.g. ``1,0``)."""
+    try:
+        temps = tuple(float(t) for t in text.split(",") if t.strip())
+    except ValueError:
+        temps = ()
+    if not temps or any(not t >= 0 or t == float("inf") for t in temps):
+        raise ValueError(f"a comma list of finite temperatures >= 0, e.g. 1,0; got {text!r}")
+    return temps
 
 
 def measure(target, head, prompts: list[list[int]], *, k: int, temperature: float, max_new_tokens: int,
@@ -102,12 +117,14 @@ def measure_seeds(target, head, prompts: list[list[int]], seeds: range, **kw) ->
 
 
 def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *, max_new_tokens: int,
-                  seed: int, seeds: int, verifier: VerifierConfig | None = None) -> dict:
-    """tau of each ``--tree`` config on each prompt set (summed over ``seeds`` calls from ``seed``)."""
+                  seed: int, seeds: int, verifier: VerifierConfig | None = None,
+                  temperatures: tuple[float, ...] = (1.0, 0.0)) -> dict:
+    """tau of each ``--tree`` config on each prompt set (summed over ``seeds`` calls from ``seed``)
+    at each of ``temperatures`` (sampled trees at those above 0 only)."""
     report = {}
     for text in (t for t in trees.split(";") if t.strip()):
         spec = tree_spec(text)
-        temps = (1.0,) if spec.sampled_tree else (1.0, 0.0)
+        temps = [t for t in temperatures if t > 0 or not spec.sampled_tree]
         for kind, prompts in sets.items():
             for temperature in temps:
                 key = f"{kind}/T={temperature:g}/tree {text.strip()}"
@@ -122,8 +139,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--head", default=str(default_head_path()))
     ap.add_argument("--k", type=int, default=7)
-    ap.add_argument("--n-arith", type=int, default=16)
-    ap.add_argument("--n-general", type=int, default=8)
+    ap.add_argument("--n-arith", type=int, default=16, help="held-out arithmetic prompts (difficulties 1-4)")
+    ap.add_argument("--n-general", type=int, default=8, help="held-out general instructions (0: none)")
+    ap.add_argument("--temperatures", default="1,0",
+                    help="sampling temperatures to measure chains at (comma list; drafts greedy at 0, sampled above)")
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--no-trivial", action="store_true", help="skip the repeat-last-token baseline")
@@ -137,6 +156,16 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--drafter-weights", default="stored", choices=DRAFTER_WEIGHTS,
                     help="int8: round the head's linear layers to int8 weights first (rollout.quantize)")
     args = ap.parse_args(argv)
+    for flag, value, least in (("--n-arith", args.n_arith, 0), ("--n-general", args.n_general, 0), ("--k", args.k, 1),
+                               ("--seeds", args.seeds, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
+        if value < least:
+            ap.error(f"{flag}: must be at least {least}, got {value}")
+    if args.n_arith + args.n_general == 0:
+        ap.error("--n-arith and --n-general are both 0: no prompts to measure")
+    try:
+        temperatures = parse_temperatures(args.temperatures)
+    except ValueError as err:
+        ap.error(f"--temperatures: {err}")
     try:
         [tree_spec(t) for t in args.tree.split(";") if t.strip()]
     except (ValueError, ConfigError) as err:
@@ -155,7 +184,7 @@ def main(argv: list[str] | None = None) -> dict:
     report: dict[str, object] = {"k": args.k, "head": args.head, "verifier": args.verifier,
                                  "drafter_weights": args.drafter_weights}
     for kind, prompts in sets.items():
-        for temperature in (1.0, 0.0):
+        for temperature in temperatures:
             for name, h in (("eagle3", head), ("trivial", None)):
                 if name == "trivial" and args.no_trivial:
                     continue
@@ -166,8 +195,9 @@ def main(argv: list[str] | None = None) -> dict:
                 print(key, report[key], flush=True)
     if args.tree:
         report.update(measure_trees(target, head, sets, args.tree, max_new_tokens=args.max_new_tokens,
-                                    seed=args.seed, seeds=args.seeds, verifier=verifier))
-    costs = step_costs(Engine(target, head, num_threads=torch.get_num_threads()), sets["arithmetic"][:1], [1], 20)
+                                    seed=args.seed, seeds=args.seeds, verifier=verifier, temperatures=temperatures))
+    first = next(iter(sets.values()))[:1]  # the step costs on one held-out prompt
+    costs = step_costs(Engine(target, head, num_threads=torch.get_num_threads()), first, [1], 20)
     report["step_costs"] = {"draft_step_s": costs["draft"], "target_step_s": costs[1],
                             "ratio": costs["draft"] / costs[1]}
     print(json.dumps(report, indent=1))

@@ -255,6 +255,45 @@ def test_measure_acceptance_verifies_with_the_given_rule():
         main(["--verifier", "overshoot:lenience=2"])
 
 
+class _ByteTokenizer:
+    """A stand-in tokenizer for measure_acceptance's prompts: the template is the text, each id
+    a byte of it within the tiny vocabulary."""
+
+    def apply_chat_template(self, messages, tokenize=False, add_generation_prompt=True):
+        return " ".join(m["content"] for m in messages)[:24]
+
+    def __call__(self, text, add_special_tokens=False):
+        return {"input_ids": [3 + b % (V - 3) for b in text.encode()]}
+
+
+def test_measure_acceptance_main_leaves_out_an_empty_set_and_takes_temperatures(monkeypatch, capsys):
+    """measure_acceptance end to end on a tiny target: ``--n-general 0`` leaves the general set
+    out of the report (it once divided by its zero forwards), ``--temperatures`` picks the
+    temperatures (chains and trees alike), and bad counts or temperatures exit naming the flag."""
+    import scripts.measure_acceptance as ma
+
+    target = tiny_target()
+    head, _ = make_head(target, vd=V)
+    monkeypatch.setattr(ma, "load_embedded_target", lambda: (target, _ByteTokenizer()))
+    monkeypatch.setattr(ma, "load_eagle3", lambda path, t: head)
+    report = ma.main(["--n-arith", "2", "--n-general", "0", "--temperatures", "1", "--no-trivial", "--k", "3",
+                      "--max-new-tokens", "6", "--tree", "s2,2,3;2,2,3"])
+    measured = {key for key in report if "/" in key}
+    assert measured == {"arithmetic/T=1/eagle3", "arithmetic/T=1/tree s2,2,3", "arithmetic/T=1/tree 2,2,3"}
+    assert report["arithmetic/T=1/eagle3"]["forwards"] > 0 and report["step_costs"]["target_step_s"] > 0
+    report = ma.main(["--n-arith", "0", "--n-general", "1", "--temperatures", "0", "--k", "2", "--max-new-tokens", "4",
+                      "--tree", "s2,2,3;2,2,3"])
+    assert {key for key in report if "/" in key} == {"general/T=0/eagle3", "general/T=0/trivial",
+                                                      "general/T=0/tree 2,2,3"}  # no sampled tree at T = 0
+    for argv, flag in ((["--n-arith", "0", "--n-general", "0"], "--n-arith and --n-general"),
+                       (["--n-general", "-1"], "--n-general"), (["--k", "0"], "--k"), (["--seeds", "0"], "--seeds"),
+                       (["--temperatures", "1,x"], "--temperatures"), (["--temperatures", "-1"], "--temperatures"),
+                       (["--temperatures", "nan"], "--temperatures"), (["--temperatures", ","], "--temperatures")):
+        with pytest.raises(SystemExit):
+            ma.main(argv)
+        assert flag in capsys.readouterr().err, argv
+
+
 @pytest.mark.slow
 def test_shipped_head_loads_and_beats_trivial_drafter():
     from rollout.eagle3 import default_head_path
