@@ -21,6 +21,7 @@ boundary.
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -133,6 +134,24 @@ class GenerationResult:
 
     def to_batch(self, policy_version: int = 0, pad_id: int = 0) -> RolloutBatch:
         return RolloutBatch.from_completions(self.completions, self.timings, policy_version, pad_id)
+
+
+def tau_with_error(step_emitted: list[list[int]]) -> tuple[float, float]:
+    """tau over rows (each row's tokens emitted per round, ``Completion.step_emitted``) and its
+    standard error with the rows as the independent units: a round's acceptance depends on the
+    rounds before it in its row, so rounds are not independent, rows are. The error is the ratio
+    estimator's, linearised: ``sqrt(sum_i (e_i - tau r_i)^2 / (n (n - 1))) / mean_i r_i`` over the n
+    rows that took a round (e_i: their tokens, r_i: their rounds). NaN with fewer than 2 such rows."""
+    rows = [(sum(s), len(s)) for s in step_emitted if s]
+    rounds = sum(r for _, r in rows)
+    if not rounds:
+        return 0.0, math.nan
+    tau = sum(e for e, _ in rows) / rounds
+    n = len(rows)
+    if n < 2:
+        return tau, math.nan
+    spread = sum((e - tau * r) ** 2 for e, r in rows) / (n * (n - 1))
+    return tau, math.sqrt(spread) / (rounds / n)
 
 
 #: the work counters a RolloutBatch keeps in ``timings`` (summed when batches are joined)

@@ -10,6 +10,7 @@ emitted tokens, row rounds, the engine's timings); *step costs* are T(n), T_draf
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import resource
 from statistics import median
@@ -19,6 +20,7 @@ import time
 import torch
 
 from rollout.engine import Engine
+from rollout.outputs import tau_with_error
 from rollout.params import SamplingParams, SpecConfig
 from rollout.planner import trace_summary
 from rollout.timing import chain_key, cost_label, step_costs
@@ -66,10 +68,12 @@ def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, s
              backend: str | None = None) -> dict:
     """One generate call; ``backend`` (native / torch) pins the verifier backend (None: default)."""
     with contextlib.nullcontext() if backend is None else native.forced(backend == "native"):
-        t = engine.generate(group, sampling, spec, verifier, seed=seed).timings
+        result = engine.generate(group, sampling, spec, verifier, seed=seed)
+    t = result.timings
     return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
             "draft_s": t.draft_s, "verify_s": t.verify_s, "other_s": t.other_s, "setup_s": t.setup_s,
-            "draft_forwards": t.draft_forwards, "draft_rounds": t.rounds - t.plain_rounds}
+            "draft_forwards": t.draft_forwards, "draft_rounds": t.rounds - t.plain_rounds,
+            "step_emitted": [c.step_emitted for c in result.completions]}  # each row's tokens per round
 
 
 def run_config(config: tuple, target, engine: Engine, group: list[list[int]], sampling, pad_id: int,
@@ -169,8 +173,8 @@ def run_interleaved(args, target, engine: Engine, configs: list[tuple], groups: 
             tot = totals[c]
             res = run_config(configs[c], target, engine, group, sampling, pad_id, args.seed + i)
             calls[c].append(res["tokens"] / res["seconds"])
-            for key, value in res.items():
-                tot[key] = tot.get(key, 0) + value
+            for key, value in res.items():  # numbers summed, lists (each row's step_emitted) joined
+                tot[key] = tot.get(key, [] if isinstance(value, list) else 0) + value
             tot["rss_mb"] = max(tot.get("rss_mb", 0.0), rss_mb())
         if args.cost_reps > 0:
             for eng, _ in timed:
@@ -201,6 +205,9 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
     for (mode, vname, spec, _, backend), tot, mine_calls in zip(configs, totals, calls):
         row = {"batch": size, "mode": mode, "verifier": vname} | tot
         row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
+        # tau's standard error, each row of each call one unit (None: HF rows, or fewer than 2 rows)
+        se = tau_with_error(row.pop("step_emitted"))[1] if "step_emitted" in row else math.nan
+        row["tau_se"] = None if math.isnan(se) else se
         forwards, rounds = row.pop("draft_forwards", 0), row.pop("draft_rounds", 0)
         steps = forwards / rounds if spec is not None and spec.sampled_tree and rounds else None
         row["peak_rss_mb"] = max(peak_rss_mb(), row["rss_mb"])

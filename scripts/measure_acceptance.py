@@ -5,7 +5,8 @@
 
 tau = tokens emitted per row per verifying target forward (accepted drafts + the recovered
 or bonus token; the engine's ``Timings.tau``: ``emitted / row_rounds``, reported as
-``emitted`` and ``forwards``), chain of K drafts, lossless verification (``--verifier``: another
+``emitted`` and ``forwards``, with its standard error ``tau_se`` over the ``rows``: compare two
+heads by it, as a few percent of tau is within one sitting's noise at small prompt counts), chain of K drafts, lossless verification (``--verifier``: another
 rule). Modes: sampled
 drafts at T = 1 (x ~ q) and greedy drafts at T = 0 (``--temperatures``: which of them, or other
 temperatures; drafts are greedy at T = 0 and sampled above). A set of 0 prompts (``--n-general 0``)
@@ -39,7 +40,7 @@ from rollout.config import ConfigError
 from rollout.eagle3 import DraftOutput, default_head_path, load_eagle3
 from rollout.engine import Engine
 from rollout.models import load_embedded_target
-from rollout.outputs import Timings
+from rollout.outputs import GenerationResult, tau_with_error
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, tree_spec
 from rollout.quantize import DRAFTER_WEIGHTS, quantize_int8_
 from rollout.timing import step_costs
@@ -92,9 +93,10 @@ def parse_temperatures(text: str) -> tuple[float, ...]:
 
 
 def measure(target, head, prompts: list[list[int]], *, k: int, temperature: float, max_new_tokens: int,
-            seed: int, spec: SpecConfig | None = None, verifier: VerifierConfig | None = None) -> Timings:
-    """The engine's counters over one call on ``prompts`` (head None: the trivial drafter);
-    ``spec`` None: the chain of ``k`` drafts; ``verifier`` None: lossless."""
+            seed: int, spec: SpecConfig | None = None, verifier: VerifierConfig | None = None) -> GenerationResult:
+    """One engine call on ``prompts`` (head None: the trivial drafter): its completions (each row's
+    ``step_emitted``) and counters (``timings``); ``spec`` None: the chain of ``k`` drafts;
+    ``verifier`` None: lossless."""
     eos = target.config.eos_token_id
     eos = int(eos[0] if isinstance(eos, list) else eos)
     engine = Engine(target, head if head is not None else RepeatLastDraft(target.vocab_size),
@@ -102,18 +104,22 @@ def measure(target, head, prompts: list[list[int]], *, k: int, temperature: floa
     if spec is None:
         spec = SpecConfig(mode="chain", num_draft_tokens=k, draft_sampling="sampled" if temperature > 0 else "greedy")
     sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(eos,))
-    return engine.generate(prompts, sampling, spec, verifier if head is not None else None, seed=seed).timings
+    return engine.generate(prompts, sampling, spec, verifier if head is not None else None, seed=seed)
 
 
 def measure_seeds(target, head, prompts: list[list[int]], seeds: range, **kw) -> dict:
     """The report entry of one prompt set and mode: the engine's counters of :func:`measure`
-    summed over one call per seed in ``seeds`` (``kw``: its other arguments), and their tau."""
-    t0, emitted, rounds = time.time(), 0, 0
+    summed over one call per seed in ``seeds`` (``kw``: its other arguments), their tau, and
+    tau's standard error with each row of each call as one unit (``tau_se``,
+    :func:`rollout.outputs.tau_with_error`; ``rows`` of them)."""
+    t0, emitted, rounds, rows = time.time(), 0, 0, []
     for seed in seeds:
-        s = measure(target, head, prompts, seed=seed, **kw)
-        emitted, rounds = emitted + s.emitted, rounds + s.row_rounds
-    return {"tau": round(emitted / rounds, 3), "emitted": emitted, "forwards": rounds,
-            "seconds": round(time.time() - t0, 1)}
+        result = measure(target, head, prompts, seed=seed, **kw)
+        emitted, rounds = emitted + result.timings.emitted, rounds + result.timings.row_rounds
+        rows += [c.step_emitted for c in result.completions]
+    _, se = tau_with_error(rows)
+    return {"tau": round(emitted / rounds, 3), "tau_se": round(se, 3), "rows": len(rows), "emitted": emitted,
+            "forwards": rounds, "seconds": round(time.time() - t0, 1)}
 
 
 def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *, max_new_tokens: int,

@@ -27,6 +27,37 @@ def test_every_row_reports_its_own_speed(tiny):
         assert r["speedup_vs_ar"] == pytest.approx(r["tokens_per_s"] / ar["tokens_per_s"])
         assert r["peak_rss_mb"] >= r["rss_mb"] > 0
         assert r["tau"] >= 1.0
+        assert "step_emitted" not in r  # the rows' rounds are folded into tau_se, not dumped
+    # tau's standard error over the 4 rows: none for HF, 0 for plain decoding (every round emits 1)
+    assert next(r for r in rows if r["mode"] == "hf generate")["tau_se"] is None and ar["tau_se"] == 0.0
+    spec = [r for r in rows if r["mode"] not in ("hf generate", "off")]
+    assert all(0 <= r["tau_se"] < r["tau"] for r in spec) and any(r["tau_se"] > 0 for r in spec)
+
+
+def test_tau_se_is_the_rows_error_over_every_call(tiny, monkeypatch):
+    """A row's tau_se is ``tau_with_error`` over every row of every call of it (passes included)."""
+    import scripts.bench_measure as bm
+    from rollout.outputs import tau_with_error
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    seen = {}
+    run_ours = bm.run_ours
+
+    def spy(engine, group, sampling, spec, verifier, seed, backend=None):
+        res = run_ours(engine, group, sampling, spec, verifier, seed, backend)
+        seen.setdefault(spec.mode, []).extend(res["step_emitted"])
+        return res
+
+    monkeypatch.setattr(bm, "run_ours", spy)
+    args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "8", "--modes", "chain", "--chain-k", "3",
+                       "--verifiers", "lossless", "--passes", "2", "--no-hf", "--cost-reps", "0"])
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(4)], SamplingParams(max_new_tokens=8))
+    chain = next(r for r in rows if r["mode"] != "off")
+    assert len(seen["chain"]) == 8  # 4 prompts, 2 passes
+    assert chain["tau_se"] == pytest.approx(tau_with_error(seen["chain"])[1])
+    assert chain["tau"] == pytest.approx(tau_with_error(seen["chain"])[0])
 
 
 def test_max_batch_values_make_separate_rows(tiny):

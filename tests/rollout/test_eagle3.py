@@ -192,6 +192,7 @@ def test_measured_drafters_are_lossless_at_t0(use_head):
     ``measure`` reports the engine's counters at both temperatures."""
     from rollout.engine import Engine
     from rollout.params import SamplingParams, SpecConfig
+    from rollout.outputs import tau_with_error
     from scripts.measure_acceptance import RepeatLastDraft, measure
 
     target = tiny_target()
@@ -211,9 +212,13 @@ def test_measured_drafters_are_lossless_at_t0(use_head):
         out = [prompt[-1]] + res.completions[0].completion_ids
         assert all(d.candidates is None or int(d.candidates[0]) in (-1, out[d.index]) for d in res.debug)
     for temperature in (0.0, 1.0):
-        t = measure(target, None if not use_head else head, [prompt, prompt[:4]], k=3, temperature=temperature,
+        r = measure(target, None if not use_head else head, [prompt, prompt[:4]], k=3, temperature=temperature,
                     max_new_tokens=12, seed=0)
-        assert t.row_rounds >= 2 and 1.0 <= t.tau <= 4.0
+        assert r.timings.row_rounds >= 2 and 1.0 <= r.tau <= 4.0
+        # the rows' step_emitted add up to the call's counters: tau_with_error's tau is the engine's
+        rows = [c.step_emitted for c in r.completions]
+        assert sum(map(sum, rows)) == r.timings.emitted and sum(map(len, rows)) == r.timings.row_rounds
+        assert tau_with_error(rows)[0] == pytest.approx(r.tau)
 
 
 def test_measure_trees_reports_each_tree_per_set_and_temperature():
@@ -280,7 +285,9 @@ def test_measure_acceptance_main_leaves_out_an_empty_set_and_takes_temperatures(
                       "--max-new-tokens", "6", "--tree", "s2,2,3;2,2,3"])
     measured = {key for key in report if "/" in key}
     assert measured == {"arithmetic/T=1/eagle3", "arithmetic/T=1/tree s2,2,3", "arithmetic/T=1/tree 2,2,3"}
-    assert report["arithmetic/T=1/eagle3"]["forwards"] > 0 and report["step_costs"]["target_step_s"] > 0
+    entry = report["arithmetic/T=1/eagle3"]
+    assert entry["forwards"] > 0 and report["step_costs"]["target_step_s"] > 0
+    assert entry["rows"] == 2 and 0 <= entry["tau_se"] < entry["tau"]  # two prompts, one seed
     report = ma.main(["--n-arith", "0", "--n-general", "1", "--temperatures", "0", "--k", "2", "--max-new-tokens", "4",
                       "--tree", "s2,2,3;2,2,3"])
     assert {key for key in report if "/" in key} == {"general/T=0/eagle3", "general/T=0/trivial",
