@@ -170,8 +170,9 @@ def widths(configs: list[tuple]) -> tuple[int, int]:
 
 
 def header(width: tuple[int, int] = (27, 14)) -> str:
-    return (f"{'batch':>5} {'mode':<{width[0]}} {'verifier':<{width[1]}} {'tok/s':>8} {'tau':>5} {'+-se':>5} {'vs AR':>6} "
-            f"{'bound':>6} {'of bd':>6} {'call bd':>7} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} {'RSS MB':>7}  "
+    return (f"{'batch':>5} {'mode':<{width[0]}} {'verifier':<{width[1]}} {'tok/s':>8} {'tau':>5} {'+-se':>5} "
+            f"{'vs AR':>6} {'bound':>6} {'of bd':>6} {'call bd':>7} {'dec AR':>6} {'dec bd':>6} {'len':>5} {'vs HF':>6} "
+            f"{'RSS MB':>7}  "
             f"{'paired vs AR':<20}")
 
 
@@ -182,6 +183,6 @@ def print_row(row: dict, width: tuple[int, int] = (27, 14)) -> None:
     p = row.get("paired_vs_ar")
     paired = f"{p['median']:.2f} [{p['min']:.2f}-{p['max']:.2f}] n={p['n']}" if p else "-"
     print(f"{row['batch']:>5} {row['mode']:<{width[0]}} {row['verifier']:<{width[1]}} {row['tokens_per_s']:>8.1f} "
-          f"{row['tau']:>5.2f} {se:>5} {ar:>6} {bd:>6} {of:>6} {cbd:>7} {dar:>6} {dof:>6} {row['length_vs_ar']:>5.2f} {hf:>6} "
-          f"{row['rss_mb']:>7.0f}  {paired}",
+          f"{row['tau']:>5.2f} {se:>5} {ar:>6} {bd:>6} {of:>6} {cbd:>7} {dar:>6} {dof:>6} "
+          f"{row['length_vs_ar']:>5.2f} {hf:>6} {row['rss_mb']:>7.0f}  {paired}",
           flush=True)

@@ -6,11 +6,11 @@
 tau = tokens emitted per row per verifying target forward (accepted drafts + the recovered
 or bonus token; the engine's ``Timings.tau``: ``emitted / row_rounds``, reported as
 ``emitted`` and ``forwards``, with its standard error ``tau_se`` over the ``rows``: compare two
-heads by it, as a few percent of tau is within one sitting's noise at small prompt counts), chain of K drafts, lossless verification (``--verifier``: another
-rule). Modes: sampled
-drafts at T = 1 (x ~ q) and greedy drafts at T = 0 (``--temperatures``: which of them, or other
-temperatures; drafts are greedy at T = 0 and sampled above). A set of 0 prompts (``--n-general 0``)
-is left out of the report. The same engine runs the trivial
+heads by it, as a few percent of tau is within one sitting's noise at small prompt counts),
+chain of K drafts, lossless verification (``--verifier``: another rule). Modes: sampled drafts
+at T = 1 (x ~ q) and greedy drafts at T = 0 (``--temperatures``: which of them, or other
+temperatures; drafts are greedy at T = 0 and sampled above). A set of 0 prompts
+(``--n-general 0``) is left out of the report. The same engine runs the trivial
 drafter (repeat the last token, q one-hot) for comparison, and the script times one draft
 step against one target decoding step at batch 1 (``rollout.timing``).
 

@@ -53,7 +53,8 @@ def test_tau_se_is_the_rows_error_over_every_call(tiny, monkeypatch):
     monkeypatch.setattr(bm, "run_ours", spy)
     args = parse_args(["--batch-sizes", "2", "--max-new-tokens", "8", "--modes", "chain", "--chain-k", "3",
                        "--verifiers", "lossless", "--passes", "2", "--no-hf", "--cost-reps", "0"])
-    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(4)], SamplingParams(max_new_tokens=8))
+    prompts = [[1, 20 + i, 300 + i] for i in range(4)]
+    rows = measure(args, target, tok, engine, prompts, SamplingParams(max_new_tokens=8))
     chain = next(r for r in rows if r["mode"] != "off")
     assert len(seen["chain"]) == 8  # 4 prompts, 2 passes
     assert chain["tau_se"] == pytest.approx(tau_with_error(seen["chain"])[1])
