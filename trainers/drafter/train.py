@@ -13,7 +13,7 @@ from rollout.config import ConfigError, check_int, check_number
 from rollout.eagle3 import Eagle3Head
 from rollout.models import TargetConfig, TargetModel
 from trainers.drafter.data import DrafterDataConfig
-from trainers.drafter.ttt import OBJECTIVES, estimated_tau, ttt_acceptance, ttt_loss
+from trainers.drafter.ttt import OBJECTIVES, estimated_block_tau, estimated_tau, ttt_acceptance, ttt_loss
 
 
 @dataclass(frozen=True)
@@ -25,9 +25,10 @@ class DrafterConfig:
     see :func:`init_from_target`; "head": from the trained head at ``init_head``, a folder or
     "default" for the shipped head, whose draft vocabulary and logit scale it keeps, to adapt
     a head to new data such as a policy that training has moved);
-    objective: the loss, "ce" (soft cross-entropy) or "tv" (one minus the expected T = 1
-    acceptance at the head's logit scale, plus ``ce_weight`` x "ce"; see
-    ``trainers/drafter/ttt.py``);
+    objective: the loss, "ce" (soft cross-entropy), "tv" (one minus the expected T = 1
+    acceptance at the head's logit scale, plus ``ce_weight`` x "ce") or "block" (one minus the
+    joint acceptance of each prefix of the chain, what block verification can reach; needs
+    ``data.greedy_fraction: 0``); see ``trainers/drafter/ttt.py``;
     ttt_steps / step_weight: unrolled steps and their 0.8^s weights; epochs, batch_size,
     max_steps (cap, None = epochs only); lr (peak), min_lr_ratio (cosine floor),
     warmup_steps, weight_decay, betas, grad_clip: AdamW; seed: the random initial weights
@@ -89,6 +90,10 @@ class DrafterConfig:
         if self.ce_weight and self.objective != "tv":
             raise ConfigError("ce_weight", "adds the cross-entropy to the 'tv' objective only; "
                               f"the objective is {self.objective!r}")
+        if self.objective == "block" and self.data.greedy_fraction > 0:
+            raise ConfigError("data.greedy_fraction", "objective 'block' estimates its loss along responses "
+                              "sampled from the target at T = 1; greedy answers would bias it: set it to 0, "
+                              f"got {self.data.greedy_fraction}")
         if self.export_dtype not in ("float32", "bfloat16", "float16"):
             raise ConfigError("export_dtype", "unknown dtype", allowed=("float32", "bfloat16", "float16"))
 
@@ -169,7 +174,7 @@ def epoch_batches(lengths: list[int], batch_size: int, gen: torch.Generator) -> 
 
 @torch.no_grad()
 def _acceptance_sums(head: Eagle3Head, data, cfg: DrafterConfig, device: torch.device,
-                     scales: tuple[float, ...]) -> dict[str, dict[str, torch.Tensor]]:
+                     scales: tuple[float, ...], block: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """``ttt_acceptance`` summed over the held-out batches of each prompt kind."""
     from trainers.drafter.data import collate
 
@@ -180,7 +185,7 @@ def _acceptance_sums(head: Eagle3Head, data, cfg: DrafterConfig, device: torch.d
         sums = None
         for start in range(0, len(idx), cfg.batch_size):
             acc = ttt_acceptance(head, collate(data, idx[start: start + cfg.batch_size], device), cfg.ttt_steps,
-                                 scales)
+                                 scales, block=block)
             sums = acc if sums is None else {k: sums[k] + acc[k] for k in acc}
         out[kind] = sums
     head.train()
@@ -191,15 +196,20 @@ def _kind_report(sums: dict[str, torch.Tensor], i: int) -> dict[str, object]:
     """Acceptance rates per step and the chain tau they imply, T = 1 figures at scale index i."""
     n = sums["count"].clamp(min=1)
     a0, a1 = (sums["acc_t0"] / n).tolist(), (sums["acc_t1"][i] / n).tolist()
-    return {"acc_t0": [round(a, 4) for a in a0], "acc_t1": [round(a, 4) for a in a1],
-            "est_tau_t0": round(estimated_tau(a0), 3), "est_tau_t1": round(estimated_tau(a1), 3)}
+    report = {"acc_t0": [round(a, 4) for a in a0], "acc_t1": [round(a, 4) for a in a1],
+              "est_tau_t0": round(estimated_tau(a0), 3), "est_tau_t1": round(estimated_tau(a1), 3)}
+    if "acc_block" in sums:
+        ab = (sums["acc_block"][i] / sums["count_block"].clamp(min=1)).tolist()
+        report |= {"acc_block": [round(a, 4) for a in ab], "est_tau_block": round(estimated_block_tau(ab), 3)}
+    return report
 
 
 def evaluate(head: Eagle3Head, data, cfg: DrafterConfig, device: torch.device,
              scale: float = 1.0) -> dict[str, object]:
     """Teacher-forced held-out acceptance per step and the chain tau it implies, per prompt kind
-    (``scale``: the draft logit scale for the T = 1 figures)."""
-    sums = _acceptance_sums(head, data, cfg, device, (scale,))
+    (``scale``: the draft logit scale for the T = 1 figures); with the "block" objective also the
+    joint overlaps and the tau they imply (``acc_block``, ``est_tau_block``)."""
+    sums = _acceptance_sums(head, data, cfg, device, (scale,), block=cfg.objective == "block")
     return {kind: _kind_report(kind_sums, 0) for kind, kind_sums in sums.items()}
 
 

@@ -19,6 +19,17 @@ Vocabulary (see ``rollout/eagle3.py`` and ``trainers/drafter/data.py`` for the r
   q: the draft at its logit scale), on every position whose target predicts a response
   token, plus ``ce_weight`` times the "ce" term. "tv" optimises what lossless verification
   at T = 1 accepts; "ce" (forward KL) spreads the draft over the target's support.
+  "block": one minus the joint acceptance of the chain so far, ``1 - sum over x_1..x_s+1 of
+  min(P(x_1..x_s+1), Q(x_1..x_s+1))`` at step s, where P and Q are the target's and the draft's
+  laws of the s + 1 tokens from a position: the most that any lossless verifier can accept of
+  an (s + 1)-token prefix (block verification aims at it; token by token verification accepts
+  the product of per-token overlaps). Summed over steps with weight 1 it is the expected
+  accepted length such a verifier can reach. It is estimated along the responses, which must be
+  samples of the target at T = 1 (``data.greedy_fraction: 0``): with ``r = Q(x_1..x_s) /
+  P(x_1..x_s)`` over the sampled tokens before step s, the step-s term is
+  ``sum_v min(p_s(v), r q_s(v))``, whose mean over sampled prefixes is the joint overlap
+  exactly (:func:`joint_overlap`; at step 0, r = 1 and it is the "tv" term). A chain is scored
+  only at the steps that predict a response token.
 - **teacher-forced acceptance** (held-out report): per step, the share of positions where
   the draft's argmax equals the target's (T = 0) and the expected acceptance
   ``sum_v min(p, q)`` (T = 1); ``est_tau = 1 + sum_k prod_{s<k} a_s`` is the chain
@@ -105,7 +116,42 @@ def _t1_acceptance(p: torch.Tensor, logits: torch.Tensor, scale: float) -> torch
     return torch.minimum(p, torch.softmax(logits * scale, -1)).sum(-1)
 
 
-OBJECTIVES = ("ce", "tv")
+OBJECTIVES = ("ce", "tv", "block")
+LOG_RATIO_CAP = 30.0  # r = Q / P of a sampled prefix is capped at e^30 (min(p, r q) is p long before)
+OUTSIDE = -1e4  # log q of a token outside the draft vocabulary: exp() gives exactly 0
+
+
+def joint_overlap(p: torch.Tensor, q: torch.Tensor, log_ratio: torch.Tensor | None) -> torch.Tensor:
+    """``sum_v min(p_v, r q_v)`` per position (``p``, ``q`` ``[N, Vd]``; ``r = exp(log_ratio [N])``,
+    capped at ``exp(LOG_RATIO_CAP)``; None: r = 1, the T = 1 overlap of :func:`_t1_acceptance`).
+    With r = Q(x_1..x_s) / P(x_1..x_s) of a prefix sampled from P, its mean over prefixes is
+    ``sum over x_1..x_s+1 of min(P, Q)`` (module doc, "block")."""
+    if log_ratio is None:
+        return torch.minimum(p, q).sum(-1)
+    return torch.minimum(p, log_ratio.clamp(max=LOG_RATIO_CAP).exp()[:, None] * q).sum(-1)
+
+
+def next_log_ratio(log_ratio: torch.Tensor | None, log_q: torch.Tensor, log_p: torch.Tensor,
+                   ids: torch.Tensor) -> torch.Tensor:
+    """``log r`` after one more sampled token: ``+ log q(x) - log p(x)``, with ``log_q [N, Vd]``
+    the draft's log-probabilities, ``log_p [N]`` the target's of the token and ``ids [N]`` its
+    draft id (-1 outside the draft vocabulary, where q(x) = 0, so r becomes 0)."""
+    outside = torch.full_like(log_p, OUTSIDE)
+    step = torch.where(ids >= 0, log_q.gather(-1, ids.clamp(min=0)[:, None])[:, 0], outside) - log_p
+    return step if log_ratio is None else log_ratio + step
+
+
+def _sampled_ids(head: Eagle3Head, batch: Batch, tl: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per column c (target position c + 1): the draft id of the sampled token c + 2 (-1 outside
+    the draft vocabulary or past the row) and the target's log-probability of it over its full
+    vocabulary (meaningful where the id is >= 0), ``[B, T]`` each."""
+    t = tl.shape[1]
+    tokens = _shift(batch.tokens, 2, t, fill=-1)  # [B, T]: token c + 2
+    target_ids = head.target_ids
+    ids = torch.searchsorted(target_ids, tokens.clamp(min=0)).clamp(max=len(target_ids) - 1)
+    ids = torch.where((target_ids[ids] == tokens) & (tokens >= 0), ids, torch.full_like(ids, -1))
+    log_p = tl.gather(-1, ids.clamp(min=0)[..., None])[..., 0] - batch.lse[:, 1:]
+    return ids, log_p
 
 
 def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float, objective: str = "ce", *,
@@ -117,6 +163,8 @@ def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float, obj
     "tv" are ``1 - mean acceptance`` without the "ce" term."""
     if objective not in OBJECTIVES:
         raise ValueError(f"objective {objective!r}: allowed {OBJECTIVES}")
+    if objective == "block":
+        return _block_loss(head, batch, steps, step_weight, scale)
     with_ce = objective == "ce" or ce_weight > 0
     with torch.no_grad():
         tl, mask = _targets(head, batch)
@@ -143,6 +191,42 @@ def ttt_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float, obj
     return total, per_step
 
 
+def _block_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float,
+                scale: float) -> tuple[torch.Tensor, list[float]]:
+    """The "block" objective (module doc): per step, one minus the mean joint overlap of the
+    chains scored there; each sampled token's draft and target log-probabilities carry r on."""
+    with torch.no_grad():
+        tl, _ = _targets(head, batch)
+        p_full = _full_probs(tl, batch)
+        ids, log_p = _sampled_ids(head, batch, tl)
+    total, per_step = 0.0, []
+    outs = ttt_forward(head, batch, steps)
+    for s, (overlap, alive) in enumerate(_block_overlaps(head, batch, outs, scale, p_full, ids, log_p)):
+        loss_s = 1.0 - (overlap * alive).sum() / alive.sum().clamp(min=1)
+        per_step.append(float(loss_s.detach()))
+        total = total + step_weight**s * loss_s
+    return total, per_step
+
+
+def _block_overlaps(head: Eagle3Head, batch: Batch, outs: list[tuple[int, torch.Tensor]], scale: float,
+                    p_full: torch.Tensor, ids: torch.Tensor, log_p: torch.Tensor):
+    """Per step of ``outs`` (:func:`ttt_forward`'s): the joint overlap of each chain
+    (:func:`joint_overlap`, ``[N]``, one chain per position that predicts a response token) and
+    whether the step scores it (``[N]`` bool)."""
+    t = p_full.shape[1]
+    lossable = batch.lossable[:, 1:]
+    first = max(0, batch.align - len(outs) - 1)  # the later steps' first column (before it nothing is lossable)
+    start = _shift(lossable, first, t - first, fill=False)  # [B, Tq]: the chains' first positions
+    log_ratio = None
+    for s, (col0, hidden) in enumerate(outs):
+        hidden = hidden[:, first - col0:]
+        cols = (first + s, t - first)
+        log_q = F.log_softmax(head.logits_from_hidden(hidden[start]) * scale, -1)  # [N, Vd]
+        alive = _shift(lossable, *cols, fill=False)[start]
+        yield joint_overlap(_shift(p_full, *cols)[start], log_q.exp(), log_ratio), alive
+        log_ratio = next_log_ratio(log_ratio, log_q, _shift(log_p, *cols)[start], _shift(ids, *cols, fill=-1)[start])
+
+
 @torch.no_grad()
 def ttt_entropy_floor(head: Eagle3Head, batch: Batch, steps: int, step_weight: float) -> float:
     """The smallest value ``ttt_loss`` can take (draft = target): the weighted target entropies."""
@@ -159,17 +243,28 @@ def ttt_entropy_floor(head: Eagle3Head, batch: Batch, steps: int, step_weight: f
 
 @torch.no_grad()
 def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int,
-                   scales: tuple[float, ...] = (1.0,)) -> dict[str, torch.Tensor]:
+                   scales: tuple[float, ...] = (1.0,), block: bool = False) -> dict[str, torch.Tensor]:
     """Per-step sums of teacher-forced acceptance at T = 0 (``acc_t0 [steps]``) and at T = 1 for
     each draft logit scale (``acc_t1 [len(scales), steps]``: the draft samples from
     softmax(scale * logits), see ``Eagle3Config.logit_scale``), and position counts ``[steps]``.
-    One unrolled forward serves every scale."""
+    ``block``: also the joint overlaps of the "block" objective per scale (``acc_block
+    [len(scales), steps]``, over the ``count_block [steps]`` chains each step scores; meaningful
+    on responses sampled at T = 1). One unrolled forward serves every scale."""
     tl, _ = _targets(head, batch)
     p_full = _full_probs(tl, batch)
     t = tl.shape[1]
     acc0, count = torch.zeros(steps), torch.zeros(steps)
     acc1 = torch.zeros(len(scales), steps)
-    for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
+    outs = ttt_forward(head, batch, steps)
+    out = {}
+    if block:
+        ids, log_p = _sampled_ids(head, batch, tl)
+        out["acc_block"], out["count_block"] = torch.zeros(len(scales), steps), torch.zeros(steps)
+        for i, scale in enumerate(scales):
+            for s, (overlap, alive) in enumerate(_block_overlaps(head, batch, outs, scale, p_full, ids, log_p)):
+                out["acc_block"][i, s] = float((overlap * alive).sum())
+                out["count_block"][s] = float(alive.sum())
+    for s, (first, hidden) in enumerate(outs):
         m = _shift(batch.lossable[:, 1:], first + s, t - first, fill=False)
         am = _shift(batch.argmax[:, 1:], first + s, t - first, fill=-1)[m]  # [N]
         p = _shift(p_full, first + s, t - first)[m]  # [N, Vd]
@@ -178,7 +273,14 @@ def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int,
         for i, scale in enumerate(scales):
             acc1[i, s] = float(_t1_acceptance(p, logits, scale).sum())
         acc0[s], count[s] = float(hit0.sum()), float(m.sum())
-    return {"acc_t0": acc0, "acc_t1": acc1, "count": count}
+    return {"acc_t0": acc0, "acc_t1": acc1, "count": count} | out
+
+
+def estimated_block_tau(acc: list[float] | torch.Tensor) -> float:
+    """Acceptance length implied by per-step joint overlaps (the "block" objective's): 1 plus
+    their sum, the expected tokens of a round whose verifier accepts each prefix as often as
+    lossless verification can (the overlaps are already the whole prefix's, not one token's)."""
+    return 1.0 + sum(float(a) for a in acc)
 
 
 def estimated_tau(acc: list[float] | torch.Tensor) -> float:
