@@ -27,7 +27,7 @@ class DrafterConfig:
     a head to new data such as a policy that training has moved);
     objective: the loss, "ce" (soft cross-entropy), "tv" (one minus the expected T = 1
     acceptance at the head's logit scale, plus ``ce_weight`` x "ce") or "block" (one minus the
-    joint acceptance of each prefix of the chain, what block verification can reach; needs
+    joint overlap of each prefix of the chain, which bounds what any lossless verifier accepts; needs
     ``data.greedy_fraction: 0``); see ``trainers/drafter/ttt.py``;
     ttt_steps / step_weight: unrolled steps and their 0.8^s weights; epochs, batch_size,
     max_steps (cap, None = epochs only); lr (peak), min_lr_ratio (cosine floor),
@@ -208,7 +208,7 @@ def evaluate(head: Eagle3Head, data, cfg: DrafterConfig, device: torch.device,
              scale: float = 1.0) -> dict[str, object]:
     """Teacher-forced held-out acceptance per step and the chain tau it implies, per prompt kind
     (``scale``: the draft logit scale for the T = 1 figures); with the "block" objective also the
-    joint overlaps and the tau they imply (``acc_block``, ``est_tau_block``)."""
+    joint overlaps and the ceiling they put on tau (``acc_block``, ``est_tau_block``)."""
     sums = _acceptance_sums(head, data, cfg, device, (scale,), block=cfg.objective == "block")
     return {kind: _kind_report(kind_sums, 0) for kind, kind_sums in sums.items()}
 

@@ -21,10 +21,11 @@ Vocabulary (see ``rollout/eagle3.py`` and ``trainers/drafter/data.py`` for the r
   at T = 1 accepts; "ce" (forward KL) spreads the draft over the target's support.
   "block": one minus the joint acceptance of the chain so far, ``1 - sum over x_1..x_s+1 of
   min(P(x_1..x_s+1), Q(x_1..x_s+1))`` at step s, where P and Q are the target's and the draft's
-  laws of the s + 1 tokens from a position: the most that any lossless verifier can accept of
-  an (s + 1)-token prefix (block verification aims at it; token by token verification accepts
-  the product of per-token overlaps). Summed over steps with weight 1 it is the expected
-  accepted length such a verifier can reach. It is estimated along the responses, which must be
+  laws of the s + 1 tokens from a position: no lossless verifier accepts an (s + 1)-token prefix
+  more often (a coupling bound; token by token verification accepts the product of per-token
+  overlaps, block verification, the best verifier, more). Summed over steps with weight 1 it
+  bounds the expected accepted length of every lossless verifier from above; the bounds of the
+  different prefixes need not be reachable at once. It is estimated along the responses, which must be
   samples of the target at T = 1 (``data.greedy_fraction: 0``): with ``r = Q(x_1..x_s) /
   P(x_1..x_s)`` over the sampled tokens before step s, the step-s term is
   ``sum_v min(p_s(v), r q_s(v))``, whose mean over sampled prefixes is the joint overlap
@@ -277,9 +278,9 @@ def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int,
 
 
 def estimated_block_tau(acc: list[float] | torch.Tensor) -> float:
-    """Acceptance length implied by per-step joint overlaps (the "block" objective's): 1 plus
-    their sum, the expected tokens of a round whose verifier accepts each prefix as often as
-    lossless verification can (the overlaps are already the whole prefix's, not one token's)."""
+    """The ceiling that per-step joint overlaps (the "block" objective's) put on a round's tau:
+    1 plus their sum. No lossless verifier's tau exceeds it (each overlap bounds how often a
+    prefix is accepted); block verification, the best one, need not reach it."""
     return 1.0 + sum(float(a) for a in acc)
 
 
