@@ -41,7 +41,8 @@ from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
 from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner
-from rollout.sampled_tree import ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_sampled
+from rollout.sampled_tree import (ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_block,
+                                  walk_sampled)
 from rollout.sequences import RoundOutput, SequenceTable
 from rollout.tree import chain_tree, draft_tree, root_tree, walk
 from verifiers import verify_chain
@@ -254,7 +255,10 @@ class Engine:
             call.timings.draft_forwards += spec.depth
         t1 = time.perf_counter()
         logits, feats = runner.verify_forward(tree.tokens, tree.depths, tree.mask)  # [B, T, V], [B, T, 3H]
-        walker = walk_sampled if fused_walk_usable(tree, call.rule, logits.device) else walk
+        if call.test == "block" and tree.draft_logits is not None and call.sampling.temperature > 0:
+            walker = walk_block
+        else:
+            walker = walk_sampled if fused_walk_usable(tree, call.rule, logits.device) else walk
         res = walker(call.rule, tree, logits, record=self._record(call), **call.verify_kw)
         t2 = time.perf_counter()
         self._tick(call, t1 - t0, t2 - t1)

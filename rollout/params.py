@@ -176,9 +176,11 @@ class VerifierConfig:
     law, behaviour log-probs and drift, with the most acceptance that law allows: more than
     MARS's own test, the same for lossless and overshoot; ``verifiers.verify_chain``); ``block``
     (lossless rule only) accepts the chain's drafts jointly (``verifiers.block``): still P = p,
-    5-8% more tokens per round on the shipped head. Trees of sampled candidates always verify
-    towards the law; drafts without q (greedy chains, top-k trees) have no such test, so ``law``
-    is refused there, and ``block`` everywhere but sampled chains (:func:`check_test`)."""
+    5-8% more tokens per round on the shipped head; on a tree of sampled candidates it verifies
+    the first-child spine as a block and tries the other children where the block stops
+    (``verifiers.block_tree``). Trees of sampled candidates otherwise verify towards the law;
+    drafts without q (greedy chains, top-k trees) have no such test, so ``law`` and ``block`` are
+    refused there (:func:`check_test`)."""
 
     name: str = "lossless"
     params: dict[str, Any] = field(default_factory=dict)
@@ -213,17 +215,18 @@ class VerifierConfig:
 
 
 def check_test(spec: SpecConfig, verifier: VerifierConfig, temperature: float | None = None) -> None:
-    """Refuse ``verifier.test: law`` where the drafts have no q to verify towards the law with:
-    greedy chains and top-k trees (deterministic candidates), and ``block`` over greedy chains
-    and every tree; unless ``temperature`` is 0 (every test is then the rule's greedy test).
+    """Refuse ``verifier.test: law`` and ``block`` where the drafts have no q to verify with:
+    greedy chains and top-k trees (deterministic candidates); unless ``temperature`` is 0 (every
+    test is then the rule's greedy test).
     Plain decoding verifies nothing, so it takes any test."""
     if verifier.test == "rule" or temperature == 0:
         return
-    if verifier.test == "block" and (spec.mode == "tree" or spec.mode == "chain" and spec.draft_sampling == "greedy"):
-        drafts = "greedy chain drafts" if spec.mode == "chain" else "a tree (verified node by node)"
-        raise ConfigError("verifier.test", f"'block' verifies a chain of drafts sampled from q; {drafts} (spec.mode="
-                          f"{spec.mode!r}) cannot be: use spec.mode 'chain' with draft_sampling 'sampled'",
-                          allowed=["rule"])
+    if verifier.test == "block" and (spec.mode == "tree" and not spec.sampled_tree
+                                     or spec.mode == "chain" and spec.draft_sampling == "greedy"):
+        drafts = "greedy chain drafts" if spec.mode == "chain" else "top-k tree candidates"
+        raise ConfigError("verifier.test", f"'block' verifies drafts sampled from q; {drafts} (spec.mode="
+                          f"{spec.mode!r}) are deterministic: use spec.draft_sampling 'sampled' (chains) or "
+                          "tree_candidates 'sampled'", allowed=["rule"])
     if verifier.test != "law":
         return
     if spec.mode == "chain" and spec.draft_sampling == "greedy" or spec.mode == "tree" and not spec.sampled_tree:

@@ -31,6 +31,7 @@ from functools import cached_property
 import torch
 
 from verifiers import TokenKind, native
+from verifiers.block_tree import verify_block_tree
 from verifiers.checks import raise_if_bad_rows
 from verifiers.sampled import draw_without_replacement, kernel_logits
 
@@ -204,6 +205,30 @@ def walk_sampled(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: 
     relaxed = (kinds == int(TokenKind.ACCEPTED)) & (logp > target)  # P_R(y) > p(y) for an accepted child
     return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=target,
                       kinds=kinds, relaxed=relaxed, path=path)
+
+
+def walk_block(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, top_k: int | None,
+               top_p: float | None, generator: torch.Generator, record: list | None = None) -> WalkResult:
+    """``verifier.test: block`` on a sampled tree (lossless rule, T > 0): the spine of first
+    children verified as a block, the other children tried where it stops
+    (``verifiers.block_tree``, which draws the round's uniforms). Every emitted token's behaviour
+    and target log-prob is log p(y). The debug ``record`` is :func:`record_level`'s."""
+    assert getattr(rule, "name", None) == "lossless", rule
+    kids = tree.children[0].tolist()
+    children = [[c for c in row if c >= 0] for row in kids]
+    depths = tree.depths[0].tolist()
+    draft = tree.to_target(tree.draft_logits)
+    tokens, emitted, logp, kinds, path = verify_block_tree(target_logits, draft, tree.tokens, children, depths,
+                                                           temperature=temperature, top_k=top_k, top_p=top_p,
+                                                           generator=generator)
+    if record is not None:
+        for level in range(tree.max_depth + 1):
+            rows = (emitted > level).nonzero()[:, 0]
+            if len(rows) == 0:
+                break
+            record_level(record, level, rows, path[rows, level], target_logits, tree)
+    return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=logp.clone(),
+                      kinds=kinds, relaxed=torch.zeros(kinds.shape, dtype=torch.bool, device=kinds.device), path=path)
 
 
 class ShapePlanner:

@@ -90,11 +90,11 @@ def spec_configs(args) -> list[tuple[SpecConfig, VerifierConfig]]:
     caps = [parse_cap(m.strip().lower()) for m in args.max_batch.split(",") if m.strip()]
     specs = [dataclasses.replace(spec, max_batch=cap, adaptive_k=args.adaptive_k and cap == "auto"
                                  and spec.mode == "chain") for spec in specs for cap in caps or [None]]
-    # test=law and test=block rows run on chains only: a sampled tree always verifies towards the
-    # law (the rule's own row is that row), a top-k tree has no q to do it with, and block
-    # verification is for chains (rollout.params.check_test)
+    # test=law rows run on chains only (a sampled tree always verifies towards the law: the rule's
+    # own row is that row); test=block rows on chains and sampled trees; a top-k tree has neither
+    # (no q to verify with; rollout.params.check_test)
     return [(spec, v) for spec in specs for v in parse_verifiers(args.verifiers)
-            if not (spec.mode == "tree" and v.test in ("law", "block"))]
+            if not (spec.mode == "tree" and (v.test == "law" or v.test == "block" and not spec.sampled_tree))]
 
 
 def parse_verifiers(text: str) -> list[VerifierConfig]:

@@ -121,11 +121,12 @@ def test_an_int8_head_stays_lossless(small, name):
 
 
 @pytest.mark.parametrize("spec", [SPECS["chain-sampled"], SpecConfig(mode="chain", num_draft_tokens=3,
-                                                                    max_batch="auto", adaptive_k=True)],
-                         ids=["chain", "auto"])
+                                                                    max_batch="auto", adaptive_k=True), SAMPLED_TREE],
+                         ids=["chain", "auto", "sampled-tree"])
 def test_block_verification_samples_the_target_distribution(small, spec):
-    """``verifier.test: block`` (``verifiers.block``): the first three tokens follow the target's
-    law, the second and third from inside the block; every behaviour log-prob is the target's."""
+    """``verifier.test: block`` (``verifiers.block``; on a sampled tree ``verifiers.block_tree``):
+    the first three tokens follow the target's law, the second and third from inside the block;
+    every behaviour log-prob is the target's."""
     target, head = small
     prompt, rows = [1, 5, 2, 7], 3000
     res = Engine(target, head, num_threads=1).generate([prompt] * rows, SamplingParams(max_new_tokens=4), spec,

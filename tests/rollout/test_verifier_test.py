@@ -72,22 +72,22 @@ def test_verifier_specs_carry_it():
 BLOCK = VerifierConfig("lossless", test="block")
 
 
-def test_block_is_for_the_lossless_rule_on_sampled_chains():
-    """``test: block`` (``verifiers.block``): a lossy rule is refused naming the field and what it
-    may use; greedy chains and trees are refused everywhere the test is checked; plain decoding
-    and T = 0 take it; the scripts' specs carry it."""
+def test_block_is_for_the_lossless_rule_on_sampled_drafts():
+    """``test: block`` (``verifiers.block``, ``verifiers.block_tree``): a lossy rule is refused
+    naming the field and what it may use; greedy chains and top-k trees are refused everywhere the
+    test is checked; sampled chains and trees, plain decoding and T = 0 take it; the scripts' specs
+    carry it."""
     with pytest.raises(ConfigError, match=r"'test'.*exact for the lossless rule only, not 'mars'.*allowed: rule, law"):
         VerifierConfig("mars", {"theta": 0.9}, "block")
     with pytest.raises(ConfigError, match=r"'verifier.test'.*lossless rule only"):
         from_dict(RolloutConfig, {"verifier": {"name": "overshoot", "test": "block"}})
-    for spec, words in [(GREEDY, "greedy chain drafts"), (TOP_K_TREE, "a tree"),
-                        (SpecConfig(mode="tree", tree_candidates="sampled"), "a tree")]:
+    for spec, words in [(GREEDY, "greedy chain drafts"), (TOP_K_TREE, "top-k tree candidates")]:
         for build in (lambda: check_test(spec, BLOCK), lambda: RolloutConfig(spec=spec, verifier=BLOCK),
                       lambda: RolloutSettings(spec=spec, verifier=BLOCK)):
-            with pytest.raises(ConfigError, match=rf"'verifier.test': 'block' verifies a chain of drafts sampled "
-                                                  rf"from q; {words}"):
+            with pytest.raises(ConfigError, match=rf"'verifier.test': 'block' verifies drafts sampled from q; "
+                                                  rf"{words} .* are deterministic.*allowed: rule"):
                 build()
         check_test(spec, BLOCK, temperature=0.0)
-    for spec_ok in (SAMPLED, SpecConfig(mode="off")):
+    for spec_ok in (SAMPLED, SpecConfig(mode="off"), SpecConfig(mode="tree", tree_candidates="sampled")):
         assert RolloutConfig(spec=spec_ok, verifier=BLOCK).verifier.test == "block"
     assert parse_verifier("lossless:test=block") == BLOCK
