@@ -36,7 +36,8 @@ Randomness per call, in this order from ``generator``: ``u_block = rand(B, W, W)
 node), ``u_final = rand(B)``. W = the tree's depth + 1, k = its most children at a node. Each
 walk starts at a new depth, and each depth has at most one stop node, so no uniform is used twice.
 
-The walk is per row in PyTorch (float64 over the vocabulary at each visited node).
+The walk is per row in PyTorch: the vocabulary-sized rows in the logits' precision, every sum and
+weight in float64.
 """
 
 from __future__ import annotations
@@ -71,15 +72,19 @@ def spine(children: list[list[int]], node: int) -> list[int]:
 
 
 def spine_stops(p: Tensor, q: Tensor, tokens: Tensor, nodes: list[int]) -> tuple[Tensor, Tensor]:
-    """Block verification's (w [K+1], h [K+1]) along the spine ``nodes`` (K + 1 of them): p, q
-    [N+1, V] float64 per node, ``tokens [N+1]`` each node's token (node j+1's is draft x_j)."""
+    """Block verification's (w [K+1], h [K+1], float64) along the spine ``nodes`` (K + 1 of them):
+    p, q [N+1, V] per node, ``tokens [N+1]`` each node's token (node j+1's is draft x_j)."""
     k = len(nodes) - 1
     if k == 0:  # a leaf: its bonus token
         return torch.ones(1, dtype=torch.float64), torch.ones(1, dtype=torch.float64)
-    at, drafts = torch.tensor(nodes[:-1], dtype=torch.long), tokens[nodes[1:]].long()
-    p_x, q_x = p[at, drafts], q[at, drafts]
+    consecutive = nodes == list(range(nodes[0], nodes[0] + k + 1))  # the root's spine: a view, not a copy
+    at = slice(nodes[0], nodes[0] + k) if consecutive else torch.tensor(nodes[:-1], dtype=torch.long)
+    p_at, q_at = p[at], q[at]
+    drafts = tokens[nodes[1:]].long()
+    steps = torch.arange(k)
+    p_x, q_x = p_at[steps, drafts], q_at[steps, drafts]
     w = block_weights(p_x[None], q_x[None])[0]
-    resid = (w[:k, None] * p[at] - q[at]).clamp(min=0).sum(-1)
+    resid = (w[:k, None].to(p.dtype) * p_at).sub_(q_at).clamp_(min=0).sum(-1, dtype=torch.float64)
     return w, stop_probs(w[None], resid[None])[0]
 
 
@@ -88,7 +93,7 @@ def sibling_start(p_s: Tensor, q_s: Tensor, w_n: float, first: int) -> tuple[Ten
     residual R = norm((w_n p_s - q_s)+) that the final token would be drawn from (p_s where it has
     no mass, which only rounding reaches), and q_s without ``first`` (unnormalised)."""
     resid = (w_n * p_s - q_s).clamp(min=0)
-    mass = float(resid.sum())
+    mass = float(resid.sum(dtype=torch.float64))
     resid = resid / mass if mass > 0 else p_s
     rest = q_s.clone()
     rest[first] = 0.0
@@ -98,16 +103,16 @@ def sibling_start(p_s: Tensor, q_s: Tensor, w_n: float, first: int) -> tuple[Ten
 def rejection_step(s: Tensor, rest: Tensor, token: int) -> tuple[float, Tensor]:
     """One candidate drawn from ``rest`` (normalised) tested towards ``s``: (its acceptance
     probability, the state after a rejection, norm((s - q')+), or ``s`` where that is empty)."""
-    q_i = rest / rest.sum()
+    q_i = rest / float(rest.sum(dtype=torch.float64))
     accept = min(1.0, float(s[token]) / max(float(q_i[token]), torch.finfo(torch.float64).tiny))
     after = (s - q_i).clamp(min=0)
-    mass = float(after.sum())
+    mass = float(after.sum(dtype=torch.float64))
     return accept, (after / mass if mass > 0 else s)
 
 
 def walk_row(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]], depths: list[int],
              u_block: Tensor, u_sibling: Tensor, u_final: float) -> RowWalk:
-    """The walk of the module docstring for one row: p, q [N+1, V] float64 (q_v: the law node v's
+    """The walk of the module docstring for one row: p, q [N+1, V] (q_v: the law node v's
     children were drawn from), ``tokens [N+1]``, ``children`` per node in draw order, ``depths``,
     ``u_block [W, W]``, ``u_sibling [W, k]``, ``u_final``."""
     out = RowWalk(tokens=[], path=[0], kinds=[])
@@ -170,10 +175,9 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
     u_final = torch.rand(b, generator=generator, device=dev).cpu()
     with torch.no_grad():
         z = process_logits(target_logits, temperature, top_k, top_p)
-        checked_softmax("target_logits", target_logits, z, temperature)  # names a bad row
-        logp = torch.log_softmax(z.double(), -1)
+        p = checked_softmax("target_logits", target_logits, z, temperature)  # names a bad row
         zq = scale_draft(draft_logits, temperature)
-        q = checked_softmax("draft_logits", draft_logits, zq, temperature).double()
+        q = checked_softmax("draft_logits", draft_logits, zq, temperature)
     inner = [i for i, c in enumerate(children) if c]
     kid_ids = tokens[:, [c for i in inner for c in children[i]]].long()
     parent_rows = torch.tensor([i for i in inner for _ in children[i]], dtype=torch.long, device=dev)
@@ -185,9 +189,9 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
     kinds = torch.full((b, w), int(TokenKind.PAD), dtype=torch.long)
     path = torch.zeros(b, w, dtype=torch.long)
     emitted = torch.zeros(b, dtype=torch.long)
-    logp_cpu, q_cpu, tokens_cpu = logp.cpu(), q.cpu(), tokens.cpu()
+    p_cpu, q_cpu, z_cpu, tokens_cpu = p.cpu(), q.cpu(), z.cpu(), tokens.cpu()
     for row in range(b):
-        res = walk_row(logp_cpu[row].exp(), q_cpu[row], tokens_cpu[row], children, depths, u_block[row],
+        res = walk_row(p_cpu[row], q_cpu[row], tokens_cpu[row], children, depths, u_block[row],
                        u_sibling[row], float(u_final[row]))
         m = len(res.tokens)
         out_tokens[row, :m] = torch.tensor(res.tokens)
@@ -195,5 +199,6 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
         path[row, :m] = torch.tensor(res.path)
         emitted[row] = m
         ends = torch.tensor(res.path)  # the node whose prediction each token was drawn from
-        out_logp[row, :m] = logp_cpu[row, ends, torch.tensor(res.tokens)].float()
+        logp = torch.log_softmax(z_cpu[row, ends].float(), -1)  # [m, V]: the rows the tokens came from
+        out_logp[row, :m] = logp[torch.arange(m), torch.tensor(res.tokens)]
     return out_tokens.to(dev), emitted.to(dev), out_logp.to(dev), kinds.to(dev), path.to(dev)

@@ -200,6 +200,20 @@ def test_enumeration_one_round_continued_by_p_is_p(seed, top_k):
     assert max(len(s) for s in law) == DEPTH + 1  # deep paths are reached
 
 
+def test_enumeration_with_three_candidates_at_the_root(monkeypatch):
+    """Another shape: three children at the root (two spares; q has three tokens there, so the last
+    spare's q' is a point mass), each of the first two with one child."""
+    module = __import__(__name__, fromlist=["_"])
+    for name, value in [("CHILDREN", [[1, 2, 3], [4], [5], [], [], []]), ("PARENTS", [-1, 0, 0, 0, 1, 2]),
+                        ("DEPTHS", [0, 1, 1, 1, 2, 2]), ("DEPTH", 2)]:
+        monkeypatch.setattr(module, name, value)
+    for seed in (4, 5):
+        _, p, q = _tables(seed)
+        law = _mixed_law(p, q)
+        assert _continued_law_error(p, law) < 1e-12
+        assert _continued_law_error(p, _mixed_law(p, q, "keep_first")) > 1e-4
+
+
 @pytest.mark.parametrize("variant", ["p_residual", "keep_first"])
 def test_enumeration_fails_for_plausible_mistakes(variant):
     """The check above can fail: spares tested towards p's own residual, or drawn as if the
