@@ -19,8 +19,9 @@ The engine only glues: :class:`rollout.sequences.SequenceTable` does the bookkee
 builds and walks trees, ``verifiers`` decides what is emitted. No Ray here.
 
 Sampled chains use ``verify_chain`` (draft x ~ q; the rule's own test, or with ``verifier.test:
-law`` rejection towards its law). Greedy chains and trees use the walk
-over deterministic candidates (``verify_candidates`` node by node). Randomness: one
+law`` rejection towards its law, ``block`` as a block). Greedy chains and top-k trees use the walk
+over deterministic candidates (``verify_candidates`` node by node); sampled trees the walk over
+sampled candidates (``rollout.sampled_tree``; with ``block``, ``walk_block``). Randomness: one
 ``torch.Generator`` seeded per call drives the drafts and the verifier, so a call is
 deterministic given its seed (and the batch composition).
 """

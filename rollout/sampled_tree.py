@@ -1,5 +1,7 @@
 """Draft trees of sampled candidates (``spec.tree_candidates: sampled``), verified by recursive
-rejection (``verifiers.sampled``) towards p (lossless) or a lossy rule's chain law P_R(p, q).
+rejection (``verifiers.sampled``) towards p (lossless) or a lossy rule's chain law P_R(p, q), or
+with ``verifier.test: block`` (lossless) the first-child spine as a block (``verifiers.block_tree``,
+:func:`walk_block`).
 
 A node's children are drawn from the head's q at that node without replacement (their draw
 order is their rank), so the verifier's law at the node is exactly p (P_R). That holds only if the
