@@ -114,7 +114,7 @@ def _full_probs(tl: torch.Tensor, batch: Batch) -> torch.Tensor:
 def _t1_acceptance(p: torch.Tensor, logits: torch.Tensor, scale: float) -> torch.Tensor:
     """Expected acceptance of a draft sampled from softmax(scale * logits) against target
     probabilities ``p`` (both ``[N, Vd]``): ``sum_v min(p_v, q_v)`` per position ``[N]``."""
-    return torch.minimum(p, torch.softmax(logits * scale, -1)).sum(-1)
+    return joint_overlap(p, torch.softmax(logits * scale, -1), None)
 
 
 OBJECTIVES = ("ce", "tv", "block")
@@ -202,30 +202,34 @@ def _block_loss(head: Eagle3Head, batch: Batch, steps: int, step_weight: float,
         ids, log_p = _sampled_ids(head, batch, tl)
     total, per_step = 0.0, []
     outs = ttt_forward(head, batch, steps)
-    for s, (overlap, alive) in enumerate(_block_overlaps(head, batch, outs, scale, p_full, ids, log_p)):
+    for s, ((overlap,), alive) in enumerate(_block_overlaps(head, batch, outs, (scale,), p_full, ids, log_p)):
         loss_s = 1.0 - (overlap * alive).sum() / alive.sum().clamp(min=1)
         per_step.append(float(loss_s.detach()))
         total = total + step_weight**s * loss_s
     return total, per_step
 
 
-def _block_overlaps(head: Eagle3Head, batch: Batch, outs: list[tuple[int, torch.Tensor]], scale: float,
-                    p_full: torch.Tensor, ids: torch.Tensor, log_p: torch.Tensor):
-    """Per step of ``outs`` (:func:`ttt_forward`'s): the joint overlap of each chain
-    (:func:`joint_overlap`, ``[N]``, one chain per position that predicts a response token) and
-    whether the step scores it (``[N]`` bool)."""
+def _block_overlaps(head: Eagle3Head, batch: Batch, outs: list[tuple[int, torch.Tensor]],
+                    scales: tuple[float, ...], p_full: torch.Tensor, ids: torch.Tensor, log_p: torch.Tensor):
+    """Per step of ``outs`` (:func:`ttt_forward`'s): the joint overlap of each chain for each draft
+    logit scale (:func:`joint_overlap`, a tuple of ``[N]``, one chain per position that predicts a
+    response token; the head's logits computed once a step) and whether the step scores it
+    (``[N]`` bool)."""
     t = p_full.shape[1]
     lossable = batch.lossable[:, 1:]
     first = max(0, batch.align - len(outs) - 1)  # the later steps' first column (before it nothing is lossable)
     start = _shift(lossable, first, t - first, fill=False)  # [B, Tq]: the chains' first positions
-    log_ratio = None
+    log_ratios = [None] * len(scales)
     for s, (col0, hidden) in enumerate(outs):
         hidden = hidden[:, first - col0:]
         cols = (first + s, t - first)
-        log_q = F.log_softmax(head.logits_from_hidden(hidden[start]) * scale, -1)  # [N, Vd]
+        logits = head.logits_from_hidden(hidden[start])  # [N, Vd]
+        log_qs = [F.log_softmax(logits * scale, -1) for scale in scales]
         alive = _shift(lossable, *cols, fill=False)[start]
-        yield joint_overlap(_shift(p_full, *cols)[start], log_q.exp(), log_ratio), alive
-        log_ratio = next_log_ratio(log_ratio, log_q, _shift(log_p, *cols)[start], _shift(ids, *cols, fill=-1)[start])
+        p = _shift(p_full, *cols)[start]
+        yield tuple(joint_overlap(p, lq.exp(), lr) for lq, lr in zip(log_qs, log_ratios)), alive
+        lp, x = _shift(log_p, *cols)[start], _shift(ids, *cols, fill=-1)[start]
+        log_ratios = [next_log_ratio(lr, lq, lp, x) for lq, lr in zip(log_qs, log_ratios)]
 
 
 @torch.no_grad()
@@ -261,10 +265,10 @@ def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int,
     if block:
         ids, log_p = _sampled_ids(head, batch, tl)
         out["acc_block"], out["count_block"] = torch.zeros(len(scales), steps), torch.zeros(steps)
-        for i, scale in enumerate(scales):
-            for s, (overlap, alive) in enumerate(_block_overlaps(head, batch, outs, scale, p_full, ids, log_p)):
+        for s, (overlaps, alive) in enumerate(_block_overlaps(head, batch, outs, scales, p_full, ids, log_p)):
+            out["count_block"][s] = float(alive.sum())
+            for i, overlap in enumerate(overlaps):
                 out["acc_block"][i, s] = float((overlap * alive).sum())
-                out["count_block"][s] = float(alive.sum())
     for s, (first, hidden) in enumerate(outs):
         m = _shift(batch.lossable[:, 1:], first + s, t - first, fill=False)
         am = _shift(batch.argmax[:, 1:], first + s, t - first, fill=-1)[m]  # [N]

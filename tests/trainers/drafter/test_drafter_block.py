@@ -104,6 +104,9 @@ def test_block_loss_matches_a_slow_reference_and_starts_as_tv():
         slow = _slow_block(head, batch, 4, 1.3)
         tv_loss, tv_steps = ttt_loss(head, batch, 4, 0.9, "tv", scale=1.3)
         acc = ttt_acceptance(head, batch, 4, scales=(1.0, 1.3), block=True)
+        alone = ttt_acceptance(head, batch, 4, scales=(1.0,), block=True)  # each scale as if alone
+    assert torch.allclose(acc["acc_block"][0], alone["acc_block"][0], atol=1e-5)
+    assert torch.equal(acc["count_block"], alone["count_block"])
     assert per_step == pytest.approx(slow, abs=1e-5)
     assert float(loss) == pytest.approx(sum(0.9**s * v for s, v in enumerate(slow)), abs=1e-5)
     assert per_step[0] == pytest.approx(tv_steps[0], abs=1e-6)  # step 0: r = 1, the T = 1 overlap
