@@ -36,8 +36,9 @@ Randomness per call, in this order from ``generator``: ``u_block = rand(B, W, W)
 node), ``u_final = rand(B)``. W = the tree's depth + 1, k = its most children at a node. Each
 walk starts at a new depth, and each depth has at most one stop node, so no uniform is used twice.
 
-The walk is per row in PyTorch: the vocabulary-sized rows in the logits' precision, every sum and
-weight in float64.
+The walk is in PyTorch: row by row on the CPU (:func:`walk_row`), and on other devices batched
+(:func:`walk_rows`: the rows whose walks start at the same node together; the same tokens, tested),
+the vocabulary-sized rows and their sums in the logits' precision, the block weights in float64.
 """
 
 from __future__ import annotations
@@ -84,7 +85,7 @@ def spine_stops(p: Tensor, q: Tensor, tokens: Tensor, nodes: list[int]) -> tuple
     steps = torch.arange(k)
     p_x, q_x = p_at[steps, drafts], q_at[steps, drafts]
     w = block_weights(p_x[None], q_x[None])[0]
-    resid = (w[:k, None].to(p.dtype) * p_at).sub_(q_at).clamp_(min=0).sum(-1, dtype=torch.float64)
+    resid = (w[:k, None].to(p.dtype) * p_at).sub_(q_at).clamp_(min=0).sum(-1).double()
     return w, stop_probs(w[None], resid[None])[0]
 
 
@@ -93,8 +94,8 @@ def sibling_start(p_s: Tensor, q_s: Tensor, w_n: float, first: int) -> tuple[Ten
     residual R = norm((w_n p_s - q_s)+) that the final token would be drawn from (p_s where it has
     no mass, which only rounding reaches), and q_s without ``first`` (unnormalised)."""
     resid = (w_n * p_s - q_s).clamp(min=0)
-    mass = float(resid.sum(dtype=torch.float64))
-    resid = resid / mass if mass > 0 else p_s
+    mass = resid.sum()
+    resid = resid / mass if float(mass) > 0 else p_s
     rest = q_s.clone()
     rest[first] = 0.0
     return resid, rest
@@ -103,11 +104,11 @@ def sibling_start(p_s: Tensor, q_s: Tensor, w_n: float, first: int) -> tuple[Ten
 def rejection_step(s: Tensor, rest: Tensor, token: int) -> tuple[float, Tensor]:
     """One candidate drawn from ``rest`` (normalised) tested towards ``s``: (its acceptance
     probability, the state after a rejection, norm((s - q')+), or ``s`` where that is empty)."""
-    q_i = rest / float(rest.sum(dtype=torch.float64))
+    q_i = rest / rest.sum()
     accept = min(1.0, float(s[token]) / max(float(q_i[token]), torch.finfo(torch.float64).tiny))
     after = (s - q_i).clamp(min=0)
-    mass = float(after.sum(dtype=torch.float64))
-    return accept, (after / mass if mass > 0 else s)
+    mass = after.sum()
+    return accept, (after / mass if float(mass) > 0 else s)
 
 
 def walk_row(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]], depths: list[int],
@@ -153,6 +154,130 @@ def walk_row(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]], de
         node = accepted
 
 
+def _tables(children: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
+    """Per node: its first child (-1 at a leaf) ``[N+1]`` and its other children, in draw order,
+    ``[N+1, max(1, k - 1)]`` (-1 padded)."""
+    k = max(2, max(len(c) for c in children))
+    first = torch.tensor([c[0] if c else -1 for c in children], device=device)
+    spares = torch.tensor([(c[1:] + [-1] * k)[:k - 1] for c in children], device=device)
+    return first, spares
+
+
+def walk_rows(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]], depths: list[int],
+              u_block: Tensor, u_sibling: Tensor, u_final: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`walk_row` for B rows at once, on their device: p, q ``[B, N+1, V]``, ``tokens [B, N+1]``,
+    the uniforms ``[B, W, W]``, ``[B, W, k]``, ``[B]``. The rows whose walks start at the same node
+    share its spine and run together; spare children are tried one rank at a time over the rows.
+    Returns (tokens [B, W] -1 padded, emitted [B], kinds [B, W] PAD padded, path [B, W])."""
+    b, n1, _ = p.shape
+    w_max, dev = max(depths) + 1, p.device
+    out = torch.full((b, w_max), -1, dtype=torch.long, device=dev)
+    kinds = torch.full((b, w_max), int(TokenKind.PAD), dtype=torch.long, device=dev)
+    path = torch.zeros(b, w_max, dtype=torch.long, device=dev)
+    emitted = torch.zeros(b, dtype=torch.long, device=dev)
+    start = torch.zeros(b, dtype=torch.long, device=dev)  # each row's current walk starts here
+    active = torch.ones(b, dtype=torch.bool, device=dev)
+    depth_of = torch.tensor(depths, device=dev)
+    first, spares = _tables(children, dev)
+    tiny = torch.finfo(p.dtype).tiny
+
+    def emit(rows: Tensor, token: Tensor, kind: int, node: Tensor | None) -> None:
+        pos = emitted[rows]
+        out[rows, pos] = token
+        kinds[rows, pos] = kind
+        if node is not None:  # an accepted node: the next token is drawn from its prediction
+            path[rows, pos + 1] = node
+        emitted[rows] += 1
+
+    def finish(rows: Tensor, weights: Tensor, kind: int) -> None:
+        emit(rows, sample_inverse_cdf(weights, u_final[rows]), kind, None)
+        active[rows] = False
+
+    for _ in range(w_max):  # each walk starts deeper than the last
+        if not bool(active.any()):
+            break
+        for node in torch.unique(start[active]).tolist():
+            rows = (active & (start == node)).nonzero()[:, 0]
+            nodes = spine(children, node)
+            k, d0 = len(nodes) - 1, depths[node]
+            if k == 0:  # a leaf: its bonus token
+                finish(rows, p[rows, node], int(TokenKind.BONUS))
+                continue
+            at = torch.tensor(nodes, device=dev)
+            grid = (rows[:, None], at[None, :-1])
+            p_at, q_at = p[grid], q[grid]  # [R, K, V]
+            drafts = tokens[rows[:, None], at[None, 1:]].long()  # [R, K]
+            p_x, q_x = p_at.gather(2, drafts[..., None])[..., 0], q_at.gather(2, drafts[..., None])[..., 0]
+            w = block_weights(p_x, q_x)  # [R, K+1]
+            resid = (w[:, :k, None].to(p.dtype) * p_at).sub_(q_at).clamp_(min=0).sum(-1).double()
+            h = stop_probs(w, resid)
+            steps = torch.arange(k + 1, device=dev)
+            n = torch.where(u_block[rows, d0, :k + 1] < h, steps, 0).amax(1)  # [R]
+            for j in range(1, k + 1):
+                sel = n >= j
+                if bool(sel.any()):
+                    emit(rows[sel], tokens[rows[sel], nodes[j]].long(), int(TokenKind.ACCEPTED),
+                         at[j].expand(int(sel.sum())))
+            stop = at[n]  # [R]
+            whole = n == k
+            if bool(whole.any()):
+                finish(rows[whole], p[rows[whole], stop[whole]], int(TokenKind.BONUS))
+            part = ~whole
+            if not bool(part.any()):
+                continue
+            r, st, w_n = rows[part], stop[part], w[part, n[part]]
+            p_s, q_s = p[r, st], q[r, st]  # [R', V]
+            s = (w_n[:, None].to(p.dtype) * p_s - q_s).clamp_(min=0)
+            mass = s.sum(-1, keepdim=True)
+            s = torch.where(mass > 0, s / mass.clamp(min=tiny), p_s)
+            rest = q_s.clone()
+            lane = torch.arange(len(r), device=dev)
+            rest[lane, tokens[r, first[st]].long()] = 0.0
+            taken = torch.full_like(r, -1)  # the accepted spare child, -1: none
+            live = torch.ones_like(r, dtype=torch.bool)
+            for i in range(spares.shape[1]):
+                c = spares[st, i]
+                here = live & (c >= 0)
+                if not bool(here.any()):
+                    break
+                t = tokens[r, c.clamp(min=0)].long()
+                q_i = rest / rest.sum(-1, keepdim=True)
+                ratio = s[lane, t].double() / q_i[lane, t].double().clamp(min=torch.finfo(torch.float64).tiny)
+                accept = here & (u_sibling[r, depth_of[st], i] < ratio)
+                taken = torch.where(accept, c, taken)
+                live &= ~accept
+                reject = here & ~accept
+                after = (s - q_i).clamp_(min=0)
+                mass = after.sum(-1, keepdim=True)
+                s = torch.where(reject[:, None] & (mass > 0), after / mass.clamp(min=tiny), s)
+                rest[lane, t] = torch.where(here, 0.0, rest[lane, t])
+            got = taken >= 0
+            if bool(got.any()):
+                emit(r[got], tokens[r[got], taken[got]].long(), int(TokenKind.ACCEPTED), taken[got])
+                start[r[got]] = taken[got]
+            if bool((~got).any()):
+                finish(r[~got], s[~got], int(TokenKind.RECOVERED))
+    return out, emitted, kinds, path
+
+
+def walk_each_row(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]], depths: list[int],
+                  u_block: Tensor, u_sibling: Tensor, u_final: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """:func:`walk_rows`' outputs from :func:`walk_row` row by row: faster on the CPU, where a row's
+    spine from the root is a view of its rows (the batched walk copies each group's rows)."""
+    b, w_max = p.shape[0], max(depths) + 1
+    out = torch.full((b, w_max), -1, dtype=torch.long)
+    kinds = torch.full((b, w_max), int(TokenKind.PAD), dtype=torch.long)
+    path = torch.zeros(b, w_max, dtype=torch.long)
+    emitted = torch.zeros(b, dtype=torch.long)
+    for row in range(b):
+        res = walk_row(p[row], q[row], tokens[row], children, depths, u_block[row], u_sibling[row],
+                       float(u_final[row]))
+        m = len(res.tokens)
+        out[row, :m], kinds[row, :m], path[row, :m] = (torch.tensor(x) for x in (res.tokens, res.kinds, res.path))
+        emitted[row] = m
+    return out, emitted, kinds, path
+
+
 def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tensor, children: list[list[int]],
                       depths: list[int], *, temperature: float, top_k: int | None, top_p: float | None,
                       generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -170,35 +295,24 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
                          f"[B, N+1, V] and [B, N+1] for target_logits {tuple(target_logits.shape)}")
     w, k = max(depths) + 1, max(1, max(len(c) for c in children))
     dev = target_logits.device
-    u_block = torch.rand(b, w, w, generator=generator, device=dev, dtype=torch.float64).cpu()
-    u_sibling = torch.rand(b, w, k, generator=generator, device=dev, dtype=torch.float64).cpu()
-    u_final = torch.rand(b, generator=generator, device=dev).cpu()
+    u_block = torch.rand(b, w, w, generator=generator, device=dev, dtype=torch.float64)
+    u_sibling = torch.rand(b, w, k, generator=generator, device=dev, dtype=torch.float64)
+    u_final = torch.rand(b, generator=generator, device=dev)
     with torch.no_grad():
         z = process_logits(target_logits, temperature, top_k, top_p)
         p = checked_softmax("target_logits", target_logits, z, temperature)  # names a bad row
         zq = scale_draft(draft_logits, temperature)
         q = checked_softmax("draft_logits", draft_logits, zq, temperature)
-    inner = [i for i, c in enumerate(children) if c]
-    kid_ids = tokens[:, [c for i in inner for c in children[i]]].long()
-    parent_rows = torch.tensor([i for i in inner for _ in children[i]], dtype=torch.long, device=dev)
-    if bool((q[:, parent_rows].gather(2, kid_ids[..., None].to(dev))[..., 0] <= 0).any()):
+    kids = torch.tensor([c for c in range(n1) if c and any(c in cs for cs in children)], device=dev)
+    parents = torch.tensor([next(i for i, cs in enumerate(children) if c in cs) for c in kids.tolist()], device=dev)
+    rows = torch.arange(b, device=dev)[:, None]
+    if bool((q[rows, parents[None], tokens[:, kids].long()] <= 0).any()):
         raise ValueError("a sampled tree node's child has draft probability 0 at its parent "
                          "(children must be drawn from the parent's q)")
-    out_tokens = torch.full((b, w), -1, dtype=torch.long)
-    out_logp = torch.zeros(b, w)
-    kinds = torch.full((b, w), int(TokenKind.PAD), dtype=torch.long)
-    path = torch.zeros(b, w, dtype=torch.long)
-    emitted = torch.zeros(b, dtype=torch.long)
-    p_cpu, q_cpu, z_cpu, tokens_cpu = p.cpu(), q.cpu(), z.cpu(), tokens.cpu()
-    for row in range(b):
-        res = walk_row(p_cpu[row], q_cpu[row], tokens_cpu[row], children, depths, u_block[row],
-                       u_sibling[row], float(u_final[row]))
-        m = len(res.tokens)
-        out_tokens[row, :m] = torch.tensor(res.tokens)
-        kinds[row, :m] = torch.tensor(res.kinds)
-        path[row, :m] = torch.tensor(res.path)
-        emitted[row] = m
-        ends = torch.tensor(res.path)  # the node whose prediction each token was drawn from
-        logp = torch.log_softmax(z_cpu[row, ends].float(), -1)  # [m, V]: the rows the tokens came from
-        out_logp[row, :m] = logp[torch.arange(m), torch.tensor(res.tokens)]
-    return out_tokens.to(dev), emitted.to(dev), out_logp.to(dev), kinds.to(dev), path.to(dev)
+    walker = walk_each_row if dev.type == "cpu" else walk_rows
+    out, emitted, kinds, path = walker(p, q, tokens, children, depths, u_block, u_sibling, u_final)
+    norm = torch.logsumexp(z.float(), -1)  # [B, N+1]: log p(y) at node v is z_vy - norm_v
+    steps = torch.arange(w, device=dev)
+    out_logp = (z[rows, path, out.clamp(min=0)].float() - norm.gather(1, path)).masked_fill(steps >= emitted[:, None],
+                                                                                             0.0)
+    return out, emitted, out_logp, kinds, path

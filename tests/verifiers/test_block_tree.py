@@ -369,3 +369,39 @@ def test_each_walk_takes_the_uniforms_of_its_depth():
                    u_block, torch.zeros(w, 2, dtype=torch.float64), 0.5)
     assert res.path == [0, 2, 5] and res.tokens[:2] == [tokens[2], tokens[5]]
     assert res.kinds == [int(TokenKind.ACCEPTED)] * 2 + [int(TokenKind.BONUS)]
+
+
+@pytest.mark.parametrize("total,depth,top_k", [(8, 5, 3), (10, 4, 4)])
+def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k):
+    """``walk_rows`` (the rows grouped by the node their walk starts at) against ``walk_row``, the
+    plain loop of the module docstring, on the same uniforms: the same tokens, kinds and paths."""
+    from rollout.sampled_tree import sampled_shape
+    from verifiers.block_tree import walk_rows
+    from verifiers.sampled import draw_without_replacement
+
+    shape = sampled_shape(total, depth, top_k)
+    children, depths = [list(c) for c in shape.children], list(shape.depths)
+    g = torch.Generator().manual_seed(total)
+    b, v, n1 = 300, 40, shape.size
+    draft = torch.randn(b, n1, v, generator=g, dtype=torch.float64) * 2
+    target = draft + torch.randn(b, n1, v, generator=g, dtype=torch.float64) * 0.7
+    tokens = torch.zeros(b, n1, dtype=torch.long)
+    for node, kids in enumerate(children):
+        if kids:
+            tokens[:, kids] = draw_without_replacement(draft[:, node][:, None], len(kids), 1.0, g)[:, 0]
+    p, q = torch.softmax(target, -1), torch.softmax(draft, -1)
+    w = max(depths) + 1
+    u_block = torch.rand(b, w, w, generator=g, dtype=torch.float64)
+    u_sibling = torch.rand(b, w, top_k, generator=g, dtype=torch.float64)
+    u_final = torch.rand(b, generator=g)
+    out, emitted, kinds, path = walk_rows(p, q, tokens, children, depths, u_block, u_sibling, u_final)
+    spares = 0
+    for row in range(b):
+        ref = walk_row(p[row], q[row], tokens[row], children, depths, u_block[row], u_sibling[row],
+                       float(u_final[row]))
+        m = len(ref.tokens)
+        assert int(emitted[row]) == m
+        assert out[row, :m].tolist() == ref.tokens and kinds[row, :m].tolist() == ref.kinds
+        assert path[row, :m].tolist() == ref.path
+        spares += any(shape.ranks[node] > 0 for node in ref.path)
+    assert spares > 20  # rows whose walk went through a spare child
