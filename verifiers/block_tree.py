@@ -32,7 +32,7 @@ can rescue an earlier one whose ratio is below 1.
 
 Randomness per call, in this order from ``generator``: ``u_block = rand(B, W, W)`` (float64; entry
 (b, d, j): the test of a prefix of j spine drafts of the walk that starts at depth d),
-``u_sibling = rand(B, W, k)`` (float64; entry (b, d, i): the i-th other child at depth d's stop
+``u_sibling = rand(B, W, k)`` (float32; entry (b, d, i): the i-th other child at depth d's stop
 node), ``u_final = rand(B)``. W = the tree's depth + 1, k = its most children at a node. Each
 walk starts at a new depth, and each depth has at most one stop node, so no uniform is used twice.
 
@@ -48,10 +48,12 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from . import native
 from .block import block_weights, stop_probs
 from .induced import checked_softmax
 from .processing import draft_logits as scale_draft, process_logits, sample_inverse_cdf
 from .results import TokenKind
+from .sampled import kernel_logits
 
 
 @dataclass
@@ -278,6 +280,34 @@ def walk_each_row(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]
     return out, emitted, kinds, path
 
 
+def _rows_of(target_logits: Tensor, draft_logits: Tensor, temperature: float, top_k: int | None,
+             top_p: float | None) -> tuple[Tensor, Tensor, Tensor]:
+    """(z, p, q) [B, N+1, V]: the processed target logits and both laws; a bad row is named."""
+    z = process_logits(target_logits, temperature, top_k, top_p)
+    p = checked_softmax("target_logits", target_logits, z, temperature)
+    q = checked_softmax("draft_logits", draft_logits, scale_draft(draft_logits, temperature), temperature)
+    return z, p, q
+
+
+def _native(target_logits, draft_logits, tokens, children, depths, u_block, u_sibling, u_final, temperature,
+            top_k, top_p):
+    """The fused C++ walk (``csrc/block_tree.cpp``) on the same uniforms."""
+    zt, zd, t = kernel_logits(target_logits, draft_logits, temperature, top_k, top_p)
+    k = u_sibling.shape[2]
+    table = torch.tensor([(list(c) + [-1] * k)[:k] for c in children])
+    try:
+        return native.walk_block_tree_native(zt, zd, tokens, table, torch.tensor(depths), u_block, u_sibling, u_final,
+                                             t)
+    except native.NativeError as err:  # re-checked in PyTorch, which names the row
+        with torch.no_grad():
+            _rows_of(target_logits, draft_logits, temperature, top_k, top_p)
+        if err.status == 4:
+            raise ValueError("a sampled tree node's child has draft probability 0 at its parent "
+                             "(children must be drawn from the parent's q)") from None
+        raise AssertionError(f"the C++ block-tree walk failed (status {err.status}) on input the PyTorch "
+                             "checks accept") from None
+
+
 def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tensor, children: list[list[int]],
                       depths: list[int], *, temperature: float, top_k: int | None, top_p: float | None,
                       generator: torch.Generator) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -295,18 +325,24 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
                          f"[B, N+1, V] and [B, N+1] for target_logits {tuple(target_logits.shape)}")
     w, k = max(depths) + 1, max(1, max(len(c) for c in children))
     dev = target_logits.device
-    u_block = torch.rand(b, w, w, generator=generator, device=dev, dtype=torch.float64)
-    u_sibling = torch.rand(b, w, k, generator=generator, device=dev, dtype=torch.float64)
-    u_final = torch.rand(b, generator=generator, device=dev)
-    with torch.no_grad():
-        z = process_logits(target_logits, temperature, top_k, top_p)
-        p = checked_softmax("target_logits", target_logits, z, temperature)  # names a bad row
-        zq = scale_draft(draft_logits, temperature)
-        q = checked_softmax("draft_logits", draft_logits, zq, temperature)
-    kids = torch.tensor([c for c in range(n1) if c and any(c in cs for cs in children)], device=dev)
-    parents = torch.tensor([next(i for i, cs in enumerate(children) if c in cs) for c in kids.tolist()], device=dev)
+    kids = [c for cs in children for c in cs]
+    parents = [i for i, cs in enumerate(children) for _ in cs]
+    if int(tokens.min()) < 0 or int(tokens.max()) >= v:
+        raise ValueError(f"tokens must be target ids in [0, {v}), got {int(tokens.min())}..{int(tokens.max())}")
     rows = torch.arange(b, device=dev)[:, None]
-    if bool((q[rows, parents[None], tokens[:, kids].long()] <= 0).any()):
+    if kids and bool((draft_logits[rows, torch.tensor(parents, device=dev)[None], tokens[:, kids].long()]
+                      == float("-inf")).any()):
+        raise ValueError("a sampled tree node's child has draft probability 0 at its parent "
+                         "(children must be drawn from the parent's q)")
+    u_block = torch.rand(b, w, w, generator=generator, device=dev, dtype=torch.float64)
+    u_sibling = torch.rand(b, w, k, generator=generator, device=dev)
+    u_final = torch.rand(b, generator=generator, device=dev)
+    if dev.type == "cpu" and native.enabled():
+        return _native(target_logits, draft_logits, tokens, children, depths, u_block, u_sibling, u_final,
+                       temperature, top_k, top_p)
+    with torch.no_grad():
+        z, p, q = _rows_of(target_logits, draft_logits, temperature, top_k, top_p)
+    if kids and bool((q[rows, torch.tensor(parents, device=dev)[None], tokens[:, kids].long()] <= 0).any()):
         raise ValueError("a sampled tree node's child has draft probability 0 at its parent "
                          "(children must be drawn from the parent's q)")
     walker = walk_each_row if dev.type == "cpu" else walk_rows

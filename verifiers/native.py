@@ -1,5 +1,5 @@
 """The fused C++ verifier (``csrc/``: chain.cpp, candidates.cpp, sampled.cpp, sampled_tree.cpp,
-block.cpp, the sampled kernels' node step sampled.h, the rule part rules.h and the shared common.h;
+block.cpp, block_tree.cpp, the sampled kernels' node step sampled.h, the rule part rules.h and the shared common.h;
 verifiers/README.md, "Kernel layout"): build, load and call it.
 
 ``verify_chain`` and ``verify_candidates`` use it for sampled chains and tree nodes on the
@@ -118,6 +118,9 @@ def _load_locked() -> ctypes.CDLL | None:
     fn = lib.hr_verify_block
     fn.restype = ctypes.c_int64
     fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 6
+    fn = lib.hr_walk_block_tree
+    fn.restype = ctypes.c_int64
+    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_double] + [ctypes.c_void_p] * 6
     lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
     lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
     _lib, _tried = lib, True
@@ -180,7 +183,8 @@ class NativeError(Exception):
     range, or candidates not distinct or padded before valid ones); the caller turns it into
     the user-facing error. The sampled-candidate kernels (``csrc/sampled.cpp``) use 1 (bad
     target or draft-logit rows), 2 (bad draft-logit rows of a node) and 4 (a candidate with
-    q = 0)."""
+    q = 0); the block-tree walk (``csrc/block_tree.cpp``) also 5 (a token out of range) and 6 (an
+    internal error: nothing to sample from)."""
 
     def __init__(self, status: int, bad_rows: Tensor, bad_token: tuple[int, int] = (-1, -1)):
         super().__init__(status)
@@ -236,6 +240,32 @@ def verify_block_native(z_target: Tensor, z_draft: Tensor, x: Tensor, u_block: T
     if status != 0:
         raise NativeError(int(status), bad_rows, tuple(bad_token.tolist()))
     return tokens, num, logp, kinds
+
+
+def walk_block_tree_native(z_target: Tensor, z_draft: Tensor, tokens: Tensor, children: Tensor, depths: Tensor,
+                           u_block: Tensor, u_sibling: Tensor, u_final: Tensor,
+                           temperature: float) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """``verifiers.block_tree`` fused (``csrc/block_tree.cpp``): z_target, z_draft [B, N+1, V] float32
+    logits (divided by ``temperature`` here; the draft over the target vocabulary), tokens [B, N+1],
+    children [N+1, K] (-1 padded), depths [N+1], u_block [B, W, W] float64, u_sibling [B, W, K]
+    float32, u_final [B]; returns tokens [B, W] (-1 padded), emitted [B], log p [B, W] (0 padded),
+    kinds [B, W] (``TokenKind`` values, -1 padded), path [B, W]."""
+    lib = _load()
+    b, n1, v = z_target.shape
+    k, w = children.shape[1], u_block.shape[1]
+    zt, zd = z_target.float().contiguous(), z_draft.float().contiguous()
+    toks, kids, deps = tokens.long().contiguous(), children.long().contiguous(), depths.long().contiguous()
+    ub, us, uf = u_block.double().contiguous(), u_sibling.float().contiguous(), u_final.float().contiguous()
+    out, emitted = torch.empty(b, w, dtype=torch.long), torch.empty(b, dtype=torch.long)
+    logp, kinds, path = torch.empty(b, w), torch.empty(b, w, dtype=torch.long), torch.empty(b, w, dtype=torch.long)
+    bad_rows = torch.zeros(b, dtype=torch.uint8)
+    status = lib.hr_walk_block_tree(zt.data_ptr(), zd.data_ptr(), toks.data_ptr(), kids.data_ptr(), deps.data_ptr(),
+                                    ub.data_ptr(), us.data_ptr(), uf.data_ptr(), b, n1, v, k, w, float(temperature),
+                                    out.data_ptr(), logp.data_ptr(), kinds.data_ptr(), path.data_ptr(),
+                                    emitted.data_ptr(), bad_rows.data_ptr())
+    if status != 0:
+        raise NativeError(int(status), bad_rows, ())
+    return out, emitted, logp, kinds, path
 
 
 def main() -> None:

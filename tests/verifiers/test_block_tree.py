@@ -310,7 +310,7 @@ def test_one_child_per_node_is_block_verification_of_the_chain():
     # the chain verifier draws u_block [B, K+1] then u_final [B]; rebuild those from our uniforms
     g.set_state(state)
     u_block = torch.rand(b, k + 1, k + 1, generator=g, dtype=torch.float64)[:, 0]
-    torch.rand(b, k + 1, 1, generator=g, dtype=torch.float64)
+    torch.rand(b, k + 1, 1, generator=g)
     u_final = torch.rand(b, generator=g)
     from verifiers import block
 
@@ -405,3 +405,32 @@ def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k):
         assert path[row, :m].tolist() == ref.path
         spares += any(shape.ranks[node] > 0 for node in ref.path)
     assert spares > 20  # rows whose walk went through a spare child
+
+
+@pytest.mark.parametrize("b,v,temperature,top_p", [(200, 60, 1.0, None), (3, 49152, 0.8, None), (40, 300, 1.0, 0.9)])
+def test_the_cpp_walk_equals_the_pytorch_walk(b, v, temperature, top_p):
+    """The fused walk (``csrc/block_tree.cpp``) and the PyTorch one on the same uniforms: the same
+    tokens, kinds and paths, log-probs to float32 rounding; at the shipped vocabulary size too."""
+    from rollout.sampled_tree import sampled_shape
+    from verifiers import native
+    from verifiers.sampled import draw_without_replacement
+
+    shape = sampled_shape(8, 5, 3)
+    children, depths = [list(c) for c in shape.children], list(shape.depths)
+    g = torch.Generator().manual_seed(v)
+    n1 = shape.size
+    draft = torch.randn(b, n1, v, generator=g) * 2
+    target = draft + torch.randn(b, n1, v, generator=g) * 0.7
+    tokens = torch.zeros(b, n1, dtype=torch.long)
+    for node, kids in enumerate(children):
+        if kids:
+            tokens[:, kids] = draw_without_replacement(draft[:, node][:, None], len(kids), temperature, g)[:, 0]
+    outs = []
+    for use in (True, False):
+        with native.forced(use):
+            outs.append(verify_block_tree(target, draft, tokens, children, depths, temperature=temperature, top_k=None,
+                                          top_p=top_p, generator=torch.Generator().manual_seed(1)))
+    (t1, e1, l1, k1, p1), (t2, e2, l2, k2, p2) = outs
+    assert torch.equal(e1, e2) and torch.equal(t1, t2) and torch.equal(k1, k2) and torch.equal(p1, p2)
+    assert torch.allclose(l1, l2, atol=2e-4)
+    assert float((e1 - 1).double().mean()) > 0.5 and bool((p1 > 0).any())
