@@ -199,14 +199,20 @@ def walk_sampled(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: 
         raise_if_bad_rows(name, rows, stat, temperature)
         raise AssertionError("the C++ walk flagged a bad row that has none") from None
     if record is not None:
-        for level in range(w):
-            rows = (emitted > level).nonzero()[:, 0]
-            if len(rows) == 0:
-                break
-            record_level(record, level, rows, path[rows, level], target_logits, tree)
+        _record_walk(record, tree, target_logits, emitted, path)
     relaxed = (kinds == int(TokenKind.ACCEPTED)) & (logp > target)  # P_R(y) > p(y) for an accepted child
     return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=target,
                       kinds=kinds, relaxed=relaxed, path=path)
+
+
+def _record_walk(record: list, tree: Tree, target_logits: torch.Tensor, emitted: torch.Tensor,
+                 path: torch.Tensor) -> None:
+    """:func:`record_level` for every level a whole-tree walk reached (``emitted [B]``, ``path [B, W]``)."""
+    for level in range(tree.max_depth + 1):
+        rows = (emitted > level).nonzero()[:, 0]
+        if len(rows) == 0:
+            break
+        record_level(record, level, rows, path[rows, level], target_logits, tree)
 
 
 def walk_block(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, top_k: int | None,
@@ -224,11 +230,7 @@ def walk_block(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: fl
                                                            temperature=temperature, top_k=top_k, top_p=top_p,
                                                            generator=generator)
     if record is not None:
-        for level in range(tree.max_depth + 1):
-            rows = (emitted > level).nonzero()[:, 0]
-            if len(rows) == 0:
-                break
-            record_level(record, level, rows, path[rows, level], target_logits, tree)
+        _record_walk(record, tree, target_logits, emitted, path)
     return WalkResult(tokens=tokens, num_emitted=emitted, behaviour_logprobs=logp, target_logprobs=logp.clone(),
                       kinds=kinds, relaxed=torch.zeros(kinds.shape, dtype=torch.bool, device=kinds.device), path=path)
 

@@ -156,13 +156,29 @@ def walk_row(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]], de
         node = accepted
 
 
+def _zero_q_child() -> ValueError:
+    return ValueError("a sampled tree node's child has draft probability 0 at its parent "
+                      "(children must be drawn from the parent's q)")
+
+
+def _at_children(x: Tensor, tokens: Tensor, children: list[list[int]]) -> Tensor:
+    """``x [B, N+1, V]`` at each child's token in its parent's row: ``[B, children]``."""
+    kids = [c for cs in children for c in cs]
+    parents = torch.tensor([i for i, cs in enumerate(children) for _ in cs], device=x.device)
+    return x[torch.arange(x.shape[0], device=x.device)[:, None], parents[None], tokens[:, kids].long()]
+
+
+def _padded(rows: list[list[int]], width: int, device: torch.device | None = None) -> Tensor:
+    """``rows`` as a ``[len(rows), width]`` tensor, -1 padded."""
+    return torch.tensor([(list(r) + [-1] * width)[:width] for r in rows], device=device)
+
+
 def _tables(children: list[list[int]], device: torch.device) -> tuple[Tensor, Tensor]:
     """Per node: its first child (-1 at a leaf) ``[N+1]`` and its other children, in draw order,
     ``[N+1, max(1, k - 1)]`` (-1 padded)."""
     k = max(2, max(len(c) for c in children))
     first = torch.tensor([c[0] if c else -1 for c in children], device=device)
-    spares = torch.tensor([(c[1:] + [-1] * k)[:k - 1] for c in children], device=device)
-    return first, spares
+    return first, _padded([c[1:] for c in children], k - 1, device)
 
 
 def walk_rows(p: Tensor, q: Tensor, tokens: Tensor, children: list[list[int]], depths: list[int],
@@ -293,8 +309,7 @@ def _native(target_logits, draft_logits, tokens, children, depths, u_block, u_si
             top_k, top_p):
     """The fused C++ walk (``csrc/block_tree.cpp``) on the same uniforms."""
     zt, zd, t = kernel_logits(target_logits, draft_logits, temperature, top_k, top_p)
-    k = u_sibling.shape[2]
-    table = torch.tensor([(list(c) + [-1] * k)[:k] for c in children])
+    table = _padded(children, u_sibling.shape[2])
     try:
         return native.walk_block_tree_native(zt, zd, tokens, table, torch.tensor(depths), u_block, u_sibling, u_final,
                                              t)
@@ -302,8 +317,7 @@ def _native(target_logits, draft_logits, tokens, children, depths, u_block, u_si
         with torch.no_grad():
             _rows_of(target_logits, draft_logits, temperature, top_k, top_p)
         if err.status == 4:
-            raise ValueError("a sampled tree node's child has draft probability 0 at its parent "
-                             "(children must be drawn from the parent's q)") from None
+            raise _zero_q_child() from None
         raise AssertionError(f"the C++ block-tree walk failed (status {err.status}) on input the PyTorch "
                              "checks accept") from None
 
@@ -325,15 +339,11 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
                          f"[B, N+1, V] and [B, N+1] for target_logits {tuple(target_logits.shape)}")
     w, k = max(depths) + 1, max(1, max(len(c) for c in children))
     dev = target_logits.device
-    kids = [c for cs in children for c in cs]
-    parents = [i for i, cs in enumerate(children) for _ in cs]
+    has_kids = any(children)
     if int(tokens.min()) < 0 or int(tokens.max()) >= v:
         raise ValueError(f"tokens must be target ids in [0, {v}), got {int(tokens.min())}..{int(tokens.max())}")
-    rows = torch.arange(b, device=dev)[:, None]
-    if kids and bool((draft_logits[rows, torch.tensor(parents, device=dev)[None], tokens[:, kids].long()]
-                      == float("-inf")).any()):
-        raise ValueError("a sampled tree node's child has draft probability 0 at its parent "
-                         "(children must be drawn from the parent's q)")
+    if has_kids and bool((_at_children(draft_logits, tokens, children) == float("-inf")).any()):
+        raise _zero_q_child()
     u_block = torch.rand(b, w, w, generator=generator, device=dev, dtype=torch.float64)
     u_sibling = torch.rand(b, w, k, generator=generator, device=dev)
     u_final = torch.rand(b, generator=generator, device=dev)
@@ -342,13 +352,13 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
                        temperature, top_k, top_p)
     with torch.no_grad():
         z, p, q = _rows_of(target_logits, draft_logits, temperature, top_k, top_p)
-    if kids and bool((q[rows, torch.tensor(parents, device=dev)[None], tokens[:, kids].long()] <= 0).any()):
-        raise ValueError("a sampled tree node's child has draft probability 0 at its parent "
-                         "(children must be drawn from the parent's q)")
+    if has_kids and bool((_at_children(q, tokens, children) <= 0).any()):  # q underflowed to 0
+        raise _zero_q_child()
     walker = walk_each_row if dev.type == "cpu" else walk_rows
     out, emitted, kinds, path = walker(p, q, tokens, children, depths, u_block, u_sibling, u_final)
     norm = torch.logsumexp(z.float(), -1)  # [B, N+1]: log p(y) at node v is z_vy - norm_v
     steps = torch.arange(w, device=dev)
+    rows = torch.arange(b, device=dev)[:, None]
     out_logp = (z[rows, path, out.clamp(min=0)].float() - norm.gather(1, path)).masked_fill(steps >= emitted[:, None],
                                                                                              0.0)
     return out, emitted, out_logp, kinds, path
