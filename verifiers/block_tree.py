@@ -356,9 +356,7 @@ def verify_block_tree(target_logits: Tensor, draft_logits: Tensor, tokens: Tenso
         raise _zero_q_child()
     walker = walk_each_row if dev.type == "cpu" else walk_rows
     out, emitted, kinds, path = walker(p, q, tokens, children, depths, u_block, u_sibling, u_final)
-    norm = torch.logsumexp(z.float(), -1)  # [B, N+1]: log p(y) at node v is z_vy - norm_v
     steps = torch.arange(w, device=dev)
-    rows = torch.arange(b, device=dev)[:, None]
-    out_logp = (z[rows, path, out.clamp(min=0)].float() - norm.gather(1, path)).masked_fill(steps >= emitted[:, None],
-                                                                                             0.0)
-    return out, emitted, out_logp, kinds, path
+    on_path = z[torch.arange(b, device=dev)[:, None], path].float()  # [B, W, V]: the rows the tokens came from
+    logp = on_path.gather(2, out.clamp(min=0)[..., None])[..., 0] - torch.logsumexp(on_path, -1)
+    return out, emitted, logp.masked_fill(steps >= emitted[:, None], 0.0), kinds, path
