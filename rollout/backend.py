@@ -120,8 +120,9 @@ class HFBackend:
         self.engine = Engine(target, head, num_threads=num_threads, linear=linear)
 
     @classmethod
-    def from_spec(cls, spec: WorkerSpec) -> HFBackend:
-        options = dict(spec.backend_options)
+    def check_options(cls, options: Mapping) -> None:
+        """Refuse unknown or bad ``backend_options`` (ConfigError naming the option and the
+        allowed values): called by the training config before anything starts, and here."""
         unknown = set(options) - set(cls.OPTIONS)
         if unknown:
             raise ConfigError("backend_options", f"unknown hf option(s) {sorted(unknown)}", allowed=cls.OPTIONS)
@@ -131,7 +132,12 @@ class HFBackend:
         if options.get("weights", "exact") not in WEIGHT_ROUNDINGS:
             raise ConfigError("backend_options.weights", f"unknown weight rounding {options['weights']!r}",
                               allowed=WEIGHT_ROUNDINGS)
-        check_drafter_weights(options.get("drafter_weights", "stored"))  # before the target loads
+        check_drafter_weights(options.get("drafter_weights", "stored"))
+
+    @classmethod
+    def from_spec(cls, spec: WorkerSpec) -> HFBackend:
+        options = dict(spec.backend_options)
+        cls.check_options(options)  # before the target loads
         target, tokenizer = load_target(spec.target)
         target.to(spec.device)
         pad_id = getattr(tokenizer, "pad_token_id", None)

@@ -97,6 +97,26 @@ def _normalise(raw: dict[str, Any], weights: dict[str, torch.Tensor]) -> tuple[d
     return fields, renamed, fmt
 
 
+def check_head_fits(head, target: TargetModel) -> None:
+    """Raise :class:`HeadMismatchError`, naming the field, where an in-memory head was not made
+    for ``target`` (what :func:`load_eagle3` checks of a head on disk): the vocabulary, the
+    target's hidden size its features have, its own width (it shares the target's embeddings)
+    and the layers it takes features from (each where the head's config declares it)."""
+    c = head.cfg
+    if c.vocab_size != target.vocab_size:
+        raise HeadMismatchError(f"vocabulary mismatch: head vocab_size {c.vocab_size} != target vocab_size "
+                                f"{target.vocab_size}")
+    if getattr(c, "target_hidden_size", target.hidden_size) != target.hidden_size:
+        raise HeadMismatchError(f"hidden size mismatch: head target_hidden_size {c.target_hidden_size} != target "
+                                f"hidden_size {target.hidden_size} (the head takes 3 x {c.target_hidden_size} features)")
+    if getattr(c, "hidden_size", target.hidden_size) != target.hidden_size:
+        raise HeadMismatchError(f"hidden size mismatch: head hidden_size {c.hidden_size} != target hidden_size "
+                                f"{target.hidden_size} (the head shares the target's embed_tokens)")
+    if tuple(getattr(c, "aux_layer_ids", target.aux_layer_ids)) != tuple(target.aux_layer_ids):
+        raise HeadMismatchError(f"layer ids mismatch: the head takes features of layers {tuple(c.aux_layer_ids)}, the "
+                                f"target captures {tuple(target.aux_layer_ids)} (call target.set_aux_layer_ids)")
+
+
 def _config_for(fields: dict[str, Any], weights: dict[str, torch.Tensor], target: TargetModel, where: Path) -> Eagle3Config:
     if "fc.weight" not in weights:
         raise HeadMismatchError(f"{where}: no fc.weight in the checkpoint (not an EAGLE-3 head?)")

@@ -32,11 +32,13 @@ import os
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from rollout import native_linear
 from rollout.allocator import tune_malloc
 from rollout.draft_sampling import sample_draft
+from rollout.eagle3_io import check_head_fits
 from rollout.kv_cache import fill_from_tail
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
@@ -93,8 +95,8 @@ class Engine:
 
     def __init__(self, target, head=None, *, num_threads: int | None = None, prefill_tokens: int = 1024,
                  linear: str = "auto"):
-        if head is not None and head.cfg.vocab_size != target.vocab_size:
-            raise ValueError(f"head vocab_size {head.cfg.vocab_size} != target vocab_size {target.vocab_size}")
+        if head is not None:
+            check_head_fits(head, target)
         self.target, self.head = target, head
         self.prefill_tokens = prefill_tokens
         self.use_native_linear = target.device.type == "cpu" and native_linear.resolve(linear)
@@ -138,7 +140,11 @@ class Engine:
             self._prefill(call, prompts, max(budgets))
             call.timings.setup_s = time.perf_counter() - start
             while len(call.table):
-                self._round(call)
+                try:
+                    self._round(call)
+                except ValueError as err:  # the verifiers name a batch row; say which prompt it is
+                    raise ValueError(f"{err} [round {call.timings.rounds + 1} of this call: batch row r is "
+                                     f"prompt {_rows_text(call.table.live)}[r]]") from err
         t = call.timings
         t.total_s = time.perf_counter() - start
         t.other_s = max(0.0, t.total_s - t.draft_s - t.verify_s)
@@ -193,7 +199,16 @@ class Engine:
         """Validate the prompts; each row's token budget (capped by the target's context)."""
         ctx, vocab = self.target.config.max_position_embeddings, self.target.vocab_size
         budgets = []
+        if not isinstance(prompts, (list, tuple)):
+            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
         for i, p in enumerate(prompts):
+            if not isinstance(p, (list, tuple)):
+                raise TypeError(f"prompts must be a list of token-id lists; prompt {i} is a {type(p).__name__} "
+                                f"({p!r:.40}), not a list of token ids")
+            bad = next((j for j, t in enumerate(p) if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+            if bad is not None:
+                raise TypeError(f"prompt {i} position {bad} is {type(p[bad]).__name__} {p[bad]!r:.40}: token ids "
+                                "must be integers")
             if len(p) == 0:
                 raise ValueError(f"prompt {i} is empty (every prompt needs at least one token)")
             if len(p) >= ctx:
@@ -371,6 +386,11 @@ class Engine:
                     target_logits=logits[i].clone(), draft_logits=None if drafts is None else drafts[i].clone(),
                     candidates=None if cands is None else cands[i].clone()))
         call.record = []
+
+
+def _rows_text(live: list[int]) -> str:
+    """The unfinished prompts' indices, as a list (the first 16 of a long one)."""
+    return str(live) if len(live) <= 16 else f"[{', '.join(map(str, live[:16]))}, ...]"
 
 
 def _is_prefix(path: torch.Tensor, counts: list[int]) -> bool:

@@ -107,12 +107,13 @@ from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from scripts.bench_measure import measure, peak_rss_mb, rss_mb  # noqa: E402
 from scripts.bench_plot import plot_rows  # noqa: E402
 from scripts.bench_rows import describe, int8_engine, rounded_engine, spec_configs  # noqa: E402
+from scripts.cli import batch_sizes, head_folder  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-sizes", default="1,8,32")
+    ap.add_argument("--batch-sizes", default="1,8,32", type=batch_sizes)
     ap.add_argument("--max-new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=32)
     ap.add_argument("--verifiers", default="lossless,mars,overshoot",
@@ -148,7 +149,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="comma list of native, torch: run each speculative config with each verifier "
                          "backend side by side (default: the default backend only)")
     ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
+    ap.add_argument("--head", default=None, type=head_folder, help="draft head folder (default: the shipped head)")
     ap.add_argument("--no-hf", action="store_true", help="skip HF generate")
     ap.add_argument("--group", type=int, default=1,
                     help="samples per prompt: each of the --prompts prompts appears this many times in a row")
@@ -186,7 +187,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="draw each row's speedup next to its bound here (scripts.bench_plot; also from a --json file)")
     ap.add_argument("--planner-trace", default=None, metavar="JSON",
                     help="record the rounds of every max_batch auto row's planner here, and count them by reason")
-    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2")
+    ap.add_argument("--quick", action="store_true", help="smoke run: 2 prompts, 16 tokens, batch 1,2 (in place of --prompts, --max-new-tokens and --batch-sizes)")
     args = ap.parse_args(argv)
     args.rounded = None  # main sets the --bf16-weights engine (rounded_engine)
     args.int8 = None  # and the --int8-head engine (int8_engine)

@@ -27,6 +27,7 @@ from rollout.eagle3 import default_head_path, load_eagle3
 from rollout.engine import Engine
 from rollout.models import load_embedded_target
 from rollout.params import SamplingParams, SpecConfig
+from scripts.cli import head_folder
 from trainers.tasks.general import heldout_prompts
 from verifiers.block import expected_accepted
 from verifiers.processing import draft_probs, target_probs
@@ -75,7 +76,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--max-new-tokens", type=int, default=96)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=7)
-    ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
+    ap.add_argument("--head", default=None, type=head_folder, help="draft head folder (default: the shipped head)")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     if args.temperature <= 0:

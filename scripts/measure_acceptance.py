@@ -44,6 +44,7 @@ from rollout.outputs import GenerationResult, tau_with_error
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, tree_spec
 from rollout.quantize import DRAFTER_WEIGHTS, quantize_int8_
 from rollout.timing import step_costs
+from scripts.cli import head_folder
 from trainers.drift.study import parse_verifier
 from trainers.tasks.general import heldout_prompts
 
@@ -143,7 +144,7 @@ def measure_trees(target, head, sets: dict[str, list[list[int]]], trees: str, *,
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--head", default=str(default_head_path()))
+    ap.add_argument("--head", default=str(default_head_path()), type=head_folder)
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--n-arith", type=int, default=16, help="held-out arithmetic prompts (difficulties 1-4)")
     ap.add_argument("--n-general", type=int, default=8, help="held-out general instructions (0: none)")

@@ -34,6 +34,7 @@ import torch
 
 from rollout.eagle3 import default_head_path, load_eagle3
 from rollout.models import load_embedded_target
+from scripts.cli import head_folder
 from trainers.drafter.data import DrafterData, collate, generate_dataset
 from trainers.drafter.ttt import estimated_block_tau, estimated_tau, ttt_acceptance
 from trainers.tasks.general import benchmark_prompts
@@ -57,7 +58,7 @@ def measure(head, data: DrafterData, k: int, batch_size: int = 16) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--head", default=None, help="draft head folder (default: the shipped head)")
+    ap.add_argument("--head", default=None, type=head_folder, help="draft head folder (default: the shipped head)")
     ap.add_argument("--prompts", type=int, default=96, help="benchmark prompts (held-out arithmetic, difficulties 1-3)")
     ap.add_argument("--samples", type=int, default=2, help="answers per prompt, each sampled at T = 1")
     ap.add_argument("--k", type=int, default=6, help="chain length K")

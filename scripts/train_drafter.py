@@ -92,7 +92,13 @@ def main(argv: list[str] | None = None) -> dict:
                     "faster than 2 when other processes load the CPU)")
     ap.add_argument("--stop-at", type=int, default=None, help="stop at this optimizer step (resume later)")
     args = ap.parse_args(argv)
-    cfg = from_dict(DrafterConfig, load_yaml(args.config))
+    for flag, value in (("--threads", args.threads), ("--stop-at", args.stop_at)):
+        if value is not None and value < 1:
+            ap.error(f"{flag} must be >= 1, got {value}")
+    try:
+        cfg = from_dict(DrafterConfig, load_yaml(args.config))
+    except ConfigError as err:
+        ap.exit(2, f"error: {err}\n")
     tune_malloc()
     if args.threads or cfg.threads:
         torch.set_num_threads(args.threads or cfg.threads)

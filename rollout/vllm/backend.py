@@ -122,6 +122,13 @@ def _rounds(kinds: list[int]) -> list[int]:
     return out
 
 
+def check_options(options: Mapping) -> None:
+    """Refuse ``backend_options`` this backend does not read (ConfigError listing those it does)."""
+    unknown = set(options) - set(DEFAULTS)
+    if unknown:
+        raise ConfigError("backend_options", f"unknown vllm option(s) {sorted(unknown)}", allowed=sorted(DEFAULTS))
+
+
 class VLLMBackend:
     """vLLM with our verifier behind ``rollout.backend.RolloutBackend`` (see the module docstring)."""
 
@@ -129,9 +136,7 @@ class VLLMBackend:
 
     def __init__(self, target, drafter_path: str | None, spec: SpecConfig, *, seed: int = 0,
                  threads: int = 2, device: str = "cpu", options: Mapping | None = None, version: int = 0):
-        unknown = set(options or {}) - set(DEFAULTS)
-        if unknown:
-            raise ConfigError("backend_options", f"unknown vllm option(s) {sorted(unknown)}", allowed=sorted(DEFAULTS))
+        check_options(options or {})
         self.options = {**DEFAULTS, **(options or {})}
         self.spec, self._version = spec, int(version)
         self.model_dir = target_folder(target)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 import torch
 from test_engine_utils import PROMPTS, copy_head, single_thread, tiny_target, trained_head  # noqa: F401
@@ -110,6 +113,62 @@ def test_prompt_errors_and_context_cap(single_thread):
         engine.generate([[1, 999]], SamplingParams())
     res = engine.generate([[5] * 60, [1, 2]], SamplingParams(max_new_tokens=10), SPECS["chain-sampled"])
     assert [c.num_tokens for c in res.completions] == [4, 10]  # the first row hits the context
+
+
+def test_prompts_that_are_not_token_id_lists_are_named(single_thread):
+    engine = Engine(tiny_target(), num_threads=1)
+    for prompts, words in (([[1.0, 2.5]], "prompt 0 position 0 is float 1.0: token ids must be integers"),
+                           ([[1, 2], [3, True]], "prompt 1 position 1 is bool True"),
+                           ([[1, 2], "hello"], "prompt 1 is a str ('hello'), not a list of token ids"),
+                           ([1, 2, 3], "prompt 0 is a int (1)"),
+                           ("hello", "a list of token-id lists, got str")):
+        with pytest.raises(TypeError, match=re.escape(words)):
+            engine.generate(prompts, SamplingParams(max_new_tokens=2))
+    import numpy as np
+
+    ids = np.array([1, 2, 3])  # numpy integers (as a tokenizer's arrays give) are token ids
+    assert engine.generate([list(ids)], SamplingParams(max_new_tokens=2)).completions[0].num_tokens == 2
+
+
+def test_a_nan_in_a_round_names_the_prompt_of_its_batch_row(single_thread, monkeypatch):
+    """The verifiers name a row of the round's batch; once rows finish, that is not the prompt's
+    index, so the engine adds which prompt each batch row is."""
+    from rollout.runner import ModelRunner
+
+    target = tiny_target()
+    engine = Engine(target, copy_head(target), num_threads=1)
+    forward = ModelRunner.verify_forward
+
+    def poisoned(self, *args, **kwargs):
+        logits, feats = forward(self, *args, **kwargs)
+        if len(self._rows) == 2:  # prompt 0 has finished: batch row 1 is prompt 2
+            logits = logits.clone()
+            logits[1, 0, 3] = float("nan")
+        return logits, feats
+
+    monkeypatch.setattr(ModelRunner, "verify_forward", poisoned)
+    # prompt 0 fills the context but for 2 tokens: it ends in the first round
+    prompts = [[5] * 254, [3, 4], [5, 6, 7]]
+    with pytest.raises(ValueError, match=r"row 1, position 0 contains NaN") as err:
+        engine.generate(prompts, SamplingParams(max_new_tokens=12), SPECS["chain-sampled"])
+    live = re.search(r"round 2 of this call: batch row r is prompt \[(\d+), (\d+)\]\[r\]", str(err.value))
+    assert live is not None and sorted(map(int, live.groups())) == [1, 2], str(err.value)
+
+
+def test_a_head_for_another_target_is_refused_naming_the_field(single_thread):
+    from rollout.eagle3_io import HeadMismatchError
+
+    target, other = tiny_target(), tiny_target(vocab=80)
+    with pytest.raises(HeadMismatchError, match="vocabulary mismatch: head vocab_size 80 != target vocab_size 64"):
+        Engine(target, copy_head(other), num_threads=1)
+    head = copy_head(target)
+    head.cfg = dataclasses.replace(head.cfg, target_hidden_size=32)
+    with pytest.raises(HeadMismatchError, match="head target_hidden_size 32 != target hidden_size 64"):
+        Engine(target, head, num_threads=1)
+    head = copy_head(target)
+    head.cfg = dataclasses.replace(head.cfg, aux_layer_ids=(0, 1, 2))
+    with pytest.raises(HeadMismatchError, match=r"features of layers \(0, 1, 2\), the target captures"):
+        Engine(target, head, num_threads=1)
 
 
 def test_speculation_needs_a_head(single_thread):

@@ -71,8 +71,9 @@ class DrafterConfig:
         if self.max_steps is not None:
             check_int("max_steps", self.max_steps)
         check_number("step_weight", self.step_weight, 0, 1, low_open=True)
-        if not self.lr > 0 or not 0 <= self.min_lr_ratio <= 1 or self.warmup_steps < 0:
-            raise ConfigError("lr", "need lr > 0, 0 <= min_lr_ratio <= 1, warmup_steps >= 0")
+        check_number("lr", self.lr, 0, low_open=True, finite=True)
+        check_number("min_lr_ratio", self.min_lr_ratio, 0, 1)
+        check_int("warmup_steps", self.warmup_steps, 0)
         if len(self.betas) != 2 or not all(0 <= b < 1 for b in self.betas):
             raise ConfigError("betas", "must be two numbers in [0, 1)")
         if self.grad_clip <= 0:

@@ -28,6 +28,7 @@ cost a few percent).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from rollout.config import ConfigError, check_int
@@ -149,6 +150,14 @@ class DriftConfig:
             raise ConfigError("speed_basis", f"unknown speed basis {self.speed_basis!r}", allowed=SPEED_BASES)
         if not isinstance(self.head, str) or not self.head:
             raise ConfigError("head", "must be 'default', 'random' or a head folder")
+        if self.head not in ("default", "random") and not (Path(self.head) / "config.json").is_file():
+            raise ConfigError("head", f"no EAGLE-3 head (config.json) at {self.head!r}; give 'default', 'random' "
+                              "or a head folder")
+        if self.target is not None and not Path(self.target).exists():
+            raise ConfigError("target", f"no model at {self.target!r} (a Hugging Face folder or a .gguf file; "
+                              "null: the embedded SmolLM2)")
+        if self.num_threads is not None:
+            check_int("num_threads", self.num_threads)
         object.__setattr__(self, "difficulties", diffs)
         object.__setattr__(self, "modes", tuple(dict.fromkeys(modes)))
         object.__setattr__(self, "verifiers", self._parsed_verifiers())

@@ -43,6 +43,9 @@ class GRPOConfig:
 
     def __post_init__(self):
         check_int("group_size", self.group_size)
+        if self.group_size < 2:
+            raise ConfigError("group_size", f"must be >= 2, got {self.group_size}: a group of one sample has "
+                              "advantage 0 (its own mean), so nothing would be learned")
         check_number("clip_low", self.clip_low, 0.0, 1.0, high_open=True)
         check_number("clip_high", self.clip_high, 0.0, float("inf"))
         if self.aggregation not in AGGREGATIONS:

@@ -88,6 +88,8 @@ def test_verifier_specs_parse_and_label():
     ({"verifiers": ["mars:theta=2"]}, "verifiers"), ({"verifiers": ["nope"]}, "verifiers"),
     ({"prompts": 0}, "prompts"), ({"temperature": -1.0}, "temperature"), ({"source": "jsonl"}, "jsonl_path"),
     ({"tree": {"mode": "chain"}}, "tree"), ({"colour": 1}, "colour"), ({"speed_basis": "gpu"}, "speed_basis"),
+    ({"head": "/no/such/head"}, "head"), ({"target": "/no/such/model.gguf"}, "target"),
+    ({"num_threads": 0}, "num_threads"),
 ])
 def test_config_errors_name_the_field(data, field):
     with pytest.raises(ConfigError) as err:

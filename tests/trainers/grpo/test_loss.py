@@ -157,6 +157,7 @@ def test_policy_loss_rejects_bad_shapes_and_values():
     ("group_size", 0, "positive integer"),
     ("group_size", -4, "positive integer"),
     ("group_size", 2.5, "positive integer"),
+    ("group_size", 1, ">= 2, got 1: a group of one sample has advantage 0"),
     ("clip_low", 1.0, "[0.0, 1.0)"),
     ("clip_high", -0.1, "[0.0, inf]"),
     ("aggregation", "batch", "allowed: token, sequence"),

@@ -81,6 +81,16 @@ CASES = {
     "timeout zero": ({"rollout.actor_timeout_s": 0}, "rollout.actor_timeout_s", ["> 0"]),
     "aux layers out of range": ({"model.target.aux_layer_ids": [0, 1, 9]}, "model.target.aux_layer_ids",
                                 ["out of range", "4-layer"]),
+    "group of one": ({"grpo.group_size": 1}, "grpo.group_size", [">= 2", "advantage 0"]),
+    # the backend's options, checked here rather than first in a Ray actor
+    "hf option unknown": ({"rollout.backend_options": {"foo": 1}}, "rollout.backend_options",
+                          ["unknown hf option(s) ['foo']", "allowed: linear, weights, drafter_weights"]),
+    "hf weights unknown": ({"rollout.backend_options": {"weights": "int4"}}, "rollout.backend_options.weights",
+                           ["'int4'", "allowed: exact, bfloat16"]),
+    "hf drafter weights unknown": ({"rollout.backend_options": {"drafter_weights": "int2"}},
+                                   "rollout.backend_options.drafter_weights", ["allowed: stored, int8"]),
+    "vllm option unknown": ({"rollout.backend": "vllm", "rollout.backend_options": {"weights": "bfloat16"}},
+                            "rollout.backend_options", ["unknown vllm option(s) ['weights']", "kv_cache_memory_bytes"]),
 }
 
 
