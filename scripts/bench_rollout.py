@@ -193,6 +193,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.int8 = None  # and the --int8-head engine (int8_engine)
     if args.quick:
         args.batch_sizes, args.prompts, args.max_new_tokens = "1,2", 2, 16
+    spec_configs(args)  # bad --modes, --tree, --chain-k or --verifiers: refused here, before the models load
     for flag, out in (("--json", args.json), ("--plot", args.plot), ("--planner-trace", args.planner_trace)):
         if out and not Path(out).resolve().parent.is_dir():
             raise SystemExit(f"error: {flag} {out}: the folder {Path(out).resolve().parent} does not exist")

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -62,3 +63,15 @@ def test_train_drafter_names_a_bad_config_field(tmp_path, capsys):
     assert err.startswith("error: config field 'objectve': unknown field") and "Traceback" not in err, err
     path.write_text("min_lr_ratio: 2\n")
     assert "config field 'min_lr_ratio'" in _refused(main, ["--config", str(path)], capsys)
+
+
+@pytest.mark.parametrize("argv, words", [(["--verifiers", "marz"], "--verifiers 'marz': config field 'name'"),
+                                         (["--modes", "chian"], "--modes: unknown mode 'chian'"),
+                                         (["--tree", "3,x,8"], "--tree")])
+def test_bench_rollout_refuses_bad_rows_before_loading(argv, words):
+    from scripts.bench_rollout import main
+
+    t0 = time.perf_counter()
+    with pytest.raises(SystemExit, match=re.escape(words)):
+        main(argv)
+    assert time.perf_counter() - t0 < 5.0, "refused before loading the models"
