@@ -99,22 +99,39 @@ def _normalise(raw: dict[str, Any], weights: dict[str, torch.Tensor]) -> tuple[d
 
 def check_head_fits(head, target: TargetModel) -> None:
     """Raise :class:`HeadMismatchError`, naming the field, where an in-memory head was not made
-    for ``target`` (what :func:`load_eagle3` checks of a head on disk): the vocabulary, the
-    target's hidden size its features have, its own width (it shares the target's embeddings)
-    and the layers it takes features from (each where the head's config declares it)."""
+    for ``target``: the checks :func:`load_eagle3` makes of a head on disk (:func:`_check_fits`),
+    each where the head's config declares the field."""
     c = head.cfg
-    if c.vocab_size != target.vocab_size:
-        raise HeadMismatchError(f"vocabulary mismatch: head vocab_size {c.vocab_size} != target vocab_size "
+    _check_fits(target, "", vocab=c.vocab_size, target_h=getattr(c, "target_hidden_size", target.hidden_size),
+                h=getattr(c, "hidden_size", target.hidden_size),
+                ids=tuple(getattr(c, "aux_layer_ids", target.aux_layer_ids)))
+
+
+def _check_fits(target: TargetModel, where: str, *, vocab: int, target_h: int, h: int, ids: tuple) -> None:
+    """A head's vocabulary, the target hidden size its features have (fc takes 3 x that), its own
+    width (it shares the target's embeddings) and the layers it takes features from, against
+    ``target``; ``where`` prefixes each message."""
+    if target_h != target.hidden_size:
+        raise HeadMismatchError(
+            f"{where}hidden size mismatch: the head takes features of a target with hidden size {target_h} "
+            f"(fc in = 3 x {target_h}), this target has hidden size {target.hidden_size}"
+        )
+    if h != target.hidden_size:
+        raise HeadMismatchError(
+            f"{where}hidden size mismatch: the head's hidden_size {h} differs from the target embedding width "
+            f"{target.hidden_size} (the head shares the target's embed_tokens)"
+        )
+    if vocab != target.vocab_size:
+        raise HeadMismatchError(f"{where}vocabulary mismatch: head vocab_size {vocab}, target vocab_size "
                                 f"{target.vocab_size}")
-    if getattr(c, "target_hidden_size", target.hidden_size) != target.hidden_size:
-        raise HeadMismatchError(f"hidden size mismatch: head target_hidden_size {c.target_hidden_size} != target "
-                                f"hidden_size {target.hidden_size} (the head takes 3 x {c.target_hidden_size} features)")
-    if getattr(c, "hidden_size", target.hidden_size) != target.hidden_size:
-        raise HeadMismatchError(f"hidden size mismatch: head hidden_size {c.hidden_size} != target hidden_size "
-                                f"{target.hidden_size} (the head shares the target's embed_tokens)")
-    if tuple(getattr(c, "aux_layer_ids", target.aux_layer_ids)) != tuple(target.aux_layer_ids):
-        raise HeadMismatchError(f"layer ids mismatch: the head takes features of layers {tuple(c.aux_layer_ids)}, the "
-                                f"target captures {tuple(target.aux_layer_ids)} (call target.set_aux_layer_ids)")
+    if len(ids) != 3 or not all(0 <= i < target.num_layers for i in ids):
+        raise HeadMismatchError(f"{where}layer ids mismatch: head layer ids {ids} do not exist in a "
+                                f"{target.num_layers}-layer target")
+    if tuple(ids) != tuple(target.aux_layer_ids):
+        raise HeadMismatchError(
+            f"{where}layer ids mismatch: the head was trained on features of layers {ids}, the target captures "
+            f"{target.aux_layer_ids}; load the target with aux_layer_ids={ids} (or call set_aux_layer_ids)"
+        )
 
 
 def _config_for(fields: dict[str, Any], weights: dict[str, torch.Tensor], target: TargetModel, where: Path) -> Eagle3Config:
@@ -125,29 +142,10 @@ def _config_for(fields: dict[str, Any], weights: dict[str, torch.Tensor], target
     target_h = weights["fc.weight"].shape[1] // 3
     if fields.get("target_hidden_size") not in (None, target_h):
         raise HeadMismatchError(f"{where}: target_hidden_size {fields['target_hidden_size']} disagrees with fc.weight")
-    if target_h != target.hidden_size:
-        raise HeadMismatchError(
-            f"{where}: hidden size mismatch: the head takes features of a target with hidden size {target_h} "
-            f"(fc in = 3 x {target_h}), this target has hidden size {target.hidden_size}"
-        )
-    if h != target.hidden_size:
-        raise HeadMismatchError(
-            f"{where}: hidden size mismatch: the head's hidden_size {h} differs from the target embedding width "
-            f"{target.hidden_size} (the head shares the target's embed_tokens)"
-        )
     vocab = int(fields["vocab_size"])
-    if vocab != target.vocab_size:
-        raise HeadMismatchError(f"{where}: vocabulary mismatch: head vocab_size {vocab}, target vocab_size {target.vocab_size}")
     ids = fields.get("eagle_aux_hidden_state_layer_ids")
     ids = default_aux_layer_ids(target.num_layers) if ids is None else tuple(int(i) for i in ids)
-    if len(ids) != 3 or not all(0 <= i < target.num_layers for i in ids):
-        raise HeadMismatchError(f"{where}: layer ids mismatch: head layer ids {ids} do not exist in a "
-                                f"{target.num_layers}-layer target")
-    if tuple(ids) != tuple(target.aux_layer_ids):
-        raise HeadMismatchError(
-            f"{where}: layer ids mismatch: the head was trained on features of layers {ids}, the target captures "
-            f"{target.aux_layer_ids}; load the target with aux_layer_ids={ids} (or call set_aux_layer_ids)"
-        )
+    _check_fits(target, f"{where}: ", vocab=vocab, target_h=target_h, h=h, ids=ids)
     return Eagle3Config(
         hidden_size=h,
         intermediate_size=int(fields["intermediate_size"]),

@@ -32,7 +32,6 @@ import os
 import time
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 from rollout import native_linear
@@ -46,7 +45,7 @@ from rollout.planner import RoundPlanner
 from rollout.runner import ModelRunner
 from rollout.sampled_tree import (ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_block,
                                   walk_sampled)
-from rollout.sequences import RoundOutput, SequenceTable
+from rollout.sequences import RoundOutput, SequenceTable, prompt_budgets
 from rollout.tree import chain_tree, draft_tree, root_tree, walk
 from verifiers import verify_chain
 
@@ -125,7 +124,8 @@ class Engine:
         check_test(spec, verifier, sampling.temperature)
         if not prompts:
             return GenerationResult([], Timings(), [] if debug else None, [] if capture else None)
-        budgets = self._budgets(prompts, sampling.max_new_tokens)
+        budgets = prompt_budgets(prompts, sampling.max_new_tokens, self.target.config.max_position_embeddings,
+                                 self.target.vocab_size)
         start = time.perf_counter()
         dev = self.target.device
         head = self.head if spec.speculative else None  # plain decoding pays nothing for the draft
@@ -194,30 +194,6 @@ class Engine:
         """The context in which this engine's forwards run: the target's (and ``head``'s) linear
         layers on the native kernel when the engine uses it (``linear``), else unchanged."""
         return native_linear.routed(self.target, head) if self.use_native_linear else native_linear.routed()
-
-    def _budgets(self, prompts: list[list[int]], max_new: int) -> list[int]:
-        """Validate the prompts; each row's token budget (capped by the target's context)."""
-        ctx, vocab = self.target.config.max_position_embeddings, self.target.vocab_size
-        budgets = []
-        if not isinstance(prompts, (list, tuple)):
-            raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
-        for i, p in enumerate(prompts):
-            if not isinstance(p, (list, tuple)):
-                raise TypeError(f"prompts must be a list of token-id lists; prompt {i} is a {type(p).__name__} "
-                                f"({p!r:.40}), not a list of token ids")
-            bad = next((j for j, t in enumerate(p) if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
-            if bad is not None:
-                raise TypeError(f"prompt {i} position {bad} is {type(p[bad]).__name__} {p[bad]!r:.40}: token ids "
-                                "must be integers")
-            if len(p) == 0:
-                raise ValueError(f"prompt {i} is empty (every prompt needs at least one token)")
-            if len(p) >= ctx:
-                raise ValueError(f"prompt {i} has {len(p)} tokens but the target's context is {ctx} tokens "
-                                 "(max_position_embeddings): shorten or truncate it")
-            if min(p) < 0 or max(p) >= vocab:
-                raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
-            budgets.append(min(max_new, ctx - len(p)))
-        return budgets
 
     # ------------------------------------------------------------------ rounds
     def _prefill(self, call: _Call, prompts: list[list[int]], max_new: int) -> None:

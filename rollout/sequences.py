@@ -8,8 +8,9 @@ Vocabulary:
 - **round output**: what the verifier emitted for each live row in one round, as host
   arrays ``[B, W]`` (W = most tokens one round can emit) with a count per row.
 
-Stop and length truncation happen here: a row's emitted tokens are cut after the first
-stop token or at its token budget, and the row is marked finished. No tensors, no models.
+A call's prompts are validated here (:func:`prompt_budgets`). Stop and length truncation
+happen here: a row's emitted tokens are cut after the first stop token or at its token
+budget, and the row is marked finished. No tensors, no models.
 """
 
 from __future__ import annotations
@@ -116,3 +117,29 @@ class SequenceTable:
 
     def completions(self) -> list[Completion]:
         return [s.to_completion() for s in self.sequences]
+
+
+def prompt_budgets(prompts: list[list[int]], max_new: int, context: int, vocab: int) -> list[int]:
+    """Validate a call's prompts (lists of integer token ids in ``[0, vocab)``, each shorter than
+    the target's ``context``; a bad one is named); each row's token budget, ``max_new`` capped
+    by the context left after its prompt."""
+    if not isinstance(prompts, (list, tuple)):
+        raise TypeError(f"prompts must be a list of token-id lists, got {type(prompts).__name__}")
+    budgets = []
+    for i, p in enumerate(prompts):
+        if not isinstance(p, (list, tuple)):
+            raise TypeError(f"prompts must be a list of token-id lists; prompt {i} is a {type(p).__name__} "
+                            f"({p!r:.40}), not a list of token ids")
+        bad = next((j for j, t in enumerate(p) if isinstance(t, bool) or not isinstance(t, (int, np.integer))), None)
+        if bad is not None:
+            raise TypeError(f"prompt {i} position {bad} is {type(p[bad]).__name__} {p[bad]!r:.40}: token ids "
+                            "must be integers")
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty (every prompt needs at least one token)")
+        if len(p) >= context:
+            raise ValueError(f"prompt {i} has {len(p)} tokens but the target's context is {context} tokens "
+                             "(max_position_embeddings): shorten or truncate it")
+        if min(p) < 0 or max(p) >= vocab:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab})")
+        budgets.append(min(max_new, context - len(p)))
+    return budgets
