@@ -155,6 +155,10 @@ class GRPOTrainer:
             batch.behaviour_logprobs, batch.target_logprobs, batch.relaxed, batch.completion_mask))
         adv = adv.to(self.device)
         total_tokens = mask.sum().clamp(min=1).item()
+        # sequence aggregation averages over the sequences with a token, so a micro-batch's share
+        # is its such sequences over the batch's (an empty completion counts in neither)
+        scored = mask.any(dim=1)
+        total_scored = scored.sum().clamp(min=1).item()
         logp_old = torch.zeros_like(behaviour)
         self.optimizer.zero_grad(set_to_none=True)
         loss_sum, clip_frac = 0.0, 0.0
@@ -173,7 +177,8 @@ class GRPOTrainer:
                     ref = self._logprobs(self.reference, mb_prompts, mb_outs, mask.shape[1])
             loss, pg_stats = policy_loss(logp_new, logp_old[idx], adv[idx], mask[idx], is_weights=weights,
                                          ref_logp=ref, **c.grpo.loss_kwargs())
-            share = (mask[idx].sum().item() / total_tokens) if c.grpo.aggregation == "token" else (len(rows) / n)
+            share = (mask[idx].sum().item() / total_tokens if c.grpo.aggregation == "token"
+                     else scored[idx].sum().item() / total_scored)
             (loss * share).backward()
             loss_sum += loss.item() * share
             clip_frac += pg_stats["clip_frac"] * share

@@ -117,3 +117,41 @@ def test_bad_objective_and_init_fields_are_named(fields, field):
 def test_finetune_config_loads():
     cfg = from_dict(DrafterConfig, load_yaml("configs/drafter_finetune.yaml"))
     assert (cfg.init, cfg.init_head, cfg.objective, cfg.draft_vocab_size) == ("head", "default", "tv", 8192)
+
+
+def _slow_ce(head, batch, steps: int) -> list[float]:
+    """Mean soft cross-entropy per step from first principles, position by position: the target's
+    softmax renormalised over the draft vocabulary (from the final hidden), against the draft's
+    log-softmax, over the positions that predict a response token whose target argmax is a draft token."""
+    emb = head.embed_tokens.weight[head.target_ids]
+    in_draft = set(head.target_ids.tolist())
+    outs = ttt_forward(head, batch, steps)
+    losses = []
+    for s, (first, hidden) in enumerate(outs):
+        total, n = 0.0, 0
+        for r in range(batch.tokens.shape[0]):
+            for col in range(first, batch.tokens.shape[1] - 1):
+                k = col + 1 + s  # the target position this draft is scored against
+                if k >= batch.tokens.shape[1] or not batch.lossable[r, k] or int(batch.argmax[r, k]) not in in_draft:
+                    continue
+                p = torch.softmax(batch.final[r, k] @ emb.T, -1)
+                log_q = torch.log_softmax(head.logits_from_hidden(hidden[r, col - first]), -1)
+                total += float(-(p * log_q).sum())
+                n += 1
+        losses.append(total / n)
+    return losses
+
+
+def test_ce_loss_matches_a_slow_reference():
+    target = tiny_target(init_range=0.3)
+    data = tiny_data(target, n=8)
+    head = make_head(target, data).eval()
+    batch = collate(data, list(range(8)))
+    with torch.no_grad():
+        loss, per_step = ttt_loss(head, batch, 3, 0.8, "ce")
+        slow = _slow_ce(head, batch, 3)
+    # some scored-looking positions are left out because their argmax is outside the draft vocabulary
+    lossable = batch.lossable[:, 1:] & (batch.argmax[:, 1:] >= 0)
+    assert not bool(head.t2d[batch.argmax[:, 1:].clamp(min=0)][lossable].all())
+    assert per_step == pytest.approx(slow, rel=1e-5)
+    assert float(loss) == pytest.approx(sum(0.8**s * v for s, v in enumerate(slow)), rel=1e-5)

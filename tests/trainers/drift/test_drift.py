@@ -331,3 +331,52 @@ def test_lossless_accuracy_matches_plain_sampling_on_the_embedded_model(tmp_path
     assert c["lossless@chain"]["tv"]["p99"] < 1e-5
     gap = c["lossless@chain"]["vs_baseline"]
     assert gap["intervals_overlap"] and gap["p_value"] > 0.01, gap
+
+
+def test_a_runs_step_view_weights_whole_sequences_by_policy_over_behaviour():
+    """The step view's sequence ratio is prod_t pi / P (policy_logprobs over behaviour_logprobs),
+    not the rollout's p / P: here p = P, and the two sequences' ratios are 1 and 3."""
+    beh = [[-1.0, -2.0], [-0.5, -1.5]]
+    pol = [[-1.0, -2.0], [-0.5 + math.log(3.0), -1.5]]
+    records = [{"behaviour_logprobs": b, "target_logprobs": b, "policy_logprobs": p, "relaxed": [0, 0],
+                "weights": [1.0, 1.0], "reward": 0.0} for b, p in zip(beh, pol)]
+    row = step_stats(records)
+    assert row["seq_log_ratio_mean"] == pytest.approx(math.log(3.0) / 2, abs=1e-12)
+    assert row["seq_ess"] == pytest.approx(16 / 20, abs=1e-12)  # (1 + 3)^2 / (2 (1 + 9))
+    assert (row["kl_P_p_k1"], row["kl_P_p_k3"]) == (0.0, 0.0)
+
+
+def _run_data(key, kind, mode, verifier, baseline, tokens_per_s, correct, seq_log_ratio, length):
+    from trainers.drift.run import RunData
+    from trainers.drift.study import RunSpec
+
+    n_tok = len(correct) * length
+    tok = {k: [torch.zeros(n_tok, dtype=torch.float64)] for k in
+           ("tv", "kl", "entropy_P", "entropy_p", "relaxed", "uncovered", "logP_err", "position")}
+    return RunData(spec=RunSpec(key, kind, mode, parse_verifier(verifier), baseline), tokens=tok,
+                   seq_log_ratio=list(seq_log_ratio), rewards=[float(c) for c in correct],
+                   difficulties=[1] * len(correct), lengths=[length] * len(correct),
+                   timings={"tokens": float(n_tok), "total_s": n_tok / tokens_per_s, "cpu_s": 2 * n_tok / tokens_per_s,
+                            "emitted": float(n_tok), "row_rounds": float(n_tok) / 2})
+
+
+def test_report_speedups_gaps_and_sequence_ess_on_hand_built_runs():
+    """compare(): speedups are this configuration's tokens/s over lossless's (same mode) and over
+    plain sampling's; the accuracy gap is this configuration minus its baseline; the sequence
+    ESS is that of the weights prod p / P = exp(seq_log_ratio)."""
+    runs = [_run_data("plain", "baseline", "off", "lossless", None, 10.0, [1] * 50 + [0] * 50, [0.0] * 100, 4),
+            _run_data("lossless@chain", "verifier", "chain", "lossless", "plain", 20.0, [1] * 50 + [0] * 50,
+                      [0.0] * 100, 4),
+            _run_data("mars:theta=0.9@chain", "verifier", "chain", "mars:theta=0.9", "plain", 30.0,
+                      [1] * 30 + [0] * 70, [0.0] * 98 + [0.0, math.log(3.0)], 2)]
+    c = build_report(runs, {})["configurations"]
+    mars = c["mars:theta=0.9@chain"]
+    assert mars["speedup_vs_lossless"] == pytest.approx(1.5) and mars["speedup_vs_autoregressive"] == pytest.approx(3.0)
+    assert mars["cpu_speedup_vs_lossless"] == pytest.approx(1.5)
+    assert c["lossless@chain"]["speedup_vs_autoregressive"] == pytest.approx(2.0)
+    assert mars["length_vs_baseline"] == pytest.approx(0.5)
+    gap = mars["vs_baseline"]
+    assert gap["baseline"] == "plain" and gap["diff"] == pytest.approx(0.3 - 0.5)
+    assert gap["diff_ci_low"] < -0.2 < gap["diff_ci_high"]
+    assert mars["seq_ess"] == pytest.approx(102 ** 2 / (100 * (99 + 9)), abs=1e-12)  # 99 ones and a 3
+    assert mars["tau"] == pytest.approx(2.0)

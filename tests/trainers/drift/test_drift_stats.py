@@ -91,3 +91,31 @@ def test_a_runs_step_view_and_the_training_log_agree_on_the_same_tokens():
     assert (row["kl_P_pi_k1"], row["kl_P_pi_k3"]) == (logged["kl_k1"], logged["kl_k3"]) and logged["kl_k3"] > 0
     assert (row["kl_P_p_k1"], row["kl_P_p_k3"]) == (0.0, 0.0)
     assert row["weight_ess"] == weight_stats(w, mask, mask)["is_ess"] < 1
+
+
+def test_newcombe_interval_and_z_test_match_published_and_scipy_values():
+    """Newcombe (1998, Stat. Med. 17:873, Table II, example (a)): 56/70 - 48/80 = 0.2000 with
+    the hybrid score interval (method 10) [0.0524, 0.3339]; the pooled z-test is the 2x2
+    chi-square test without continuity correction (z^2 = chi^2)."""
+    from scipy.stats import chi2_contingency
+
+    from trainers.drift.stats import accuracy_stats
+
+    a = accuracy_stats([1.0] * 56 + [0.0] * 14)
+    b = accuracy_stats([1.0] * 48 + [0.0] * 32)
+    g = compare_accuracy(a, b)
+    assert g["diff"] == pytest.approx(0.2, abs=1e-12)
+    assert g["diff_ci_low"] == pytest.approx(0.0524, abs=5e-5)
+    assert g["diff_ci_high"] == pytest.approx(0.3339, abs=5e-5)
+    chi2, p, _, _ = chi2_contingency([[56, 14], [48, 32]], correction=False)
+    assert g["z"] == pytest.approx(math.sqrt(chi2), rel=1e-9) and g["p_value"] == pytest.approx(p, rel=1e-9)
+    # the gap is antisymmetric: b - a mirrors the interval
+    r = compare_accuracy(b, a)
+    assert (r["diff_ci_low"], r["diff_ci_high"]) == pytest.approx((-g["diff_ci_high"], -g["diff_ci_low"]), abs=1e-12)
+
+
+def test_sequence_ess_survives_log_weights_far_apart():
+    """Sequence log weights routinely span hundreds of nats: ESS of [e^0, e^1000] is that of [0, 1]."""
+    assert sequence_ess(torch.tensor([0.0, 1000.0], dtype=torch.float64)) == pytest.approx(0.5, abs=1e-12)
+    log_w = torch.tensor([-800.0, 0.0, 0.0, math.log(3.0)], dtype=torch.float64)
+    assert sequence_ess(log_w) == pytest.approx(25 / 44, abs=1e-12)  # (1 + 1 + 3)^2 / (4 (1 + 1 + 9))

@@ -300,3 +300,28 @@ def test_uncovered_support_is_what_limits_the_correction():
         assert missing <= math.sqrt(2) * float((pi * REWARD.abs())[~covered].sum()) + 1e-12
         assert missing <= math.sqrt(2) * uncovered_mass * float(REWARD.abs().max())
         assert float((estimate - g).norm()) > 0.5 * missing
+
+
+def test_geo_mis_takes_the_geometric_mean_over_valid_tokens_only():
+    """Padding is not part of a sequence: a one-token sequence with ratio 0.25 (or 3) has
+    geometric mean 0.25 (or 3), outside [0.5, 2], whatever the padded width; averaging over the
+    width (here 4) would give 0.71 (or 1.32) and keep it."""
+    ratios = torch.tensor([[0.25, 1.0, 1.0, 1.0], [3.0, 1.0, 1.0, 1.0], [0.8, 1.5, 1.0, 1.0]], dtype=torch.float64)
+    mask = torch.tensor([[1, 0, 0, 0], [1, 0, 0, 0], [1, 1, 0, 0]], dtype=torch.bool)
+    behaviour = torch.where(mask, torch.tensor(-1.0, dtype=torch.float64), 0.0)
+    logp_old = behaviour + torch.log(ratios)
+    for width in (1, 2, 4):  # the same sequences padded to different widths: the same result
+        w, keep, stats = importance_weights(logp_old[:, :width], behaviour[:, :width], mask[:, :width],
+                                            CorrectionConfig("geo_mis", cap=2.0, low=0.5, high=2.0))
+        assert keep[:, 0].tolist() == [False, False, True], width
+        assert w[2, 0].item() == pytest.approx(0.8, rel=1e-12)
+        if width > 1:
+            assert w[2, 1].item() == pytest.approx(1.5, rel=1e-12)  # sqrt(0.8 * 1.5) = 1.1 is inside
+        assert stats["is_masked_frac"] == pytest.approx(2 / (2 + min(width, 2)))
+
+
+def test_relaxed_flags_on_padding_do_not_count():
+    relaxed = torch.tensor([[False, True, True], [True, True, True]])
+    mask = torch.tensor([[1, 0, 0], [1, 1, 0]], dtype=torch.bool)
+    assert relaxed_fraction(relaxed, mask) == pytest.approx(2 / 3)
+    assert relaxed_fraction(~relaxed, mask) == pytest.approx(1 / 3)

@@ -200,3 +200,14 @@ def test_padding_values_never_leak_into_loss_or_gradient():
         assert torch.isfinite(loss) and torch.isfinite(x.grad).all() and x.grad[1, 2] == 0
         assert all(v == v for v in stats.values())
     assert policy_loss(x, old, adv, mask, is_weights=w)[0].item() == pytest.approx(clean.item())
+
+
+def test_loss_kwargs_carry_each_field_to_its_own_argument():
+    """Every value distinct, so a field passed as another's shows."""
+    cfg = GRPOConfig(clip_low=0.1, clip_high=0.28, aggregation="sequence", kl_coef=0.05)
+    assert cfg.loss_kwargs() == {"clip_low": 0.1, "clip_high": 0.28, "aggregation": "sequence", "kl_coef": 0.05}
+    logp_new, logp_old, adv, mask = _inputs()
+    direct, _ = policy_loss(logp_new, logp_old, adv, mask, clip_low=0.1, clip_high=0.28, aggregation="sequence",
+                            ref_logp=logp_old - 0.3, kl_coef=0.05)
+    via_cfg, _ = policy_loss(logp_new, logp_old, adv, mask, ref_logp=logp_old - 0.3, **cfg.loss_kwargs())
+    assert via_cfg.item() == direct.item()

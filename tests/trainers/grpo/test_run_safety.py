@@ -210,3 +210,65 @@ def test_a_non_finite_checkpoint_is_refused_on_load(tmp_path):
     fresh, fresh_opt = _model_and_opt(seed=1)
     with pytest.raises(NonFiniteError, match="step 5: checkpoint step_000005 is not finite .*weight holds NaN"):
         load_checkpoint(path, fresh, fresh_opt)
+
+
+class _RecordingPool:
+    """Stands for the Ray rollout pool at start-up: records the weights' version it is sent."""
+
+    def __init__(self, *args, **kwargs):
+        self.versions = []
+
+    def set_weights(self, state, version):
+        self.versions.append(version)
+
+    def shutdown(self):
+        pass
+
+
+def _policy_step(trainer) -> None:
+    """One AdamW step of the trainer's policy on a loss whose gradient is not zero."""
+    from trainers.grpo.policy import completion_logprobs
+
+    trainer.optimizer.zero_grad(set_to_none=True)
+    logp, mask = completion_logprobs(trainer.policy, [[5, 9, 14, 3], [11, 4, 6]], [[40, 41, 42], [43, 44]],
+                                     temperature=1.0)
+    (-(logp * torch.tensor([[1.0], [-0.5]]))[mask].sum()).backward()
+    grads = [p.grad for p in trainer.policy.parameters() if p.grad is not None]
+    assert grads and max(float(g.abs().max()) for g in grads) > 1e-4  # a real step
+    trainer.optimizer.step()
+
+
+def test_resume_restores_policy_optimizer_rng_and_version(tmp_path, tiny_policy_dir, monkeypatch):
+    """The trainer's own resume (GRPOTrainer.start, the pool a stub): a run checkpointed after
+    one step and resumed continues exactly as the uninterrupted run: the second AdamW step (whose
+    moments come from the first) gives the same weights, the RNG streams continue where they
+    were, and the policy version (what the actors are told) is the saved one."""
+    import random
+
+    from trainers.grpo import loop
+    from trainers.grpo.config import load_train_config
+
+    pools = []
+    monkeypatch.setattr(loop, "RolloutPool", lambda *a, **k: pools.append(_RecordingPool()) or pools[-1])
+    path = write_config(tmp_path / "c.yaml", tiny_policy_dir, None, tmp_path / "run", run={"steps": 3},
+                        rollout={"spec": {"mode": "off"}})
+    full = loop.GRPOTrainer(load_train_config(path))
+    full.start()
+    _policy_step(full)
+    full.version = 1
+    full.save(1)
+    full.logger.close()
+    draws = (torch.rand(4), random.random())  # what the next step would draw
+    _policy_step(full)
+    after_two = {k: v.clone() for k, v in full.policy.state_dict().items()}
+
+    torch.manual_seed(123), random.seed(123)  # a new process: other RNG states
+    resumed = loop.GRPOTrainer(load_train_config(path))
+    resumed.start()
+    resumed.logger.close()
+    assert (resumed.start_step, resumed.version) == (1, 1)
+    assert pools[-1].versions == [1]
+    assert torch.equal(torch.rand(4), draws[0]) and random.random() == draws[1]
+    _policy_step(resumed)
+    for name, value in resumed.policy.state_dict().items():
+        torch.testing.assert_close(value, after_two[name], rtol=0, atol=1e-7, msg=name)

@@ -233,3 +233,63 @@ def test_mars_on_the_embedded_model(tmp_path):
     ratios = trainer.importance_ratios(out)[out["completion_mask"].bool()]
     assert trainer.rollouts.last_batch.relaxed.any()
     assert (ratios - 1).abs().max() > 1e-2
+
+
+def test_truncation_uses_the_cap_and_masking_the_bounds():
+    """cap and high are different settings: a truncating mode clips at cap, a masking one keeps
+    [low, high]."""
+    from trainers.trl import trl_correction
+
+    cfg = dict(cap=3.0, low=0.25, high=1.5)
+    assert trl_correction(CorrectionConfig(mode="token_tis", **cfg)) == {
+        "mode": "token_truncate", "clip_min": None, "clip_max": 3.0}
+    assert trl_correction(CorrectionConfig(mode="seq_tis", **cfg))["clip_max"] == 3.0
+    assert trl_correction(CorrectionConfig(mode="token_mis", **cfg)) == {
+        "mode": "token_mask", "clip_min": 0.25, "clip_max": 1.5}
+    assert trl_correction(CorrectionConfig(mode="seq_mis", **cfg))["clip_min"] == 0.25
+
+
+def test_rollouts_sample_at_trls_temperature():
+    """TRL recomputes log-probs at args.temperature; the rollouts must sample at the same one."""
+    from types import SimpleNamespace
+
+    from trainers.trl.rollouts import sampling_from_trl
+
+    args = SimpleNamespace(top_p=1.0, top_k=None, min_p=None, repetition_penalty=1.0, temperature=0.7,
+                           max_completion_length=16)
+    s = sampling_from_trl(args, eos_token_id=2)
+    assert (s.temperature, s.max_new_tokens, tuple(s.stop_token_ids)) == (0.7, 16, (2,))
+
+
+def test_speculative_metrics_are_kl_of_behaviour_to_policy_and_ess_of_trls_ratios():
+    """The logged drift on hand-built log-probs: k1 = mean(log P - log pi_old) and
+    k3 = mean(r - 1 - log r) with r = pi_old / P over the valid tokens; ESS of TRL's ratios."""
+    from collections import defaultdict
+    from types import SimpleNamespace
+
+    from trainers.trl.trainer import SpeculativeGRPOTrainer
+
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]], dtype=torch.bool)
+    sampled = torch.tensor([[-1.0, -2.0, -0.5], [-0.3, -1.2, 0.0]])
+    log_r = torch.tensor([[0.5, -0.2, 0.0], [1.0, -0.4, 9.0]])  # the 9.0 is padding
+    old = sampled + log_r
+    ratio = torch.tensor([[1.5, 0.8, 1.0], [2.0, 0.7, 5.0]])
+    relaxed = torch.tensor([[True, False, False], [True, True, True]])
+    batch = RolloutBatch(prompt_ids=torch.ones(2, 2, dtype=torch.long), prompt_mask=torch.ones(2, 2, dtype=torch.bool),
+                         completion_ids=torch.ones(2, 3, dtype=torch.long), completion_mask=mask,
+                         behaviour_logprobs=sampled, target_logprobs=sampled, kinds=torch.zeros(2, 3, dtype=torch.int8),
+                         relaxed=relaxed, finish_reasons=["length"] * 2, tau=2.5, timings={"tokens": 5.0})
+    trainer = SpeculativeGRPOTrainer.__new__(SpeculativeGRPOTrainer)  # only what the metrics read
+    trainer.rollouts = SimpleNamespace(last_batch=batch, last_seconds=0.5)
+    trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
+    trainer.model = SimpleNamespace(training=True)
+    trainer._log_rollout_metrics({"old_per_token_logps": old, "sampling_per_token_logps": sampled,
+                                  "completion_mask": mask.long(), "importance_sampling_ratio": ratio})
+    m = trainer._metrics["train"]
+    lr = log_r[mask].double()
+    assert m["speculative/kl_k1"] == [pytest.approx(float(-lr.mean()), abs=1e-6)]
+    assert m["speculative/kl_k3"] == [pytest.approx(float((lr.exp() - 1 - lr).mean()), abs=1e-6)]
+    w = ratio[mask].double()
+    assert m["speculative/is_ess"] == [pytest.approx(float(w.sum() ** 2 / (5 * (w ** 2).sum())), abs=1e-6)]
+    assert m["speculative/relaxed_fraction"] == [pytest.approx(3 / 5)]  # not the padded flag: 4 / 6
+    assert m["speculative/tau"] == [2.5] and m["speculative/rollout_tokens_per_s"] == [pytest.approx(10.0)]
