@@ -14,26 +14,32 @@ from trainers.drafter.train import DrafterConfig, train_drafter
 from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_forward, ttt_loss
 
 
+def _slow_per_step(head, batch, steps: int, score) -> list[float]:
+    """Mean of ``score(r, k, hidden)`` per step, position by position: the draft at column ``col``
+    of step s (its hidden state ``hidden``) against the target at position k = col + 1 + s of row r,
+    over the positions that predict a response token (``score`` returns None to leave one out)."""
+    means = []
+    for s, (first, hidden) in enumerate(ttt_forward(head, batch, steps)):
+        values = [score(r, col + 1 + s, hidden[r, col - first]) for r in range(batch.tokens.shape[0])
+                  for col in range(first, batch.tokens.shape[1] - 1)
+                  if col + 1 + s < batch.tokens.shape[1] and batch.lossable[r, col + 1 + s]]
+        values = [v for v in values if v is not None]
+        means.append(sum(values) / len(values))
+    return means
+
+
 def _slow_acceptance(head, batch, steps: int, scale: float) -> list[float]:
-    """Mean T = 1 acceptance per step from first principles, position by position: the target's
-    softmax over its full vocabulary (from the final hidden), the draft's over its own, the
-    overlap sum_v min(p, q) at the draft ids, over the positions that predict a response token."""
+    """Mean T = 1 acceptance per step from first principles: the target's softmax over its full
+    vocabulary (from the final hidden), the draft's over its own, the overlap sum_v min(p, q) at
+    the draft ids."""
     emb = head.embed_tokens.weight
-    outs = ttt_forward(head, batch, steps)
-    rates = []
-    for s, (first, hidden) in enumerate(outs):
-        total, n = 0.0, 0
-        for r in range(batch.tokens.shape[0]):
-            for col in range(first, batch.tokens.shape[1] - 1):
-                k = col + 1 + s  # the target position this draft is scored against
-                if k >= batch.tokens.shape[1] or not batch.lossable[r, k]:
-                    continue
-                p = torch.softmax(batch.final[r, k] @ emb.T, -1)[head.target_ids]
-                q = torch.softmax(scale * head.logits_from_hidden(hidden[r, col - first]), -1)
-                total += float(torch.minimum(p, q).sum())
-                n += 1
-        rates.append(total / n)
-    return rates
+
+    def overlap(r, k, hidden):
+        p = torch.softmax(batch.final[r, k] @ emb.T, -1)[head.target_ids]
+        q = torch.softmax(scale * head.logits_from_hidden(hidden), -1)
+        return float(torch.minimum(p, q).sum())
+
+    return _slow_per_step(head, batch, steps, overlap)
 
 
 def test_tv_loss_is_one_minus_the_acceptance_it_reports():
@@ -120,26 +126,19 @@ def test_finetune_config_loads():
 
 
 def _slow_ce(head, batch, steps: int) -> list[float]:
-    """Mean soft cross-entropy per step from first principles, position by position: the target's
-    softmax renormalised over the draft vocabulary (from the final hidden), against the draft's
-    log-softmax, over the positions that predict a response token whose target argmax is a draft token."""
+    """Mean soft cross-entropy per step from first principles: the target's softmax renormalised
+    over the draft vocabulary (from the final hidden) against the draft's log-softmax, at the
+    positions whose target argmax is a draft token."""
     emb = head.embed_tokens.weight[head.target_ids]
     in_draft = set(head.target_ids.tolist())
-    outs = ttt_forward(head, batch, steps)
-    losses = []
-    for s, (first, hidden) in enumerate(outs):
-        total, n = 0.0, 0
-        for r in range(batch.tokens.shape[0]):
-            for col in range(first, batch.tokens.shape[1] - 1):
-                k = col + 1 + s  # the target position this draft is scored against
-                if k >= batch.tokens.shape[1] or not batch.lossable[r, k] or int(batch.argmax[r, k]) not in in_draft:
-                    continue
-                p = torch.softmax(batch.final[r, k] @ emb.T, -1)
-                log_q = torch.log_softmax(head.logits_from_hidden(hidden[r, col - first]), -1)
-                total += float(-(p * log_q).sum())
-                n += 1
-        losses.append(total / n)
-    return losses
+
+    def cross_entropy(r, k, hidden):
+        if int(batch.argmax[r, k]) not in in_draft:
+            return None
+        p = torch.softmax(batch.final[r, k] @ emb.T, -1)
+        return float(-(p * torch.log_softmax(head.logits_from_hidden(hidden), -1)).sum())
+
+    return _slow_per_step(head, batch, steps, cross_entropy)
 
 
 def test_ce_loss_matches_a_slow_reference():
