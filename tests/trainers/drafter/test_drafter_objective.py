@@ -42,11 +42,15 @@ def _slow_acceptance(head, batch, steps: int, scale: float) -> list[float]:
     return _slow_per_step(head, batch, steps, overlap)
 
 
-def test_tv_loss_is_one_minus_the_acceptance_it_reports():
+def _head_and_batch():
+    """A trained tiny head and a batch of its 8 training answers."""
     target = tiny_target(init_range=0.3)
     data = tiny_data(target, n=8)
-    head = make_head(target, data).eval()
-    batch = collate(data, list(range(8)))
+    return make_head(target, data).eval(), collate(data, list(range(8)))
+
+
+def test_tv_loss_is_one_minus_the_acceptance_it_reports():
+    head, batch = _head_and_batch()
     with torch.no_grad():
         loss, per_step = ttt_loss(head, batch, 3, 0.8, "tv", scale=1.3)
         slow = _slow_acceptance(head, batch, 3, 1.3)
@@ -142,10 +146,7 @@ def _slow_ce(head, batch, steps: int) -> list[float]:
 
 
 def test_ce_loss_matches_a_slow_reference():
-    target = tiny_target(init_range=0.3)
-    data = tiny_data(target, n=8)
-    head = make_head(target, data).eval()
-    batch = collate(data, list(range(8)))
+    head, batch = _head_and_batch()
     with torch.no_grad():
         loss, per_step = ttt_loss(head, batch, 3, 0.8, "ce")
         slow = _slow_ce(head, batch, 3)
