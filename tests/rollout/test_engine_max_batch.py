@@ -274,3 +274,34 @@ def test_the_engine_traces_its_planners_rounds_on_request(models):
     assert len(trace) > t.rounds and trace[-1]["call"] == 1
     engine.trace_plans(False)
     assert engine.plan_trace(spec, VerifierConfig(), sampling) is None
+
+
+def test_a_tree_round_off_the_blocks_prefix_feeds_the_draft_its_path(models):
+    """A tree round commits the root and the drafts on its accepted path (block offsets 0, 2, 3
+    here, not the block's prefix 0, 1, 2): the draft then consumes each committed token's own
+    target features, and stands exactly where plain rounds over the same tokens leave it."""
+    target, head = models
+    outs = []
+    for tree in (True, False):
+        runner = ModelRunner(target, head)
+        first = runner.start(PROMPTS, capacity=64).argmax(-1)
+        runner.set_first_tokens(first)
+        b = runner.batch
+        a, x, y, final = (torch.full((b,), t) for t in (7, 11, 13, 17))  # x, y: the accepted path
+        if tree:  # block [root, a, x, y]: a and x children of the root, y of x
+            tokens = torch.stack([runner.pending, a, x, y], 1)
+            depths = torch.tensor([[0, 1, 1, 2]])
+            mask = torch.tensor([[1, 0, 0, 0], [1, 1, 0, 0], [1, 0, 1, 0], [1, 0, 1, 1]], dtype=torch.bool)[None]
+            _, feats = runner.verify_forward(tokens, depths, mask)
+            path = torch.tensor([[0, 2, 3]]).expand(b, 3)
+            runner.commit(torch.full((b,), 3), [3] * b, torch.stack([x, y, final], 1), feats, path)
+        else:
+            for forced in (x, y, final):
+                _, feats = runner.verify_forward(runner.pending[:, None], torch.zeros(1, 1, dtype=torch.long), None)
+                runner.commit(torch.ones(b, dtype=torch.long), [1] * b, forced[:, None], feats, None)
+        root = runner.draft_root()
+        outs.append((root.logits, root.hidden, runner.draft_kv.lengths.tolist()))
+    (l0, h0, n0), (l1, h1, n1) = outs
+    assert n0 == n1 == [len(p) + 3 for p in PROMPTS]
+    torch.testing.assert_close(h0, h1, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(l0, l1, atol=1e-5, rtol=1e-5)
