@@ -23,6 +23,9 @@ def relaxed_fraction(relaxed: torch.Tensor, mask: torch.Tensor) -> float:
 def reward_stats(rewards: torch.Tensor, correct: torch.Tensor | None = None) -> dict[str, float]:
     """Reward mean/std/min/max, accuracy and the share of groups that carry no signal.
 
+    ``reward_std`` describes the step's rewards as a population (all B x G of them, divisor B x G);
+    the advantages scale by each group's unbiased std instead (``trainers.grpo.loss``).
+
     rewards [B, G] (or flat, then group stats are skipped); correct: bool like rewards,
     default rewards >= 1 (the exact-match reward plus any format bonus).
     """

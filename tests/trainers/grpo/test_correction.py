@@ -165,6 +165,11 @@ def test_relaxed_fraction_and_reward_stats():
     s = reward_stats(rewards)
     assert s["accuracy"] == pytest.approx(4 / 12)
     assert s["reward_mean"] == pytest.approx(rewards.mean().item())
+    # the std of the step's rewards as a population (divisor B x G, not B x G - 1): a description of this batch,
+    # not the group std of the advantages (unbiased, loss.py)
+    mean = sum(rewards.flatten().tolist()) / 12
+    assert s["reward_std"] == pytest.approx((sum((r - mean) ** 2 for r in rewards.flatten().tolist()) / 12) ** 0.5)
+    assert (s["reward_min"], s["reward_max"]) == (0.0, pytest.approx(1.1))
     assert s["groups_zero_std_frac"] == pytest.approx(1 / 3)
     assert s["groups_any_correct_frac"] == pytest.approx(2 / 3)
     s = reward_stats(rewards.flatten(), correct=rewards.flatten() > 0.5)
