@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: every `gpu`-marked test, in one command, on a lent GPU machine.
 #
-#   bash scripts/gpu_check.sh        (from the repository root; device `run`: carry [".whl"], timeout_s 420)
+#   bash scripts/gpu_check.sh        (from the repository root, with the ignored .whl/ folder beside it)
 #
 # Installs the wheels carried in .whl/ (pytest and its needs; `bash scripts/gpu_wheels.sh` fetches
 # them) into $GPU_CHECK_SITE (default /tmp/site), prints the versions, then runs pytest -m gpu over

@@ -2,7 +2,7 @@
 # Fetch into .whl/ (ignored by git) the wheels that scripts/gpu_check.sh installs on the GPU machine,
 # which has torch, transformers, numpy, pyyaml, tqdm but no pytest: pytest and what it requires on
 # CPython 3.12 (pluggy, iniconfig, packaging, pygments; its other needs are for Python < 3.11 or
-# Windows), pinned, for x86-64 Linux. Needs pip and PyPI here; the device `run` then carries .whl.
+# Windows), pinned, for x86-64 Linux. Needs pip and PyPI here; .whl/ then travels with the repository.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
