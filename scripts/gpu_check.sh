@@ -14,6 +14,7 @@ cd "$(dirname "$0")/.."
 
 GPU_TESTS=(
     tests/verifiers/test_verifiers_cuda.py
+    tests/verifiers/test_block_tree_backends.py
     tests/rollout/test_engine_cuda.py
     tests/trainers/drafter/test_drafter_data.py
 )

@@ -262,18 +262,11 @@ def _draft_trees(tables, n: int, g: torch.Generator) -> torch.Tensor:
     return tokens
 
 
-def test_batched_rounds_follow_p():
-    """verify_block_tree on trees drafted from the tables: the first token's law is p after the
-    empty prefix, the first two tokens' (a round of one token continued by p) p's; the log-probs
-    are log p, the kinds and paths consistent."""
-    tables, p, _ = _tables(0)
-    g = torch.Generator().manual_seed(3)
-    n = 6000
-    tokens = _draft_trees(tables, n, g)
-    target = torch.stack([_row_inputs(tables, [int(t) for t in row])[0] for row in tokens]).float()
-    draft = torch.stack([_row_inputs(tables, [int(t) for t in row])[1] for row in tokens]).float()
-    out, emitted, logp, kinds, path = verify_block_tree(target, draft, tokens, CHILDREN, DEPTHS, temperature=1.0,
-                                                        top_k=None, top_p=None, generator=g)
+def check_rounds_follow_p(p, out, emitted, logp, kinds, path, g: torch.Generator) -> None:
+    """Rounds of block-verified trees (CPU tensors) against the tables' p: the first token's law is
+    p after the empty prefix, the first two tokens' (a round of one token continued by p) p's; the
+    log-probs are log p, the kinds and paths consistent."""
+    n = out.shape[0]
     assert_matches(out[:, 0], torch.tensor(p[()]))
     two = emitted >= 2
     pairs = out[two, 0] * V + out[two, 1]
@@ -291,6 +284,21 @@ def test_batched_rounds_follow_p():
         assert all(int(k) == int(TokenKind.ACCEPTED) for k in kinds[row, :m - 1])
         assert [PARENTS[int(v)] for v in path[row, 1:m]] == [int(v) for v in path[row, :m - 1]]
     assert float((emitted - 1).double().mean()) > 0.5
+
+
+def test_batched_rounds_follow_p():
+    """verify_block_tree on trees drafted from the tables: the first token's law is p after the
+    empty prefix, the first two tokens' (a round of one token continued by p) p's; the log-probs
+    are log p, the kinds and paths consistent."""
+    tables, p, _ = _tables(0)
+    g = torch.Generator().manual_seed(3)
+    n = 6000
+    tokens = _draft_trees(tables, n, g)
+    target = torch.stack([_row_inputs(tables, [int(t) for t in row])[0] for row in tokens]).float()
+    draft = torch.stack([_row_inputs(tables, [int(t) for t in row])[1] for row in tokens]).float()
+    out, emitted, logp, kinds, path = verify_block_tree(target, draft, tokens, CHILDREN, DEPTHS, temperature=1.0,
+                                                        top_k=None, top_p=None, generator=g)
+    check_rounds_follow_p(p, out, emitted, logp, kinds, path, g)
 
 
 def test_each_walk_takes_the_uniforms_of_its_depth():

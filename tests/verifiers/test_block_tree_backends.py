@@ -2,7 +2,8 @@
 against each other. The law itself is checked in ``test_block_tree.py``.
 
 - a tree whose nodes each have one child is block verification of the chain, token for token;
-- the batched PyTorch walk and the C++ kernel equal the row-by-row walk on the same uniforms;
+- the batched PyTorch walk (on CUDA too, marker ``gpu``) and the C++ kernel equal the row-by-row walk on
+  the same uniforms;
 - bad input is refused.
 """
 
@@ -68,10 +69,14 @@ def test_bad_input_is_refused():
                           generator=g)
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("total,depth,top_k", [(8, 5, 3), (10, 4, 4)])
-def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k):
-    """``walk_rows`` (the rows grouped by the node their walk starts at) against ``walk_row``, the
-    plain loop of the module docstring, on the same uniforms: the same tokens, kinds and paths."""
+def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k, device):
+    """``walk_rows`` (the rows grouped by the node their walk starts at; the walk other devices
+    take) on ``device`` against ``walk_row`` on the CPU, the plain loop of the module docstring,
+    on the same uniforms: the same tokens, kinds and paths."""
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA device")
     from rollout.sampled_tree import sampled_shape
     from verifiers.block_tree import walk_rows
     from verifiers.sampled import draw_without_replacement
@@ -91,7 +96,8 @@ def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k):
     u_block = torch.rand(b, w, w, generator=g, dtype=torch.float64)
     u_sibling = torch.rand(b, w, top_k, generator=g, dtype=torch.float64)
     u_final = torch.rand(b, generator=g)
-    out, emitted, kinds, path = walk_rows(p, q, tokens, children, depths, u_block, u_sibling, u_final)
+    out, emitted, kinds, path = (x.cpu() for x in walk_rows(*(t.to(device) for t in (p, q, tokens)), children, depths,
+                                                            *(t.to(device) for t in (u_block, u_sibling, u_final))))
     spares = 0
     for row in range(b):
         ref = walk_row(p[row], q[row], tokens[row], children, depths, u_block[row], u_sibling[row],

@@ -14,8 +14,8 @@ body is known to pass and to fail on a broken walk. What each one checks:
   of a round (``test_block.py``'s tables), log-probs are log p; its rows equal the plain-loop
   reference token for token on the same uniforms;
 - block verification of a sampled tree (``verifiers/block_tree.py``): the first two tokens follow
-  p (``test_block_tree.py``'s tables), log-probs are log p; ``walk_rows`` on the device equals
-  the row-by-row ``walk_row`` on the CPU on the same uniforms.
+  p (``test_block_tree.py``'s tables), log-probs are log p (``walk_rows`` on the device against
+  the row-by-row ``walk_row`` on the same uniforms: ``test_block_tree_backends.py``, also ``gpu``).
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ import torch
 from test_verifiers_montecarlo import N, V, _case_logits, assert_matches
 from verifier_cases import RULE_CASES, RULE_IDS
 
-from verifiers import TokenKind, block, block_tree, get_rule, induced_candidates, induced_chain, native, target_probs
+from verifiers import block, block_tree, get_rule, induced_candidates, induced_chain, native, target_probs
 from verifiers import verify_candidates, verify_chain
-from verifiers.block_tree import verify_block_tree, walk_row, walk_rows
+from verifiers.block_tree import verify_block_tree, walk_rows
 from verifiers.processing import draft_probs
 from verifiers.reference import reference_block_chain
 
@@ -161,7 +161,7 @@ def test_sampled_tree_block_verification_follows_p(device):
     are log p, the kinds and paths consistent."""
     tables, p, _ = tree_tables._tables(0)
     g = torch.Generator().manual_seed(3)
-    n, v = 6000, tree_tables.V
+    n = 6000
     tokens = tree_tables._draft_trees(tables, n, g)
     rows = [tree_tables._row_inputs(tables, [int(t) for t in row]) for row in tokens]
     target = torch.stack([t for t, _ in rows]).float()
@@ -170,53 +170,4 @@ def test_sampled_tree_block_verification_follows_p(device):
         x.cpu() for x in verify_block_tree(target.to(device), draft.to(device), tokens.to(device),
                                            tree_tables.CHILDREN, tree_tables.DEPTHS, temperature=1.0, top_k=None,
                                            top_p=None, generator=_generator(device, 3)))
-    assert_matches(out[:, 0], torch.tensor(p[()]))
-    two = emitted >= 2
-    cont = torch.tensor([torch.multinomial(torch.tensor(p[(int(t),)]), 1, generator=g).item() for t in out[~two, 0]])
-    pairs = torch.cat([out[two, 0] * v + out[two, 1], out[~two, 0] * v + cont])
-    assert_matches(pairs, torch.tensor([p[()][a] * p[(a,)][b] for a in range(v) for b in range(v)]))
-    for row in range(0, n, 97):
-        m = int(emitted[row])
-        for i in range(m):
-            seq = tuple(int(t) for t in out[row, :i])
-            assert logp[row, i].item() == pytest.approx(math.log(p[seq][int(out[row, i])]), abs=1e-5)
-        assert int(kinds[row, m - 1]) in (int(TokenKind.BONUS), int(TokenKind.RECOVERED))
-        assert all(int(k) == int(TokenKind.ACCEPTED) for k in kinds[row, :m - 1])
-        assert [tree_tables.PARENTS[int(x)] for x in path[row, 1:m]] == [int(x) for x in path[row, :m - 1]]
-    assert float((emitted - 1).double().mean()) > 0.5
-
-
-@pytest.mark.parametrize("total,depth,top_k", [(8, 5, 3), (10, 4, 4)])
-def test_batched_walk_equals_the_row_by_row_walk(device, total, depth, top_k):
-    """``walk_rows`` on the device against ``walk_row`` on the CPU, on the same uniforms: the same
-    tokens, kinds and paths (as ``test_block_tree_backends.py`` checks on the CPU)."""
-    from rollout.sampled_tree import sampled_shape
-    from verifiers.sampled import draw_without_replacement
-
-    shape = sampled_shape(total, depth, top_k)
-    children, depths = [list(c) for c in shape.children], list(shape.depths)
-    g = torch.Generator().manual_seed(total)
-    b, v, n1 = 300, 40, shape.size
-    draft = torch.randn(b, n1, v, generator=g, dtype=torch.float64) * 2
-    target = draft + torch.randn(b, n1, v, generator=g, dtype=torch.float64) * 0.7
-    tokens = torch.zeros(b, n1, dtype=torch.long)
-    for node, kids in enumerate(children):
-        if kids:
-            tokens[:, kids] = draw_without_replacement(draft[:, node][:, None], len(kids), 1.0, g)[:, 0]
-    p, q = torch.softmax(target, -1), torch.softmax(draft, -1)
-    w = max(depths) + 1
-    u_block = torch.rand(b, w, w, generator=g, dtype=torch.float64)
-    u_sibling = torch.rand(b, w, top_k, generator=g, dtype=torch.float64)
-    u_final = torch.rand(b, generator=g)
-    out, emitted, kinds, path = (x.cpu() for x in walk_rows(*(t.to(device) for t in (p, q, tokens)), children, depths,
-                                                            *(t.to(device) for t in (u_block, u_sibling, u_final))))
-    spares = 0
-    for row in range(b):
-        ref = walk_row(p[row], q[row], tokens[row], children, depths, u_block[row], u_sibling[row],
-                       float(u_final[row]))
-        m = len(ref.tokens)
-        assert int(emitted[row]) == m
-        assert out[row, :m].tolist() == ref.tokens and kinds[row, :m].tolist() == ref.kinds
-        assert path[row, :m].tolist() == ref.path
-        spares += any(shape.ranks[node] > 0 for node in ref.path)
-    assert spares > 20  # rows whose walk went through a spare child
+    tree_tables.check_rounds_follow_p(p, out, emitted, logp, kinds, path, g)
