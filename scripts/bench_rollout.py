@@ -107,7 +107,7 @@ from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from scripts.bench_measure import measure, peak_rss_mb, rss_mb  # noqa: E402
 from scripts.bench_plot import plot_rows  # noqa: E402
 from scripts.bench_rows import describe, int8_engine, rounded_engine, spec_configs  # noqa: E402
-from scripts.cli import batch_sizes, head_folder  # noqa: E402
+from scripts.cli import batch_sizes, head_folder, positive_int  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 
 
@@ -180,7 +180,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="add our autoregressive mode and each speculative configuration on a target copy whose "
                          "weights are rounded to bf16 values (the hf backend's weights: bfloat16) as rows")
     ap.add_argument("--repeat", type=int, default=0, help="memory check: rerun one config N times")
-    ap.add_argument("--threads", type=int, default=None, help="torch threads (default: the usable cores)")
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch threads (default: the usable cores)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default=None, help="write the results here")
     ap.add_argument("--plot", default=None, metavar="PNG",

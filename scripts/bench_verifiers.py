@@ -34,6 +34,7 @@ import time
 import torch
 
 from rollout.allocator import tune_malloc
+from scripts.cli import positive_int
 from verifiers import get_rule, native, verify_candidates, verify_chain
 from verifiers.chain import TESTS
 
@@ -182,7 +183,7 @@ def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json", help="also write the results to this JSON file")
     ap.add_argument("--repeats", type=int, default=30)
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=positive_int, default=2)
     ap.add_argument("--batch", type=int, nargs="+", default=[1, 8, 64])
     ap.add_argument("--k", type=int, default=7)
     ap.add_argument("--vocab", type=int, default=49152)

@@ -23,3 +23,14 @@ def batch_sizes(text: str) -> str:
     if not sizes or min(sizes) < 1:
         raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
     return text
+
+
+def positive_int(text: str) -> int:
+    """An integer >= 1 (thread counts)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value

@@ -20,6 +20,7 @@ import sys
 from pathlib import Path
 
 from rollout.config import ConfigError, from_dict, load_yaml
+from scripts.cli import positive_int
 
 QUICK_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "drift_quick.yaml"
 
@@ -50,7 +51,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int)
     ap.add_argument("--target", help="target model folder or .gguf (default: the embedded SmolLM2)")
     ap.add_argument("--head", help="'default' (shipped head), 'random', or a head folder")
-    ap.add_argument("--threads", dest="num_threads", type=int, help="torch threads (1 is best on a shared CPU)")
+    ap.add_argument("--threads", dest="num_threads", type=positive_int, help="torch threads (1 is best on a shared CPU)")
     ap.add_argument("--speed-basis", dest="speed_basis", choices=("wall", "cpu"),
                     help="speedups from wall time or from CPU time of the generate calls")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false", default=None)

@@ -51,6 +51,7 @@ from rollout.engine import Engine  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.runner import ModelRunner  # noqa: E402
 from rollout.timing import step_costs, upper_median  # noqa: E402
+from scripts.cli import positive_int  # noqa: E402
 
 MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "hr_linear"}
 ELEMENTWISE = {"mul", "add", "pow", "mean", "rsqrt", "silu", "neg", "sin", "cos", "div", "div_", "sum", "where",
@@ -204,7 +205,7 @@ def slow_rows(times: list[float], slack: float = 1.3) -> list[int]:
 
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--threads", type=positive_int, default=None)
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--json", default=None, help="write {linear mode: figures} here")
     ap.add_argument("--rows", type=int, default=0,

@@ -41,6 +41,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rollout.allocator import tune_malloc
+    from rollout.models import resolve_device
     from trainers.grpo.run_dir import resume_point
     from trainers.grpo.config import load_train_config
 
@@ -55,6 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_train_config(args.config, {"run": run_over} if run_over else None)
         resume_point(cfg)  # a resume that does not belong to this config is refused here
         check_job_out_dir(cfg.run.out_dir)
+        resolve_device(cfg.run.device, "run.device")  # the trainer runs in this process: 'cuda' needs a GPU here
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -54,6 +54,17 @@ def test_train_drafter_flags_are_checked(argv, words, capsys):
     assert words in _refused(main, argv, capsys)
 
 
+@pytest.mark.parametrize("module", ["bench_rollout", "bench_verifiers", "profile_step", "drift"])
+@pytest.mark.parametrize("value, words", [("0", "must be >= 1, got 0"), ("-2", "must be >= 1, got -2"),
+                                          ("two", "must be an integer, got 'two'")])
+def test_thread_counts_are_checked(module, value, words, capsys):
+    import importlib
+
+    main = importlib.import_module(f"scripts.{module}").main
+    err = _refused(main, ["--threads", value], capsys)
+    assert f"argument --threads: {words}" in err, err
+
+
 def test_train_drafter_names_a_bad_config_field(tmp_path, capsys):
     from scripts.train_drafter import main
 

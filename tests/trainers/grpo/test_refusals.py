@@ -101,6 +101,17 @@ def test_bad_value_is_refused_before_ray(name, tmp_path, tiny_policy_dir, tiny_h
     _assert_refused(rc, err, took, field, *words)
 
 
+def test_cuda_without_a_device_is_refused_before_ray(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    """The trainer runs in the driver: ``run.device: cuda`` on a machine without one is a config error
+    before Ray starts (it was a traceback from the trainer, after Ray had started)."""
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible here")
+    rc, err, took = _run_cli(tmp_path, tiny_policy_dir, tiny_head_dir, {"run.device": "cuda"}, capsys)
+    _assert_refused(rc, err, took, "run.device", "no CUDA device is visible", "allowed: auto, cpu")
+
+
 def test_out_dir_that_is_a_file_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
     (tmp_path / "afile").write_text("x")
     rc, err, took = _run_cli(tmp_path, tiny_policy_dir, tiny_head_dir, {"run.out_dir": str(tmp_path / "afile")}, capsys)
