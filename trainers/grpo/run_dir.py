@@ -8,8 +8,10 @@
   snapshot). Steps, out_dir, the optimizer, speculation shape and the actor layout may
   change freely: they do not change what the checkpoints mean.
 - **fencing**: a run that does not resume (``run.resume: false``, ``--fresh``) moves the
-  previous ``checkpoints/`` and snapshot to ``superseded/<UTC time>/`` and says so, so a
-  later resume cannot pick up the old run's higher step.
+  previous run's outputs (``checkpoints/``, the snapshot, ``metrics.jsonl``, ``rollouts.jsonl``,
+  ``tb/``, ``summary.md``, ``plots/``) to ``superseded/<UTC time>/`` and says so: a later resume
+  cannot pick up the old run's higher step, nothing of the old run is overwritten, and
+  TensorBoard does not show the two runs' events as one.
 
 ``resume_point`` only reads (the CLI calls it before Ray starts); ``prepare_run_dir`` is
 the trainer's start-up and does the writes.
@@ -85,10 +87,14 @@ def resume_point(cfg) -> Path | None:
     return ckpt
 
 
+# what a run writes in its folder (checkpoints, snapshot, logs, TensorBoard events, summary, figures)
+RUN_OUTPUTS = ("checkpoints", SNAPSHOT, "metrics.jsonl", "rollouts.jsonl", "tb", "summary.md", "plots")
+
+
 def fence_previous_run(out_dir: str | Path) -> Path | None:
-    """Move an earlier run's checkpoints and snapshot aside; returns where, or None if none."""
+    """Move an earlier run's outputs (:data:`RUN_OUTPUTS`) aside, whole; returns where, or None if none."""
     out = Path(out_dir)
-    moved = [p for p in (out / "checkpoints", out / SNAPSHOT) if p.exists()]
+    moved = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
     if not moved:
         return None
     dest = out / "superseded" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())

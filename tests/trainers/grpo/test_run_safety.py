@@ -173,12 +173,24 @@ def test_fresh_fences_off_the_previous_run(tmp_path, tiny_policy_dir, tiny_head_
     from trainers.grpo.run_dir import prepare_run_dir, read_snapshot
 
     _fake_run(_cfg(tmp_path, tiny_policy_dir, tiny_head_dir))  # an old run reached step 3
+    run = tmp_path / "run"
+    logs = {"metrics.jsonl": '{"step": 3}\n', "rollouts.jsonl": '{"step": 3}\n', "summary.md": "old\n",
+            "tb/events.out.tfevents.1": "x", "plots/reward.png": "png"}
+    for name, text in logs.items():  # and wrote its logs, events and figures
+        (run / name).parent.mkdir(exist_ok=True)
+        (run / name).write_text(text)
+    (run / "notes.txt").write_text("the user's")  # not a run output: stays
     fresh = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, run={"resume": False, "seed": 8})
     assert prepare_run_dir(fresh) is None
-    assert "moved the previous run's checkpoints, config.json to" in capsys.readouterr().out
+    assert ("moved the previous run's checkpoints, config.json, metrics.jsonl, rollouts.jsonl, tb, summary.md, "
+            "plots to") in capsys.readouterr().out
     assert latest_checkpoint(fresh.run.out_dir) is None
-    moved = list((tmp_path / "run" / "superseded").glob("*/checkpoints/step_000003"))
+    moved = list((run / "superseded").glob("*/checkpoints/step_000003"))
     assert len(moved) == 1
+    old = moved[0].parent.parent
+    assert {name: (old / name).read_text() for name in logs} == logs  # nothing of the old run lost
+    assert not any((run / name).exists() for name in ("metrics.jsonl", "rollouts.jsonl", "summary.md", "tb", "plots"))
+    assert (run / "notes.txt").read_text() == "the user's"
     assert read_snapshot(fresh.run.out_dir)["run"]["seed"] == 8
     # the new run checkpoints step 1 and is killed; a resume takes its step 1, never the old step 3
     model, opt = _model_and_opt()
