@@ -54,13 +54,15 @@ def main(argv: list[str] | None = None) -> int:
         run_over["allow_config_change"] = True
     try:
         cfg = load_train_config(args.config, {"run": run_over} if run_over else None)
-        resume_point(cfg)  # a resume that does not belong to this config is refused here
+        ckpt = resume_point(cfg)  # a resume that does not belong to this config is refused here
         check_job_out_dir(cfg.run.out_dir)
         resolve_device(cfg.run.device, "run.device")  # the trainer runs in this process: 'cuda' needs a GPU here
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
     print(f"run folder: {os.path.abspath(cfg.run.out_dir)}", flush=True)
+    if ckpt is not None and finished(ckpt, cfg):
+        return 0
     import ray
 
     from trainers.grpo.guards import NonFiniteError
@@ -78,6 +80,22 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         ray.shutdown()
     return 0
+
+
+def finished(ckpt, cfg) -> bool:
+    """Whether the run folder's last checkpoint already reached ``run.steps``: then say so, show the
+    run's summary and start nothing (Ray, models)."""
+    from trainers.grpo.checkpoint import read_state
+
+    done = int((read_state(ckpt) or {}).get("step", 0))
+    if done < cfg.run.steps:
+        return False
+    print(f"this run is complete: {ckpt} is step {done} of run.steps = {cfg.run.steps}; nothing to train "
+          f"(--steps N trains on to step N, --fresh starts over)", flush=True)
+    summary = os.path.join(cfg.run.out_dir, "summary.md")
+    if os.path.isfile(summary):
+        print("\n" + open(summary).read().rstrip(), flush=True)
+    return True
 
 
 def check_job_out_dir(out_dir: str) -> None:

@@ -169,6 +169,24 @@ def test_cli_refuses_a_foreign_resume_before_ray(tmp_path, tiny_policy_dir, tiny
     assert not ray.is_initialized()
 
 
+def test_a_complete_run_starts_nothing(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    """Run again after its last step, a run says it is complete and shows its summary, without
+    starting Ray or loading a model; with more steps it goes on (not here: that is the resume test)."""
+    import ray
+
+    from scripts.train import main
+
+    cfg = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir)
+    _fake_run(cfg, steps=(cfg.run.steps,))
+    (tmp_path / "run" / "summary.md").write_text("| the table |\n")
+    path = tmp_path / "c.yaml"
+    assert main(["--config", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "this run is complete: " in out and f"is step {cfg.run.steps} of run.steps = {cfg.run.steps}" in out, out
+    assert "| the table |" in out and not ray.is_initialized()
+    assert latest_checkpoint(cfg.run.out_dir).name == f"step_{cfg.run.steps:06d}"
+
+
 def test_fresh_fences_off_the_previous_run(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
     from trainers.grpo.run_dir import prepare_run_dir, read_snapshot
 
