@@ -31,6 +31,14 @@ class ConfigError(ValueError):
         super().__init__(text)
 
 
+class ConfigFileError(ConfigError):
+    """A config file is missing, not YAML or not a mapping; the message names the file."""
+
+    def __init__(self, path: str | Path, message: str):
+        super().__init__(str(path), message)
+        self.args = (f"config file '{path}': {message}",)
+
+
 def is_int(value: Any) -> bool:
     """An integer that is not a bool."""
     return isinstance(value, int) and not isinstance(value, bool)
@@ -146,11 +154,11 @@ def load_yaml(path: str | Path) -> dict[str, Any]:
     """Read a YAML mapping; a missing file or a parse error raises ConfigError naming the file."""
     path = Path(path)
     if not path.is_file():
-        raise ConfigError(str(path), "config file not found")
+        raise ConfigFileError(path, "not found")
     try:
         data = yaml.safe_load(path.read_text())
     except yaml.YAMLError as err:
-        raise ConfigError(str(path), f"invalid YAML: {err}") from None
+        raise ConfigFileError(path, f"invalid YAML: {err}") from None
     if not isinstance(data, dict):
-        raise ConfigError(str(path), "the top level must be a mapping")
+        raise ConfigFileError(path, "the top level must be a mapping")
     return data

@@ -19,6 +19,7 @@ mappings with ``rollout.config.from_dict``.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -211,7 +212,8 @@ class VerifierConfig:
 
             if self.name not in RULES:
                 raise ConfigError("name", f"unknown verification rule {self.name!r}", allowed=sorted(RULES)) from None
-            raise ConfigError("params", str(err)) from None
+            named = re.search(r"parameter '(\w+)'", str(err))  # the parameter the rule's message names
+            raise ConfigError(f"params.{named.group(1)}" if named else "params", str(err)) from None
 
 
 def check_test(spec: SpecConfig, verifier: VerifierConfig, temperature: float | None = None) -> None:

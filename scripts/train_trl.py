@@ -6,6 +6,9 @@
 The config is validated before any model loads; a bad field exits with status 2 and a
 message naming it. ``--generation trl`` trains the same job with TRL's own generation;
 ``--verifier lossless`` / ``--spec-mode off`` give the other columns of a side-by-side run.
+``--spec-mode tree`` drafts top-k trees, whose candidates are not sampled from q: with
+``configs/trl.yaml``'s MARS ``test: law`` it is refused (say ``verifier.test: rule``, or
+``spec.tree_candidates: sampled``).
 """
 
 from __future__ import annotations

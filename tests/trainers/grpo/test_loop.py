@@ -49,9 +49,9 @@ def test_bad_yaml_and_cli_exit_before_ray(tmp_path, capsys):
     bad = tmp_path / "bad.yaml"
     bad.write_text("run: {steps: 2\n  oops: [")
     assert main(["--config", str(bad)]) == 2
-    assert "invalid YAML" in capsys.readouterr().err
+    assert f"error: config file '{bad}': invalid YAML" in capsys.readouterr().err
     assert main(["--config", str(tmp_path / "missing.yaml")]) == 2
-    assert "not found" in capsys.readouterr().err
+    assert capsys.readouterr().err == f"error: config file '{tmp_path / 'missing.yaml'}': not found\n"
     assert not ray.is_initialized()
 
 
