@@ -218,8 +218,10 @@ def test_params_validation_names_fields():
         SamplingParams(stop_token_ids=5)
     with pytest.raises(ConfigError, match="'name'.*allowed:.*lossless"):
         VerifierConfig("nope")
-    with pytest.raises(ConfigError, match="'params'"):
+    with pytest.raises(ConfigError, match=r"'params\.theta'.*must be in \[0, 1\], got 7"):
         VerifierConfig("mars", {"theta": 7})
+    with pytest.raises(ConfigError, match="'params': must be a mapping"):
+        VerifierConfig("mars", [0.5])
     with pytest.raises(ConfigError, match="'tree_candidates'.*allowed: top_k, sampled"):
         SpecConfig(mode="tree", tree_candidates="gumbel")
     with pytest.raises(ConfigError, match="'total_tokens'.*14 nodes"):

@@ -86,7 +86,7 @@ def test_prepare_head_carries_our_draft_temperature(tmp_path):
 def test_unknown_rule_and_options_are_refused():
     with pytest.raises(ConfigError, match=r"'name'.*unknown verification rule 'nope'"):
         configure({"name": "nope"})
-    with pytest.raises(ConfigError, match="'params'"):
+    with pytest.raises(ConfigError, match=r"'params\.theta'.*must be in \[0, 1\], got 3.0"):
         configure({"name": "mars", "params": {"theta": 3.0}})
     with pytest.raises(ConfigError, match="backend_options"):
         VLLMBackend(None, None, SpecConfig(mode="off"), options={"kv_cache_bytes": 1})
