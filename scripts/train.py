@@ -6,9 +6,11 @@
 The config (and, on resume, that it matches the run folder's snapshot) is validated
 before Ray or any model starts; a bad field exits with status 2 and one line naming it. A
 non-finite loss, gradient or weight stops the run with status 3 before the weights are
-broadcast or saved. Without a cluster (no RAY_ADDRESS, ``ray.address: null``) a local Ray
-is started and stopped by this process. Under ``ray job submit --working-dir`` the job
-runs in a temporary copy that Ray deletes: a relative out_dir is refused there.
+broadcast or saved. A run folder whose last checkpoint reached ``run.steps`` is reported
+complete (its summary shown) without starting Ray or a model. Without a cluster (no
+RAY_ADDRESS, ``ray.address: null``) a local Ray is started and stopped by this process.
+Under ``ray job submit --working-dir`` the job runs in a temporary copy that Ray deletes: a
+relative out_dir is refused there.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ os.environ.setdefault("RAY_worker_niceness", "0")
 
 import argparse  # noqa: E402
 import sys  # noqa: E402
+from pathlib import Path  # noqa: E402
 
 from rollout.config import ConfigError  # noqa: E402
 
@@ -92,9 +95,9 @@ def finished(ckpt, cfg) -> bool:
         return False
     print(f"this run is complete: {ckpt} is step {done} of run.steps = {cfg.run.steps}; nothing to train "
           f"(--steps N trains on to step N, --fresh starts over)", flush=True)
-    summary = os.path.join(cfg.run.out_dir, "summary.md")
-    if os.path.isfile(summary):
-        print("\n" + open(summary).read().rstrip(), flush=True)
+    summary = Path(cfg.run.out_dir) / "summary.md"
+    if summary.is_file():
+        print("\n" + summary.read_text().rstrip(), flush=True)
     return True
 
 
