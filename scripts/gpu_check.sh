@@ -3,9 +3,10 @@
 #
 #   bash scripts/gpu_check.sh        (from the repository root, with the ignored .whl/ folder beside it)
 #
-# Installs the wheels carried in .whl/ (pytest and its needs; `bash scripts/gpu_wheels.sh` fetches
-# them) into $GPU_CHECK_SITE (default /tmp/site), prints the versions, then runs pytest -m gpu over
-# GPU_TESTS under a time limit ($GPU_CHECK_TIMEOUT s, default 330, so the script ends within ~6 min).
+# Where python has no pytest, installs the wheels carried in .whl/ (pytest and its needs;
+# `bash scripts/gpu_wheels.sh` fetches them) into $GPU_CHECK_SITE (default /tmp/site); prints the
+# versions, then runs pytest -m gpu over GPU_TESTS (plugins off) under a time limit
+# ($GPU_CHECK_TIMEOUT s, default 330, so the script ends within ~6 min).
 # Everything goes to the terminal and, when OUT is set, to $OUT/gpu_check.log. Exits with pytest's
 # status (124: the time limit). Needs torch, transformers, numpy, pyyaml, tqdm; no Ray, TRL, gguf,
 # vLLM or scipy. The C++ kernels are off (HONEST_ROLLOUTS_NATIVE=0): CUDA never runs them.
@@ -24,9 +25,13 @@ LIMIT=${GPU_CHECK_TIMEOUT:-330}
 export PYTHONPATH="$PWD:$SITE${PYTHONPATH:+:$PYTHONPATH}"
 export PYTHONUNBUFFERED=1 MKL_CBWR=AVX2 TOKENIZERS_PARALLELISM=false
 export HONEST_ROLLOUTS_NATIVE=${HONEST_ROLLOUTS_NATIVE:-0}
+# the project's tests use no pytest plugin; one installed beside another pytest could break the run
+export PYTEST_DISABLE_PLUGIN_AUTOLOAD=1
 
 check() {
-    if compgen -G ".whl/*.whl" >/dev/null; then
+    if "$PY" -c "import pytest" 2>/dev/null; then
+        echo "== pytest is installed here: the wheels in .whl/ are not needed"
+    elif compgen -G ".whl/*.whl" >/dev/null; then
         echo "== installing $(ls .whl/*.whl | wc -l) wheels from .whl/ into $SITE"
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" \
             .whl/*.whl || { echo "gpu_check: installing the wheels failed"; return 3; }
