@@ -18,11 +18,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head  # noqa: F401
+from test_engine_utils import (PROMPTS, assert_speculative_greedy_equals_plain, chi2_pvalue,  # noqa: F401
+                               exact_three_token_law, induced_logprob, single_thread, tiny_target, trained_head)
 
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from verifiers import TokenKind, block_tree, induced_candidates, induced_chain, native, target_logprobs
+from verifiers import TokenKind, block_tree, native, target_logprobs
 
 SPECS = {
     "chain-sampled": SpecConfig(mode="chain", num_draft_tokens=3),
@@ -81,15 +82,7 @@ def test_plain_greedy_matches_cache_free_argmax(models):
 
 @pytest.mark.parametrize("name", list(SPECS))
 def test_speculative_greedy_equals_plain_greedy(models, name):
-    _, _, engine = models
-    sampling = SamplingParams(temperature=0, max_new_tokens=40)
-    ref = engine.generate(PROMPTS, sampling, SpecConfig(mode="off"))
-    res = engine.generate(PROMPTS, sampling, SPECS[name])
-    for a, b in zip(ref.completions, res.completions):
-        assert b.completion_ids == a.completion_ids
-        assert b.behaviour_logprobs == [0.0] * len(b.completion_ids)
-    assert sum(k == TokenKind.ACCEPTED for c in res.completions for k in c.kinds) > 20, "drafts should be accepted"
-    assert res.timings.target_forwards < ref.timings.target_forwards
+    assert_speculative_greedy_equals_plain(models[2], SPECS[name])
 
 
 @pytest.mark.parametrize("name,test", [("off", "rule"), ("chain-sampled", "rule"), ("tree", "rule"),
@@ -116,19 +109,6 @@ def test_lossless_logprobs_match_a_cache_free_forward(models, name, test):
         assert comp.behaviour_logprobs == pytest.approx(ref, abs=2e-4)
 
 
-def _induced_logprob(rule, rec, sampling: SamplingParams) -> float:
-    """log P(token) of the closed form at the record's logits, on the CPU."""
-    kw = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
-    tl = rec.target_logits.cpu()[None]
-    if rec.draft_logits is not None:
-        dist = induced_chain(rule, tl, rec.draft_logits.cpu()[None], **kw)
-    elif rec.candidates is not None:
-        dist = induced_candidates(rule, tl, rec.candidates.cpu()[None], **kw)
-    else:
-        dist = target_logprobs(tl, **kw).exp()
-    return float(dist[0, rec.token].log())
-
-
 @pytest.mark.parametrize("name", ["chain-sampled", "tree-sampled"])
 def test_lossy_behaviour_logprob_is_the_induced_distribution(models, name):
     """MARS (theta 0.5, T = 0.8, top-k 40): each emitted token's behaviour log-prob is the rule's
@@ -143,30 +123,9 @@ def test_lossy_behaviour_logprob_is_the_induced_distribution(models, name):
         for rec in res.debug:
             comp = res.completions[rec.row]
             assert comp.completion_ids[rec.index] == rec.token
-            assert comp.behaviour_logprobs[rec.index] == pytest.approx(_induced_logprob(rule, rec, sampling), abs=1e-4)
+            assert comp.behaviour_logprobs[rec.index] == pytest.approx(induced_logprob(rule, rec, sampling), abs=1e-4)
         relaxed += sum(sum(c.relaxed) for c in res.completions)
     assert relaxed > 0, "the lossy branch should fire on this model"
-
-
-def _two_token_law(target, prompt: list[int]) -> torch.Tensor:
-    """P(y1, y2 | prompt) [V, V] from cache-free forwards on the target's device, returned on the CPU."""
-    v, dev = target.vocab_size, target.device
-    with torch.no_grad():
-        p1 = torch.softmax(target(torch.tensor([prompt], device=dev), use_cache=False).logits[0, -1], -1)
-        seqs = torch.cat([torch.tensor(prompt, device=dev).expand(v, -1), torch.arange(v, device=dev)[:, None]], 1)
-        p2 = torch.softmax(target(seqs, use_cache=False).logits[:, -1], -1)  # [V, V]: rows y1
-    return (p1[:, None] * p2).double().cpu()
-
-
-def _chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square goodness of fit (cells with expected count < 5 pooled), from torch's gammaincc."""
-    counts, expected = counts.flatten().double(), probs.flatten().double() * counts.sum()
-    few = expected < 5
-    obs = torch.cat([counts[~few], counts[few].sum()[None]])
-    exp = torch.cat([expected[~few], expected[few].sum()[None]])
-    obs, exp = obs[exp > 0], exp[exp > 0]
-    chi2 = ((obs - exp) ** 2 / exp).sum()
-    return float(torch.special.gammaincc(torch.tensor((len(exp) - 1) / 2, dtype=torch.float64), chi2 / 2))
 
 
 @pytest.mark.parametrize("name,test", [("chain-sampled", "rule"), ("tree-sampled", "rule"),
@@ -179,5 +138,6 @@ def test_lossless_tokens_follow_the_target(small, name, test):
     res = engine.generate([prompt] * rows, SamplingParams(max_new_tokens=3), SPECS[name],
                           VerifierConfig("lossless", test=test), seed=17)
     ys = torch.tensor([c.completion_ids for c in res.completions])
-    assert _chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), _two_token_law(target, prompt)) > 1e-3
+    two_token_law = exact_three_token_law(target, prompt).sum(2)
+    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), two_token_law) > 1e-3
     assert sum(c.kinds[1] == TokenKind.ACCEPTED for c in res.completions) > 0.1 * rows

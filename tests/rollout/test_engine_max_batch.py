@@ -85,7 +85,7 @@ def test_greedy_with_max_batch_equals_autoregressive(models, spec):
 def test_max_batch_behaviour_logprobs_match_the_closed_form(models):
     """T = 1 under a lossy rule: every token's behaviour log-prob is log p in plain rounds
     and the rule's induced log-prob in drafting rounds (the debug records hold the inputs)."""
-    from test_engine_sampling import induced_logprob
+    from test_engine_utils import induced_logprob
 
     target, head = models
     rule_cfg = VerifierConfig("mars", {"theta": 0.5})
@@ -146,7 +146,7 @@ def test_greedy_with_auto_equals_autoregressive(models, spec, fast_reprobe):
 def test_auto_behaviour_logprobs_match_the_closed_form(models, fast_reprobe):
     """T = 1, MARS, adaptive K: plain rounds emit log p, drafting rounds of every chain length
     the rule's induced log-prob, whatever the planner picks round by round."""
-    from test_engine_sampling import induced_logprob
+    from test_engine_utils import induced_logprob
 
     target, head = models
     rule_cfg = VerifierConfig("mars", {"theta": 0.5})

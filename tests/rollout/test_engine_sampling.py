@@ -5,17 +5,16 @@ the engine's own logits, and target log-probs match a cache-free recomputation."
 from __future__ import annotations
 
 import copy
-import itertools
 
 import pytest
 import torch
-from scipy.stats import chisquare
-from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head  # noqa: F401
+from test_engine_utils import (PROMPTS, assert_first_tokens_follow_the_target, chi2_pvalue,  # noqa: F401
+                               exact_three_token_law, induced_logprob, single_thread, tiny_target, trained_head)
 
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.quantize import quantize_int8_
-from verifiers import TokenKind, induced_candidates, induced_chain, target_logprobs
+from verifiers import TokenKind, target_logprobs
 
 SPECS = {
     "chain-sampled": SpecConfig(mode="chain", num_draft_tokens=3),
@@ -45,44 +44,21 @@ def models(single_thread):
     return target, trained_head(target, draft_vocab=48, seed=6)
 
 
-def exact_three_token_law(target, prompt: list[int]) -> torch.Tensor:
-    """P(y1, y2, y3 | prompt) [V, V, V] from full forwards (no cache)."""
-    v = target.vocab_size
-    with torch.no_grad():
-        p1 = torch.softmax(target(torch.tensor([prompt]), use_cache=False).logits[0, -1], -1)
-        pairs = torch.tensor(list(itertools.product(range(v), repeat=2)))  # [V*V, 2]
-        seqs = torch.cat([torch.tensor(prompt).expand(len(pairs), -1), pairs], 1)
-        logits = target(seqs, use_cache=False).logits  # [V*V, P+2, V]
-        p2 = torch.softmax(logits[:, -2], -1).view(v, v, v)[:, 0]  # p(y2 | y1): rows y1
-        p3 = torch.softmax(logits[:, -1], -1).view(v, v, v)  # p(y3 | y1, y2)
-    return p1[:, None, None] * p2[:, :, None] * p3
-
-
-def chi2_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
-    """Chi-square goodness of fit, pooling cells with expected count < 5 into one."""
-    n = counts.sum()
-    expected = probs.flatten().double() * n
-    counts = counts.flatten().double()
-    small_cells = expected < 5
-    obs, exp = counts[~small_cells], expected[~small_cells]
-    if small_cells.any():
-        obs = torch.cat([obs, counts[small_cells].sum()[None]])
-        exp = torch.cat([exp, expected[small_cells].sum()[None]])
-    return float(chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue)
-
-
-def assert_first_tokens_follow_the_target(target, prompt: list[int], completions, min_accepted: int) -> None:
-    """The pairs (y1, y2) and (y2, y3) of ``completions`` of ``prompt`` follow the target's law
-    (chi-square), enough drafts were accepted to mean something, and every behaviour log-prob is
-    the target's (lossless: P = p)."""
-    v = target.vocab_size
-    ys = torch.tensor([c.completion_ids for c in completions])
-    law = exact_three_token_law(target, prompt)
-    assert chi2_pvalue(torch.bincount(ys[:, 0] * v + ys[:, 1], minlength=v * v), law.sum(2)) > 1e-3
-    assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v), law.sum(0)) > 1e-3
-    assert sum(k == TokenKind.ACCEPTED for c in completions for k in c.kinds) > min_accepted
-    for c in completions:
-        assert c.behaviour_logprobs == pytest.approx(c.target_logprobs, abs=1e-5)
+def test_chi2_pvalue_is_scipys():
+    """The shared ``chi2_pvalue`` (torch alone) gives scipy's ``chisquare`` p-value, pooled cells too."""
+    stats = pytest.importorskip("scipy.stats")
+    g = torch.Generator().manual_seed(0)
+    for cells, n, skew in [(144, 3000, 4.0), (12, 500, 1.0), (40, 60, 3.0)]:
+        probs = torch.softmax(torch.randn(cells, generator=g, dtype=torch.float64) * skew, 0)
+        counts = torch.bincount(torch.multinomial(probs, n, replacement=True, generator=g), minlength=cells)
+        expected = probs * n
+        small = expected < 5  # scipy's test over the same cells: those below 5 expected pooled into one
+        obs, exp = counts[~small].double(), expected[~small]
+        if small.any():
+            obs = torch.cat([obs, counts[small].sum()[None].double()])
+            exp = torch.cat([exp, expected[small].sum()[None]])
+        want = stats.chisquare(obs.numpy(), exp.numpy() * obs.sum().item() / exp.sum().item()).pvalue
+        assert chi2_pvalue(counts, probs) == pytest.approx(want, rel=1e-6, abs=1e-12)
 
 
 @pytest.mark.parametrize("name", list(LOSSLESS_SPECS))
@@ -212,18 +188,6 @@ def test_the_distribution_test_detects_a_lossy_rule(small):
     ys = torch.tensor([c.completion_ids for c in res.completions])
     assert chi2_pvalue(torch.bincount(ys[:, 1] * v + ys[:, 2], minlength=v * v),
                        exact_three_token_law(target, prompt).sum(0)) < 1e-6
-
-
-def induced_logprob(rule, rec, sampling: SamplingParams) -> float:
-    kw = {"temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p}
-    tl = rec.target_logits[None]
-    if rec.draft_logits is not None:
-        dist = induced_chain(rule, tl, rec.draft_logits[None], **kw)
-    elif rec.candidates is not None:
-        dist = induced_candidates(rule, tl, rec.candidates[None], **kw)
-    else:
-        dist = target_logprobs(tl, **kw).exp()
-    return float(dist[0, rec.token].log())
 
 
 @pytest.mark.parametrize("name", [*SPECS, "tree-sampled", "tree-sampled-python", "chain-law", "chain-law-python",
