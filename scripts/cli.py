@@ -26,7 +26,7 @@ def batch_sizes(text: str) -> str:
 
 
 def positive_int(text: str) -> int:
-    """An integer >= 1 (thread counts)."""
+    """An integer >= 1 (thread counts, step numbers)."""
     try:
         value = int(text)
     except ValueError:

@@ -28,6 +28,7 @@ from rollout.chat import chat_ids
 from rollout.config import ConfigError, from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, default_head_path, load_eagle3, save_eagle3
 from rollout.models import DTYPES, load_target, resolve_device
+from scripts.cli import positive_int
 from trainers.drafter.train import DrafterConfig, calibrate_logit_scale, evaluate, init_from_target, train_drafter
 from trainers.drafter.data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset
 from trainers.tasks.general import general_prompts, heldout_prompts
@@ -88,13 +89,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--no-resume", action="store_true", help="ignore a checkpoint in out_dir")
     ap.add_argument("--regenerate-data", action="store_true")
     ap.add_argument("--data-only", action="store_true", help="generate (or check) the cached data and stop")
-    ap.add_argument("--threads", type=int, default=None, help="torch CPU threads (overrides the config; 1 is "
+    ap.add_argument("--threads", type=positive_int, default=None, help="torch CPU threads (overrides the config; 1 is "
                     "faster than 2 when other processes load the CPU)")
-    ap.add_argument("--stop-at", type=int, default=None, help="stop at this optimizer step (resume later)")
+    ap.add_argument("--stop-at", type=positive_int, default=None, help="stop at this optimizer step (resume later)")
     args = ap.parse_args(argv)
-    for flag, value in (("--threads", args.threads), ("--stop-at", args.stop_at)):
-        if value is not None and value < 1:
-            ap.error(f"{flag} must be >= 1, got {value}")
     try:
         cfg = from_dict(DrafterConfig, load_yaml(args.config))
     except ConfigError as err:

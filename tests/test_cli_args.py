@@ -1,5 +1,5 @@
 """Bad command-line values are refused by argparse, naming the flag, before any model loads
-(``scripts/cli.py``'s types; ``scripts.train_drafter``'s checks)."""
+(``scripts/cli.py``'s types)."""
 
 from __future__ import annotations
 
@@ -45,16 +45,16 @@ def test_bench_batch_sizes_are_checked(value, words, capsys):
     assert parse_args(["--batch-sizes", "1,8"]).batch_sizes == "1,8"
 
 
-@pytest.mark.parametrize("argv, words", [(["--threads", "0"], "--threads must be >= 1, got 0"),
-                                         (["--threads", "-1"], "--threads must be >= 1, got -1"),
-                                         (["--stop-at", "0"], "--stop-at must be >= 1, got 0")])
+@pytest.mark.parametrize("argv, words", [(["--threads", "0"], "argument --threads: must be >= 1, got 0"),
+                                         (["--threads", "-1"], "argument --threads: must be >= 1, got -1"),
+                                         (["--stop-at", "0"], "argument --stop-at: must be >= 1, got 0")])
 def test_train_drafter_flags_are_checked(argv, words, capsys):
     from scripts.train_drafter import main
 
     assert words in _refused(main, argv, capsys)
 
 
-@pytest.mark.parametrize("module", ["bench_rollout", "bench_verifiers", "profile_step", "drift"])
+@pytest.mark.parametrize("module", ["bench_rollout", "bench_verifiers", "profile_step", "drift", "train_drafter"])
 @pytest.mark.parametrize("value, words", [("0", "must be >= 1, got 0"), ("-2", "must be >= 1, got -2"),
                                           ("two", "must be an integer, got 'two'")])
 def test_thread_counts_are_checked(module, value, words, capsys):
