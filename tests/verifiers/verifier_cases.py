@@ -1,11 +1,12 @@
-"""Shared inputs for the verifier tests: the rule cases (every registered rule, from RULES) and
-seeded random logits."""
+"""Shared inputs for the verifier tests: the rule cases (every registered rule, from RULES),
+seeded random logits and the devices a test runs on (``on_devices``)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Callable
 
+import pytest
 import torch
 
 from verifiers import RULES, VerificationRule, get_rule, native
@@ -81,3 +82,11 @@ def candidate_inputs(seed: int, n: int, m: int, v: int, shift: float = 0.0):
         if pad and r % 3 == 0:
             cands[r, m - pad:] = -1
     return target, cands
+
+
+def on_devices(cpu_backends: tuple[str, ...] = ("native", "torch")):
+    """Parametrises a test over (``device``, ``chain_backend``), the fixtures of ``conftest.py``:
+    the CPU on each of ``cpu_backends``, and CUDA (marker ``gpu``; skipped without a device) on
+    the PyTorch code, the only code CUDA runs. The test takes ``device``, a torch.device."""
+    cases = [("cpu", backend) for backend in cpu_backends] + [pytest.param("cuda", "torch", marks=pytest.mark.gpu)]
+    return pytest.mark.parametrize("device, chain_backend", cases, indirect=True)
