@@ -14,6 +14,8 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 
 GPU_TESTS=(
+    tests/verifiers/test_verifiers_montecarlo.py
+    tests/verifiers/test_truncation_sampling.py
     tests/verifiers/test_verifiers_cuda.py
     tests/verifiers/test_block_tree_backends.py
     tests/rollout/test_engine_cuda.py

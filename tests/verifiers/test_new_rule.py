@@ -59,8 +59,9 @@ def test_chain_P_is_p_at_the_scaled_temperature_and_candidates_P_is_p():
 
 @pytest.mark.parametrize("temperature, top_p", [(1.0, None), (0.8, 0.85)])
 def test_monte_carlo(temperature, top_p):
-    montecarlo.test_chain_monte_carlo(CASE, temperature, top_p)
-    montecarlo.test_candidates_monte_carlo(CASE, [1, 3, 6, 0, 2, 5])
+    cpu = torch.device("cpu")
+    montecarlo.test_chain_monte_carlo(cpu, CASE, temperature, None, top_p)
+    montecarlo.test_candidates_monte_carlo(cpu, CASE, [1, 3, 6, 0, 2, 5])
 
 
 @pytest.mark.parametrize("sampling", reference.SAMPLING, ids=reference.SAMPLING_IDS)

@@ -1,6 +1,7 @@
 """TruncationSampling, the truncation rules' matched baseline (a comparator, not in RULES): its
 closed forms against enumeration and written out (P = p on A, renormalised, in both modes), a
-Monte Carlo check of what it emits, and the rules it accepts as a base."""
+Monte Carlo check of what it emits (on the CPU and, marker ``gpu``, on CUDA), and the rules it
+accepts as a base."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import test_verifiers_montecarlo as montecarlo
 import test_verifiers_rules as closed_forms
 import torch
-from verifier_cases import RuleCase, candidate_inputs, chain_inputs
+from verifier_cases import RuleCase, candidate_inputs, chain_inputs, on_devices
 
 from verifiers import TruncationSampling, get_rule, induced_candidates, induced_chain, native, target_probs
 
@@ -41,8 +42,14 @@ def test_P_is_p_restricted_to_the_base_rules_set(case):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_monte_carlo(case):
-    montecarlo.test_candidates_monte_carlo(case, [2, 5, 0])
+@pytest.mark.parametrize("cands", [[2, 5, 0], [1, 3, 6, 0, 2, 5]])
+@on_devices(cpu_backends=("torch",))
+def test_monte_carlo(device, case, cands):
+    """``test_verifiers_montecarlo``'s candidate check on ``device``: the law ``induced_candidates``,
+    exp(behaviour log-prob) = P(y), accepted tokens are the candidates. On the CPU one run, on the
+    PyTorch code: no kernel runs these rules (``native.supports`` is False, checked above), so a
+    native run would repeat it."""
+    montecarlo.test_candidates_monte_carlo(device, case, cands)
 
 
 @pytest.mark.parametrize("base", [get_rule("lossless"), get_rule("overshoot", lenience=0.5, min_p=0.2)])

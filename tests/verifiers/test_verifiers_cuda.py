@@ -1,4 +1,11 @@
-"""The verifiers on CUDA (marker ``gpu``) against the closed forms and references of the CPU tests.
+"""Block verification on CUDA (marker ``gpu``) against the closed forms and references of the CPU tests.
+
+The chain and candidate laws of every rule on CUDA are checked where the CPU checks them, by the
+same test bodies with a device parameter (``verifier_cases.on_devices``; ``gpu`` on CUDA):
+``test_verifiers_montecarlo.py`` (``test_chain_monte_carlo``, ``test_candidates_monte_carlo``:
+the emitted tokens follow the closed forms ``induced_chain`` / ``induced_candidates``, Monte Carlo
+with ``assert_matches``, and exp(behaviour log-prob) = P(y)) and ``test_truncation_sampling.py``
+(``test_monte_carlo``, the truncation baselines). ``scripts/gpu_check.sh`` runs those files too.
 
 On a non-CPU device the verifiers take their PyTorch paths (the C++ kernels serve the CPU alone)
 and a sampled tree is walked by the batched ``walk_rows``. Each test runs twice: on ``cuda``
@@ -6,10 +13,6 @@ and a sampled tree is walked by the batched ``walk_rows``. Each test runs twice:
 are forced (the kernels bypassed, ``walk_rows`` in place of the CPU's row-by-row walk), so each
 body is known to pass and to fail on a broken walk. What each one checks:
 
-- chain verification, every rule (``verifier_cases``): the law of the emitted tokens at every
-  position is the closed form ``induced_chain`` (Monte Carlo, ``assert_matches``) and
-  exp(behaviour log-prob) = P(y), as ``test_verifiers_montecarlo.py``; candidate verification
-  likewise, the truncation baselines too (``test_truncation_sampling.py``);
 - block verification (``verifiers/block.py``): the emitted sequences follow the enumerated law
   of a round (``test_block.py``'s tables), log-probs are log p; its rows equal the plain-loop
   reference token for token on the same uniforms;
@@ -25,13 +28,10 @@ import math
 import pytest
 import test_block as chain_tables
 import test_block_tree as tree_tables
-import test_truncation_sampling as truncation
 import torch
-from test_verifiers_montecarlo import N, V, _case_logits, assert_matches
-from verifier_cases import RULE_CASES, RULE_IDS
+from test_verifiers_montecarlo import N, assert_matches
 
-from verifiers import block, block_tree, get_rule, induced_candidates, induced_chain, native, target_probs
-from verifiers import verify_candidates, verify_chain
+from verifiers import block, block_tree, get_rule, native, verify_chain
 from verifiers.block_tree import verify_block_tree, walk_rows
 from verifiers.processing import draft_probs
 from verifiers.reference import reference_block_chain
@@ -48,7 +48,8 @@ def chain_backend():
 
 @pytest.fixture(params=DEVICES)
 def device(request, monkeypatch) -> torch.device:
-    """The device under test; on the CPU a sampled tree is walked as on CUDA (``walk_rows``)."""
+    """The device under test (this module's own, in place of ``conftest.py``'s); on the CPU a
+    sampled tree is walked as on CUDA (``walk_rows``)."""
     if request.param == "cuda" and not torch.cuda.is_available():
         pytest.skip("needs a CUDA device")
     monkeypatch.setattr(block_tree, "walk_each_row", walk_rows)
@@ -62,52 +63,6 @@ def _generator(device: torch.device, seed: int) -> torch.Generator:
 def _draws(device: torch.device) -> int:
     """Verifications per Monte Carlo case: ``N`` on CUDA, a quarter on the (shared) CPU."""
     return N if device.type == "cuda" else N // 4
-
-
-@pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
-@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, None, 0.85), (0.9, 4, None)])
-def test_chain_law_and_behaviour_logprobs(device, case, temperature, top_k, top_p):
-    """N verifications of one K = 2 chain on the device: each position's tokens follow the closed
-    form P (the bonus position: p), and exp(behaviour log-prob) = P(y)."""
-    rule, k, n = case.rule(), 2, _draws(device)
-    target, draft = _case_logits(21, k, case.shift(3.0))
-    gen = _generator(device, 1234)
-    q = torch.softmax(draft / temperature, -1).to(device)  # [K, V]
-    x = torch.stack([torch.multinomial(q[j], n, replacement=True, generator=gen) for j in range(k)], 1)
-    res = verify_chain(rule, target.to(device).expand(n, k + 1, V), draft.to(device).expand(n, k, V), x,
-                       temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
-    assert res.tokens.device.type == device.type
-    P = induced_chain(rule, target[:k], draft, temperature=temperature, top_k=top_k, top_p=top_p)  # [K, V]
-    P = torch.cat([P, target_probs(target[k:], temperature, top_k=top_k, top_p=top_p)])
-    tokens, emitted, behaviour = res.tokens.cpu(), res.num_emitted.cpu(), res.behaviour_logprobs.cpu()
-    for j in range(k + 1):
-        reached = emitted > j
-        assert reached.sum() > n / 40
-        y = tokens[reached, j]
-        assert_matches(y, P[j])
-        torch.testing.assert_close(behaviour[reached, j].exp(), P[j][y].float(), atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(behaviour).all()
-
-
-CANDIDATE_CASES = RULE_CASES + truncation.CASES
-CANDIDATE_IDS = RULE_IDS + truncation.IDS
-
-
-@pytest.mark.parametrize("case", CANDIDATE_CASES, ids=CANDIDATE_IDS)
-def test_candidate_law_and_behaviour_logprobs(device, case):
-    """N verifications of one node's candidates on the device: the closed form
-    ``induced_candidates``, exp(behaviour log-prob) = P(y), accepted tokens are the candidates."""
-    rule, n = case.rule(), _draws(device)
-    target, _ = _case_logits(22, 0, case.shift(3.0))
-    c = torch.tensor([[1, 3, 6, 0, 2, 5]])
-    res = verify_candidates(rule, target.to(device).expand(n, V), c.to(device).expand(n, c.shape[1]),
-                            temperature=0.9, generator=_generator(device, 99))
-    P = induced_candidates(rule, target, c, temperature=0.9)[0]
-    tokens, index = res.tokens.cpu(), res.accepted_index.cpu()
-    assert_matches(tokens, P)
-    torch.testing.assert_close(res.behaviour_logprobs.cpu().exp(), P[tokens].float(), atol=1e-5, rtol=1e-5)
-    accepted = index >= 0
-    assert torch.equal(tokens[accepted], c[0][index[accepted]])
 
 
 @pytest.mark.parametrize("top_k", [None, 2])

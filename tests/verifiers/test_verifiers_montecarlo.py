@@ -2,8 +2,11 @@
 bounds that shrink with the sample count, and exp(behaviour log-prob) = P(y) for every token.
 
 One small case (V <= 8) is replicated over the batch dimension, so a single call draws
-n = 200,000 independent verifications. The chi-square quantile is computed with torch alone
-(``chi2_quantile``): the GPU tests that reuse ``assert_matches`` run where scipy is not installed.
+n = 200,000 independent verifications. Each Monte Carlo test runs on the CPU, on both chain
+backends, and on CUDA (marker ``gpu``; skipped without a device) on the PyTorch code, the only
+code CUDA runs (``verifier_cases.on_devices``): the same draws, verification and checks on each.
+The chi-square quantile is computed with torch alone (``chi2_quantile``): the GPU check runs where
+scipy is not installed.
 """
 
 from __future__ import annotations
@@ -12,7 +15,7 @@ import math
 
 import pytest
 import torch
-from verifier_cases import RULE_CASES, RULE_IDS
+from verifier_cases import RULE_CASES, RULE_IDS, on_devices
 
 from verifiers import induced_candidates, induced_chain, target_probs, verify_candidates, verify_chain
 
@@ -75,39 +78,49 @@ def test_chi2_quantile_is_scipys(dof):
 
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
-@pytest.mark.parametrize("temperature, top_p", [(1.0, None), (0.8, 0.85)])
-def test_chain_monte_carlo(case, temperature, top_p):
+@pytest.mark.parametrize("temperature, top_k, top_p", [(1.0, None, None), (0.8, None, 0.85), (0.9, 4, None)])
+@on_devices()
+def test_chain_monte_carlo(device, case, temperature, top_k, top_p):
+    """N verifications of one K = 2 chain on ``device``: each position's tokens follow the closed
+    form P (``induced_chain``; the bonus position: p), and exp(behaviour log-prob) = P(y)."""
     rule = case.rule()
     k = 2
     target, draft = _case_logits(21, k, case.shift(3.0))
-    gen = torch.Generator().manual_seed(1234)
-    q = torch.softmax(draft / temperature, -1)  # [K, V]
+    gen = torch.Generator(device).manual_seed(1234)
+    q = torch.softmax(draft / temperature, -1).to(device)  # [K, V]
     x = torch.stack([torch.multinomial(q[j], N, replacement=True, generator=gen) for j in range(k)], 1)
-    res = verify_chain(rule, target.expand(N, k + 1, V), draft.expand(N, k, V), x,
-                       temperature=temperature, top_p=top_p, generator=gen)
-    P = induced_chain(rule, target[:k], draft, temperature=temperature, top_p=top_p)  # [K, V]
-    P = torch.cat([P, target_probs(target[k:], temperature, top_p=top_p)])  # bonus: P = p
+    res = verify_chain(rule, target.to(device).expand(N, k + 1, V), draft.to(device).expand(N, k, V), x,
+                       temperature=temperature, top_k=top_k, top_p=top_p, generator=gen)
+    assert res.tokens.device.type == device.type
+    P = induced_chain(rule, target[:k], draft, temperature=temperature, top_k=top_k, top_p=top_p)  # [K, V]
+    P = torch.cat([P, target_probs(target[k:], temperature, top_k=top_k, top_p=top_p)])  # bonus: P = p
+    tokens, emitted, behaviour = res.tokens.cpu(), res.num_emitted.cpu(), res.behaviour_logprobs.cpu()
     for j in range(k + 1):
-        reached = res.num_emitted > j
+        reached = emitted > j
         assert reached.sum() > 5000
-        assert_matches(res.tokens[reached, j], P[j])
-        y = res.tokens[reached, j]
-        torch.testing.assert_close(res.behaviour_logprobs[reached, j].exp(), P[j][y],
-                                   atol=1e-5, rtol=1e-5)
-    assert torch.isfinite(res.behaviour_logprobs).all()
+        y = tokens[reached, j]
+        assert_matches(y, P[j])
+        torch.testing.assert_close(behaviour[reached, j].exp(), P[j][y], atol=1e-5, rtol=1e-5)
+    assert torch.isfinite(behaviour).all()
 
 
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 @pytest.mark.parametrize("cands", [[2, 5, 0], [1, 3, 6, 0, 2, 5]])
-def test_candidates_monte_carlo(case, cands):
+@on_devices()
+def test_candidates_monte_carlo(device, case, cands):
+    """N verifications of one node's candidates on ``device``: the emitted tokens follow the closed
+    form P (``induced_candidates``), exp(behaviour log-prob) = P(y), and an accepted token is the
+    candidate at its accepted index."""
     rule = case.rule()
     target, _ = _case_logits(22, 0, case.shift(3.0))
     c = torch.tensor([cands])
-    gen = torch.Generator().manual_seed(99)
-    res = verify_candidates(rule, target.expand(N, V), c.expand(N, len(cands)), temperature=0.9,
-                            generator=gen)
+    gen = torch.Generator(device).manual_seed(99)
+    res = verify_candidates(rule, target.to(device).expand(N, V), c.to(device).expand(N, len(cands)),
+                            temperature=0.9, generator=gen)
+    assert res.tokens.device.type == device.type
     P = induced_candidates(rule, target, c, temperature=0.9)[0]
-    assert_matches(res.tokens, P)
-    torch.testing.assert_close(res.behaviour_logprobs.exp(), P[res.tokens], atol=1e-5, rtol=1e-5)
-    accepted = res.accepted_index >= 0
-    assert torch.equal(res.tokens[accepted], c[0][res.accepted_index[accepted]])
+    tokens, index, behaviour = res.tokens.cpu(), res.accepted_index.cpu(), res.behaviour_logprobs.cpu()
+    assert_matches(tokens, P)
+    torch.testing.assert_close(behaviour.exp(), P[tokens], atol=1e-5, rtol=1e-5)
+    accepted = index >= 0
+    assert torch.equal(tokens[accepted], c[0][index[accepted]])
