@@ -13,6 +13,7 @@ import math
 
 import pytest
 import torch
+from verifier_cases import on_devices
 
 from verifiers.block_tree import verify_block_tree, walk_row
 
@@ -69,14 +70,12 @@ def test_bad_input_is_refused():
                           generator=g)
 
 
-@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@on_devices(cpu_backends=("torch",))  # the walk is PyTorch code on every device: one CPU run
 @pytest.mark.parametrize("total,depth,top_k", [(8, 5, 3), (10, 4, 4)])
 def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k, device):
     """``walk_rows`` (the rows grouped by the node their walk starts at; the walk other devices
     take) on ``device`` against ``walk_row`` on the CPU, the plain loop of the module docstring,
     on the same uniforms: the same tokens, kinds and paths."""
-    if device == "cuda" and not torch.cuda.is_available():
-        pytest.skip("needs a CUDA device")
     from rollout.sampled_tree import sampled_shape
     from verifiers.block_tree import walk_rows
     from verifiers.sampled import draw_without_replacement
