@@ -2,7 +2,7 @@
 
 One shared library (built by ``verifiers/cbuild.py``, keyed by every file below) holds the
 decoding linear kernel (``linear.cpp``, over the panels that ``pack.cpp`` packs, in the layout of
-``panels.h``), the weight digest (``digest.cpp``), attention (``attention.cpp``), RMS norm
+``panels.h``; ``amx.cpp``: bf16-valued weights on Intel AMX tiles), the weight digest (``digest.cpp``), attention (``attention.cpp``), RMS norm
 (``norm.cpp``) and the fused decoder and draft layers (``layer.cpp``). :func:`load` opens it once
 per process (``_lib``, which :mod:`rollout.native_linear`, :mod:`rollout.native_ops`,
 :mod:`rollout.native_layers` and :mod:`rollout.native_draft` call) and runs :func:`declare` on it
@@ -20,8 +20,8 @@ from verifiers import cbuild
 
 CSRC = Path(__file__).with_name("csrc")
 # every file the library is built from: a change to any of them (the header too) rebuilds it
-SOURCES = [CSRC / name for name in ("linear.cpp", "pack.cpp", "attention.cpp", "norm.cpp", "layer.cpp", "digest.cpp",
-                                    "panels.h")]
+SOURCES = [CSRC / name for name in ("linear.cpp", "pack.cpp", "amx.cpp", "attention.cpp", "norm.cpp", "layer.cpp",
+                                    "digest.cpp", "panels.h")]
 
 _lib: ctypes.CDLL | None = None  # the opened library (None: not loaded, or not usable here)
 _tried = False  # one attempt per process
@@ -82,6 +82,16 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.hr_linear_pack8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
     lib.hr_linear_packed_size8.restype = ctypes.c_int64
     lib.hr_linear_packed_size8.argtypes = [ctypes.c_int64] * 2
+    lib.hr_amx_built.restype = ctypes.c_int64
+    lib.hr_amx_built.argtypes = []
+    lib.hr_amx_enable.restype = ctypes.c_int64
+    lib.hr_amx_enable.argtypes = []
+    lib.hr_linear_amx.restype = ctypes.c_int64
+    lib.hr_linear_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
+    lib.hr_linear_pack_amx.restype = ctypes.c_int64
+    lib.hr_linear_pack_amx.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
+    lib.hr_linear_packed_size_amx.restype = ctypes.c_int64
+    lib.hr_linear_packed_size_amx.argtypes = [ctypes.c_int64] * 2
     lib.hr_digest.restype = ctypes.c_uint64
     lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.hr_digest_many.restype = None

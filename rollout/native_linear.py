@@ -44,6 +44,16 @@ bandwidth is about 16-18 ms.)
   same bits as fp32 panels of that weight (tests). The pack checks every value against that
   product and falls back to bf16 or fp32 panels where a value is not one (a weight changed
   since it was quantized), so what a forward computes is always the weight as it is.
+- **AMX tiles** (``csrc/amx.cpp``): on a CPU with AMX-BF16 (Intel Sapphire Rapids and later),
+  bf16-valued weights are packed as the 16 x 32 bf16 tiles of Intel's tile unit instead, when
+  their shape allows (output sizes multiples of 16, input size a multiple of 32). Each input row
+  is split exactly into three bf16 parts, so every product is exact and only the fp32 sums
+  round, in a fixed, batch-invariant order: the outputs are within float32 rounding of the
+  compact panels', not their bits. From about 12 rows on, where the compact panels are bound by
+  FMAs, the tiles are faster (the rollout copy rounded to bf16 at batch 8 and up, its verify
+  blocks, prefill); at 1-8 rows both stream the same bytes. :data:`amx` = False (or
+  ``HONEST_ROLLOUTS_AMX=0``) keeps the compact panels; :func:`amx_available` says whether the
+  tiles can run here (the CPU, the build and the OS's grant of the tile state).
 - The same library (:mod:`rollout.native_lib` lists its files, loads it and declares its
   functions) holds the decoding attention and RMS norm (:mod:`rollout.native_ops`) that
   ``rollout.fused_layers`` runs; :func:`available` is the library's.
@@ -59,6 +69,7 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
@@ -71,6 +82,7 @@ from rollout.native_lib import available
 SOURCES = native_lib.SOURCES  # the library's files (its build key)
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option
 compact = True  # switch: pack bf16-valued weights as bf16 panels (False: fp32 panels for all)
+amx = True  # switch: bf16-valued weights as AMX tiles where amx_available() (False: bf16 panels)
 
 _buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (see ``routed``)
 _merged_buffers = WeakIdKeyDictionary()  # fused module -> its merged layers' packed buffer (likewise)
@@ -85,6 +97,23 @@ def max_rows() -> int:
     """The most input rows one kernel call takes (larger calls go to torch)."""
     lib = native_lib.load()
     return int(lib.hr_linear_max_rows()) if lib is not None else 0
+
+
+@functools.lru_cache(maxsize=1)
+def amx_available() -> bool:
+    """Whether bf16-valued weights can run on AMX tiles here: the library is available and built
+    for an AMX-BF16 CPU, the OS granted this process the tile state, and ``HONEST_ROLLOUTS_AMX``
+    is not ``0`` (``1``: raise where the tiles cannot run)."""
+    mode = os.environ.get("HONEST_ROLLOUTS_AMX", "auto")
+    if mode not in ("auto", "0", "1"):
+        raise ValueError(f"HONEST_ROLLOUTS_AMX must be one of auto, 0, 1; got {mode!r}")
+    if mode == "0":
+        return False
+    ok = available() and bool(native_lib._lib.hr_amx_built()) and bool(native_lib._lib.hr_amx_enable())
+    if mode == "1" and not ok:
+        raise RuntimeError("HONEST_ROLLOUTS_AMX=1 but AMX tiles cannot run here: they need the native library, a CPU "
+                           "with AMX-BF16 (amx_bf16 in /proc/cpuinfo) and the OS's grant of the tile state")
+    return ok
 
 
 def _packable(weight: torch.Tensor) -> bool:
@@ -149,7 +178,8 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
     xs = x.contiguous()
     out = torch.empty(*x.shape[:-1], n, dtype=torch.float32)
     lib = native_lib._lib
-    call = {torch.bfloat16: lib.hr_linear16, torch.int8: lib.hr_linear8}.get(panels.dtype, lib.hr_linear)
+    call = {torch.bfloat16: lib.hr_linear16, torch.int8: lib.hr_linear8,
+            torch.int16: lib.hr_linear_amx}.get(panels.dtype, lib.hr_linear)
     status = call(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(), out.data_ptr(), n, k,
                   xs.numel() // k)
     if status != 0:  # cannot happen after _fits; never return an unwritten tensor
@@ -161,8 +191,9 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     """The packed copy of ``torch.cat(weights)`` (each ``[N_i, K]``, every ``N_i`` but the last a
     multiple of the panel width 16), packed from the weights in place (no concatenated copy): int8
     panels when :data:`compact` and every weight is registered (:func:`register_int8`) and still
-    holds its integers times its scales, else bf16 panels when every value of every weight is a
-    bfloat16, else fp32."""
+    holds its integers times its scales, else (every value of every weight a bfloat16) AMX tiles
+    (dtype int16) when :data:`amx`, :func:`amx_available` and the shapes allow, else bf16 panels,
+    else fp32."""
     lib = native_lib.required()
     if not all(_packable(w) for w in weights) or len({w.shape[1] for w in weights}) != 1:
         got = [(tuple(w.shape), str(w.dtype), w.device.type, w.is_contiguous()) for w in weights]
@@ -178,6 +209,13 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
         buf = _buffer(out, sum(sizes8), torch.int8)
         if all(lib.hr_linear_pack8(w.data_ptr(), sc.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
                for w, sc, s in zip(weights, scales, starts8)):
+            return buf
+    if (compact and amx and amx_available()
+            and all(lib.hr_linear_pack_amx(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights)):
+        tiles = [lib.hr_linear_packed_size_amx(w.shape[0], k) for w in weights]
+        buf = _buffer(out, sum(tiles), torch.int16)
+        if all(lib.hr_linear_pack_amx(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
+               for w, s in zip(weights, [sum(tiles[:i]) for i in range(len(tiles))])):
             return buf
     if compact and all(lib.hr_linear_pack16(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights):
         buf = _buffer(out, sum(sizes), torch.bfloat16)
@@ -213,8 +251,8 @@ def digests(ts: list[torch.Tensor]) -> list[int]:
 
 def _source(weights: list[torch.Tensor]) -> tuple:
     """What a buffer is packed from, short of the bytes: each weight's address, shape, version
-    counter and int8 scales, and the ``compact`` switch."""
-    return (compact, *((w.data_ptr(), tuple(w.shape), w._version, id(_int8_scales.get(w))) for w in weights))
+    counter and int8 scales, and the ``compact`` and ``amx`` switches."""
+    return (compact, amx, *((w.data_ptr(), tuple(w.shape), w._version, id(_int8_scales.get(w))) for w in weights))
 
 
 def _due(owner, table: WeakIdKeyDictionary, source: tuple) -> bool:
@@ -338,9 +376,10 @@ def panels_of(module: nn.Module) -> torch.Tensor | None:
 
 def compact_bits(panels: list[torch.Tensor]) -> int:
     """The C++ layer calls' ``compact`` argument: bit i set where ``panels[i]`` holds bf16
-    (compact) panels, bit 8 + i where it holds int8 panels; neither: fp32."""
-    return sum((1 << i if p.dtype == torch.bfloat16 else 1 << (8 + i) if p.dtype == torch.int8 else 0)
-               for i, p in enumerate(panels))
+    (compact) panels, bit 8 + i where it holds int8 panels, bit 16 + i where it holds AMX tiles;
+    none: fp32."""
+    shift = {torch.bfloat16: 0, torch.int8: 8, torch.int16: 16}
+    return sum(1 << (shift[p.dtype] + i) for i, p in enumerate(panels) if p.dtype in shift)
 
 
 def _forward(layer: nn.Linear, panels: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

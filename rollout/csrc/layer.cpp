@@ -7,7 +7,7 @@
 // arithmetic in the same order as ``rollout.fused_layers``' Python forwards (the same bits):
 //
 //   x = rms_norm(h, w_in)                     hr_rms_norm (csrc/norm.cpp)
-//   qkv = x [Wq; Wk; Wv]^T                    hr_linear / hr_linear16 (csrc/linear.cpp)
+//   qkv = x [Wq; Wk; Wv]^T                    hr_linear / hr_linear16 (csrc/linear.cpp), hr_linear_amx
 //   q, k = rotate(q), rotate(k)               x * cos + swap_halves(x) * sin', sin' = sin with
 //                                             its first half negated (two products, one sum)
 //   cache[b, g, slot[b, t]] = k, v            the block's keys and values at each row's slots
@@ -37,6 +37,7 @@ extern "C" {
 int64_t hr_linear(const float* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
 int64_t hr_linear16(const uint16_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
 int64_t hr_linear8(const int8_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
+int64_t hr_linear_amx(const uint16_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M);
 int64_t hr_attend(const float* q, int64_t qs_b, int64_t qs_h, int64_t qs_t, const float* k, const float* v,
                   int64_t ks_b, int64_t ks_h, int64_t ks_l, const uint8_t* mask, int64_t ms_b, int64_t ms_t,
                   float* out, int64_t B, int64_t T, int64_t Hq, int64_t Hkv, int64_t L, int64_t D, float scale);
@@ -46,9 +47,11 @@ void hr_rms_norm(const float* x, const float* w, float* out, int64_t M, int64_t 
 namespace {
 
 // A linear layer without bias from its packed panels: ``bit`` of ``compact`` set: bf16 panels
-// (hr_linear_pack16); ``bit << 8`` set: int8 panels (hr_linear_pack8); neither: fp32 panels.
+// (hr_linear_pack16); ``bit << 8`` set: int8 panels (hr_linear_pack8); ``bit << 16`` set: AMX
+// tiles of bf16 values (hr_linear_pack_amx, csrc/amx.cpp); none: fp32 panels.
 int64_t linear(const void* P, int64_t compact, int64_t bit, const float* X, float* Y, int64_t N, int64_t K,
                int64_t M) {
+  if (compact & (bit << 16)) return hr_linear_amx(static_cast<const uint16_t*>(P), nullptr, X, Y, N, K, M);
   if (compact & (bit << 8)) return hr_linear8(static_cast<const int8_t*>(P), nullptr, X, Y, N, K, M);
   return compact & bit ? hr_linear16(static_cast<const uint16_t*>(P), nullptr, X, Y, N, K, M)
                        : hr_linear(static_cast<const float*>(P), nullptr, X, Y, N, K, M);
@@ -132,7 +135,8 @@ extern "C" {
 
 // h [R, H] (R = B x T rows, row-major) is updated in place to the layer's output.
 // panels: q/k/v side by side, o, gate/up side by side, down; bit i of ``compact`` set: panel i
-// holds bf16 values (hr_linear_pack16); bit 8 + i: int8 values and scales (hr_linear_pack8).
+// holds bf16 values (hr_linear_pack16); bit 8 + i: int8 values and scales (hr_linear_pack8); bit
+// 16 + i: AMX tiles of bf16 values (hr_linear_pack_amx).
 // cos, sin: [R, D] (the rotary tables of each row's position). kc, vc: this layer's key and value cache of the B rows, [B, Hkv, >= L, D] with
 // strides (ks_b, ks_h, ks_l, 1); slots [R]: the slot each row's token is written to. mask:
 // bytes [B, T, L] with strides (ms_b, ms_t, 1). scratch: at least
@@ -187,7 +191,7 @@ int64_t hr_decoder_stack(float* h, int64_t B, int64_t T, int64_t H, int64_t n, c
 //   x = [rms_norm(emb, w_in), rms_norm(hid, w_hid)]      [R, 2H]
 //   h = hid + attention(x) Wo^T                           q/k/v, rotation, cache write, hr_attend
 //   h = h + mlp(rms_norm(h, w_post))                      as hr_decoder_layer
-//   logits = (rms_norm(h, w_norm) Wlm^T) * logit_scale    (only when p_lm; bit 4 of compact: bf16, 12: int8)
+//   logits = (rms_norm(h, w_norm) Wlm^T) * logit_scale    (only when p_lm; bit 4 of compact: bf16, 12: int8, 20: AMX)
 //
 // emb, hid: [R, H] (the step's token embeddings and input hidden states); out: [R, H]; logits:
 // [R, V]. The keys and values go to the draft cache at ``slots`` (scratch slots past every

@@ -173,12 +173,16 @@ def _bf16_valued(target):
     return target
 
 
-@pytest.mark.parametrize("weights", ["fp32", "bf16-valued"])
-def test_native_layers_give_the_bits_of_the_python_layers(weights, native_layer_runs):
+@pytest.mark.parametrize("weights", ["fp32", "bf16-valued", "bf16-valued-amx"])
+def test_native_layers_give_the_bits_of_the_python_layers(weights, native_layer_runs, monkeypatch):
     """Prefill and a tree-like block, two rows (one padded): logits, features, final norm outputs
-    and the cache's keys and values equal bit for bit with the layers run from Python."""
+    and the cache's keys and values equal bit for bit with the layers run from Python; with
+    bf16-valued weights as compact panels and, where the CPU has AMX, as AMX tiles."""
+    if weights == "bf16-valued-amx" and not native_linear.amx_available():
+        pytest.skip("AMX tiles cannot run here (no AMX-BF16 CPU, or HONEST_ROLLOUTS_AMX=0)")
+    monkeypatch.setattr(native_linear, "amx", weights == "bf16-valued-amx")
     target = tiny_target(seed=6)
-    if weights == "bf16-valued":
+    if weights != "fp32":
         _bf16_valued(target)
     g = torch.Generator().manual_seed(3)
     ids = torch.randint(0, 64, (2, 6), generator=g)
@@ -186,8 +190,9 @@ def test_native_layers_give_the_bits_of_the_python_layers(weights, native_layer_
     mask[1, 0, 1:, 0] = False  # row 1 does not see its first token (padding)
     outs, caches = {}, {}
     with torch.inference_mode(), native_linear.routed(target):
-        if weights == "bf16-valued":
-            assert native_linear.panels_of(target.decoder_layers[0].mlp).dtype == torch.bfloat16
+        if weights != "fp32":
+            packed = native_linear.panels_of(target.decoder_layers[0].mlp).dtype
+            assert packed == (torch.int16 if weights == "bf16-valued-amx" else torch.bfloat16)
         for on in (True, False):
             native_layers.enabled = on
             calls = len(native_layer_runs)

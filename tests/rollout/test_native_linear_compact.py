@@ -1,6 +1,8 @@
 """rollout.native_linear's compact panels: weights whose every value is a bfloat16 (an EAGLE-3
 head stored in bf16) packed as bf16, and the same output bits as with fp32 panels (the engine
-test covers int8 heads too; their panels: test_quantize.py)."""
+test covers int8 heads too; their panels: test_quantize.py). Where the CPU has AMX, bf16-valued
+weights would be packed as AMX tiles instead (test_native_linear_amx.py): this module switches
+the tiles off, so it tests the compact panels on every CPU."""
 
 from __future__ import annotations
 
@@ -22,6 +24,12 @@ pytestmark = pytest.mark.skipif(not native_linear.available(),
 
 def bf16_valued(*shape: int, seed: int) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).bfloat16().float()
+
+
+@pytest.fixture(autouse=True)
+def no_amx_tiles(monkeypatch):
+    """bf16-valued weights as compact panels, not AMX tiles (this module's subject)."""
+    monkeypatch.setattr(native_linear, "amx", False)
 
 
 @pytest.fixture

@@ -138,10 +138,12 @@ def test_set_weights_rounds_what_it_loads(tiny_policy_dir, tiny_head_dir):
 
 
 def test_rounded_weights_are_packed_as_bf16_panels(tiny_policy_dir, tiny_head_dir):
+    """bf16 panels, or AMX tiles (dtype int16) where the CPU has them; the exact copy fp32 panels."""
     if not native_linear.available():
         pytest.skip("the native linear kernel is not built on this machine")
     backend = build_backend(_spec(tiny_policy_dir, tiny_head_dir, weights="bfloat16"))
     exact = build_backend(_spec(tiny_policy_dir, tiny_head_dir))
     name = "model.layers.0.mlp.down_proj.weight"
-    assert native_linear.pack(dict(backend.target.model.named_parameters())[name]).dtype == torch.bfloat16
+    rounded = torch.int16 if native_linear.amx_available() else torch.bfloat16
+    assert native_linear.pack(dict(backend.target.model.named_parameters())[name]).dtype == rounded
     assert native_linear.pack(dict(exact.target.model.named_parameters())[name]).dtype == torch.float32
