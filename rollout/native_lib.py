@@ -2,8 +2,9 @@
 
 One shared library (built by ``verifiers/cbuild.py``, keyed by every file below) holds the
 decoding linear kernel (``linear.cpp``, over the panels that ``pack.cpp`` packs, in the layout of
-``panels.h``; ``amx.cpp``: bf16-valued weights on Intel AMX tiles), the weight digest (``digest.cpp``), attention (``attention.cpp``), RMS norm
-(``norm.cpp``) and the fused decoder and draft layers (``layer.cpp``). :func:`load` opens it once
+``panels.h``; ``amx.cpp``: bf16-valued weights on Intel AMX tiles), the weight digest
+(``digest.cpp``), attention (``attention.cpp``), RMS norm (``norm.cpp``) and the fused decoder and
+draft layers (``layer.cpp``). :func:`load` opens it once
 per process (``_lib``, which :mod:`rollout.native_linear`, :mod:`rollout.native_ops`,
 :mod:`rollout.native_layers` and :mod:`rollout.native_draft` call) and runs :func:`declare` on it
 first: ctypes then passes every argument with the C type the function takes (a Python float as
