@@ -171,6 +171,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--fp32-head", action="store_true",
                     help="add each speculative configuration with the head packed as fp32 panels "
                          "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")
+    ap.add_argument("--no-amx", action="store_true",
+                    help="add each speculative configuration with AMX tiles off (native_linear.amx: the bf16 head as "
+                         "compact panels, where the CPU has AMX) as a row (no bound: the step costs use the tiles)")
     ap.add_argument("--int8-head", action="store_true",
                     help="add each speculative configuration on a head copy rounded to int8 weights (the hf "
                          "backend's drafter_weights: int8) as rows, with their own step costs and bounds")

@@ -52,7 +52,8 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
     for flag, switch, label in ((args.python_layers, "python-layers", "python layers"),
                                 (args.python_draft, "python-draft", "python draft"),
                                 (args.draft_steps, "draft-steps", "draft steps"),
-                                (args.fp32_head, "fp32-head", "fp32 head")):
+                                (args.fp32_head, "fp32-head", "fp32 head"),
+                                (args.no_amx, "no-amx", "no AMX")):
         if flag:
             rows += [(f"{describe(spec)} [{label}]", verifier_label(v), spec, v, switch) for spec, v in pairs]
     return rows
@@ -132,6 +133,7 @@ def describe(spec: SpecConfig) -> str:
 SWITCHES = {
     "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
     "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
+    "no-amx": (native_linear, "amx"),  # bf16-valued weights as compact panels, not AMX tiles
     "python-layers": (native_layers, "enabled"),  # the layers from Python, not csrc/layer.cpp
     "python-draft": (native_draft, "enabled"),  # the draft head's forwards from Python
     "draft-steps": (native_draft, "chains"),  # a sampled chain's steps one C++ call each, not one call

@@ -1,5 +1,5 @@
 """The rollout benchmark's rows on other engines and with the default engine's switches off
-(``--unfused``, ``--fp32-head``, ``--bf16-weights``, ``--int8-head``, ``--draft-steps``), on a
+(``--unfused``, ``--fp32-head``, ``--no-amx``, ``--bf16-weights``, ``--int8-head``, ``--draft-steps``), on a
 tiny random model (the figures themselves are measured by running the script on the embedded
 model)."""
 
@@ -48,6 +48,18 @@ def test_fp32_head_rows_pack_the_head_as_fp32_and_have_no_bound(tiny, monkeypatc
     assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled [fp32 head]"]
     assert seen == [True, True, False] and native_linear.compact
     assert rows[1]["bound"] is not None and rows[2]["bound"] is None and rows[2]["of_bound"] is None
+
+
+def test_no_amx_rows_turn_the_tiles_off_and_have_no_bound(tiny, monkeypatch):
+    """--no-amx: each speculative configuration again with native_linear.amx off (back on after),
+    without a bound (the step costs are timed with the tiles where the CPU has them)."""
+    from rollout import native_linear
+
+    rows, seen = _rows_with_switch_seen(tiny, monkeypatch, native_linear, "amx", ["--no-amx", "--order", "fixed"])
+    assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled [no AMX]"]
+    assert seen == [True, True, False] and native_linear.amx
+    assert rows[1]["bound"] is not None and rows[2]["bound"] is None and rows[2]["of_bound"] is None
+
 
 def test_bf16_weight_rows_run_on_a_rounded_copy_with_their_own_bound(tiny, tiny_policy_dir, tiny_head_dir,
                                                                      monkeypatch):
