@@ -1,4 +1,4 @@
-"""Helpers shared by the tests of the kernel's packed-panel formats (bf16 and int8 panels against
+"""Helpers shared by the tests of the kernel's packed-panel formats (bf16, int8 panels and AMX tiles against
 fp32 panels); no test functions here."""
 
 from __future__ import annotations
@@ -9,13 +9,18 @@ import torch.nn.functional as F
 from rollout import native_linear
 
 
-def fp32_pack(weight: torch.Tensor) -> torch.Tensor:
-    """``weight`` packed as fp32 panels whatever its values (``native_linear.compact`` off)."""
-    native_linear.compact = False
+def pack_without(weight: torch.Tensor, switch: str) -> torch.Tensor:
+    """``weight`` packed with the switch ``native_linear.<switch>`` off (on again after)."""
+    setattr(native_linear, switch, False)
     try:
         return native_linear.pack(weight)
     finally:
-        native_linear.compact = True
+        setattr(native_linear, switch, True)
+
+
+def fp32_pack(weight: torch.Tensor) -> torch.Tensor:
+    """``weight`` packed as fp32 panels whatever its values (``native_linear.compact`` off)."""
+    return pack_without(weight, "compact")
 
 
 def assert_fp32_bits(w: torch.Tensor, b: torch.Tensor | None, packed: torch.Tensor, full: torch.Tensor) -> None:

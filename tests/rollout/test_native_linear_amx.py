@@ -14,6 +14,7 @@ from rollout import native_linear
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
+from tests.rollout.panels import pack_without
 
 pytestmark = pytest.mark.skipif(not (native_linear.available() and native_linear.amx_available()),
                                 reason="AMX tiles need an AMX-BF16 CPU (Intel Sapphire Rapids or later), the native "
@@ -25,11 +26,8 @@ def bf16_valued(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
 
 
 def compact_pack(weight: torch.Tensor) -> torch.Tensor:
-    native_linear.amx = False
-    try:
-        return native_linear.pack(weight)
-    finally:
-        native_linear.amx = True
+    """``weight`` packed as compact bf16 panels (the tiles off)."""
+    return pack_without(weight, "amx")
 
 
 def relative_error(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> float:
