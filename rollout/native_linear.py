@@ -135,8 +135,8 @@ def _buffer(out: torch.Tensor | None, size: int, dtype: torch.dtype) -> torch.Te
 
 def pack(weight: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """The packed copy of ``weight [N, K]`` (written into ``out`` when it has the right size and
-    dtype): bf16 panels when :data:`compact` and every value of the weight is a bfloat16, else
-    fp32 panels (the module docstring)."""
+    dtype), as :func:`pack_merged` chooses: int8 panels, AMX tiles, bf16 panels or fp32 panels
+    (the module docstring)."""
     return pack_merged([weight], out)
 
 
@@ -182,8 +182,9 @@ def _run(x: torch.Tensor, weight: torch.Tensor | None, bias: torch.Tensor | None
             torch.int16: lib.hr_linear_amx}.get(panels.dtype, lib.hr_linear)
     status = call(panels.data_ptr(), 0 if bias is None else bias.data_ptr(), xs.data_ptr(), out.data_ptr(), n, k,
                   xs.numel() // k)
-    if status != 0:  # cannot happen after _fits; never return an unwritten tensor
-        raise RuntimeError(f"hr_linear refused {xs.numel() // k} rows")
+    if status != 0:  # 1, 2: cannot happen after _fits and the pack; 3: out of memory. Never return Y then
+        raise RuntimeError(f"the linear kernel ({call.__name__}) refused {xs.numel() // k} rows: status {status}"
+                           + (" (could not allocate the split input rows)" if status == 3 else ""))
     return out
 
 

@@ -6,11 +6,16 @@
 // times the FMA rate. It serves the weights that are exactly bfloat16 values: the rollout copy
 // rounded to bf16 (``backend_options: {weights: bfloat16}``) and an EAGLE-3 head stored in bf16.
 //
-// Exact products: each row of X is split into three bf16 parts, x = hi + mid + lo (round to
-// nearest each time: hi = bf16(x), mid = bf16(x - hi), lo = bf16(x - hi - mid); the three hold
-// all 24 bits of x's significand, so the split is exact), and a product of two bf16 values is
-// exact in fp32. So every term w x is formed exactly, and the only roundings are the fp32 sums,
-// as in any fp32 GEMM; the outputs are within float32 rounding of linear.cpp's, not its bits.
+// Exact products: each row of X is split into three bf16 parts by truncation, x = hi + mid + lo
+// (hi = x's top 16 bits, mid = the top 16 bits of x - hi, lo = x - hi - mid: each difference is
+// exact, and the three parts hold all 24 bits of x's significand), and a product of two bf16 values
+// is exact in fp32. So every term w x is formed exactly, and the only roundings are the fp32 sums,
+// as in any fp32 GEMM; the outputs are within float32 rounding of linear.cpp's, not its bits. The
+// limit: the tile unit reads subnormal values as zero and flushes subnormal products, so the split
+// is exact for |x| >= 2^-103 (x's last bit, which lo may hold, >= 2^-126; a power of two down to
+// 2^-126), and a term below 2^-126 counts as zero (the pack refuses subnormal weights; activations
+// of a real model are far above that). An infinite or NaN x gives hi = x (NaN made quiet) and
+// mid = lo = 0: its row's outputs are inf or NaN as an fp32 sum's are.
 //
 // Order: for each block of 32 k, the tile unit adds the hi, then the mid, then the lo products of
 // the block to the output's running fp32 sum (each TDPBF16PS adds the 32 terms of one part in
@@ -28,9 +33,11 @@
 
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <cstring>
+#include <new>
 #include <vector>
 
 #if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
@@ -45,6 +52,7 @@
 namespace {
 
 constexpr int64_t kAmxMaxRows = 1 << 16;
+constexpr int64_t kAmxRowBlock = 256;  // rows per pass over the weights (see hr_linear_amx)
 std::atomic<int> g_enabled{0};  // 1: tile state granted to this process
 
 #if HR_AMX
@@ -71,9 +79,8 @@ void configure(int rows) {
   _tile_loadconfig(&c);
 }
 
-inline __m512 widen(__m256bh v) {
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(reinterpret_cast<__m256i>(v)), 16));
-}
+// The high 16 bits of each of 16 floats (held as 32-bit lanes) as 16 bf16 values.
+inline __m256i high_halves(__m512i v) { return _mm512_cvtepi32_epi16(_mm512_srli_epi32(v, 16)); }
 
 // The A tile of part ``part`` (0 hi, 1 mid, 2 lo), row group g (rows 16 g .. 16 g + 15) and k
 // block kb in S: 16 rows of 32 bf16 values, 1 KiB in a row (a tile load reads one stream; rows K
@@ -86,20 +93,25 @@ inline int64_t a_tile(int64_t part, int64_t g, int64_t kb, int64_t groups, int64
 // are 16 rows high and rows M .. Mp - 1 are zero; up to 16 the tiles have M rows (nothing to pad).
 void split(const float* X, uint16_t* S, int64_t M, int64_t Mp, int64_t K) {
   const int64_t groups = Mp / 16, blocks = K / 32;
+  const __m512i top = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m512i exponent = _mm512_set1_epi32(0x7F800000), quiet_nan = _mm512_set1_epi32(0x7FC00000);
   for (int64_t m = 0; m < (M > 16 ? Mp : M); ++m)
     for (int64_t k = 0; k < K; k += 16) {
       const __m512 x = m < M ? _mm512_loadu_ps(X + m * K + k) : _mm512_setzero_ps();
-      const __m256bh hi = _mm512_cvtneps_pbh(x);
-      const __m512 r = _mm512_sub_ps(x, widen(hi));
-      const __m256bh mid = _mm512_cvtneps_pbh(r);
-      const __m256bh lo = _mm512_cvtneps_pbh(_mm512_sub_ps(r, widen(mid)));
+      const __m512i bits = _mm512_castps_si512(x);
+      const __mmask16 finite = _mm512_cmpneq_epi32_mask(_mm512_and_si512(bits, exponent), exponent);
+      const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+      const __m512i hi = _mm512_mask_mov_epi32(_mm512_and_si512(bits, top), nan, quiet_nan);
+      const __m512 r = _mm512_maskz_sub_ps(finite, x, _mm512_castsi512_ps(hi));  // exact; 0 where not finite
+      const __m512i mid = _mm512_and_si512(_mm512_castps_si512(r), top);
+      const __m512i lo = _mm512_and_si512(_mm512_castps_si512(_mm512_sub_ps(r, _mm512_castsi512_ps(mid))), top);
       const int64_t at = (m % 16) * 32 + k % 32;
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + a_tile(0, m / 16, k / 32, groups, blocks) + at),
-                          reinterpret_cast<__m256i>(hi));
+                          high_halves(hi));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + a_tile(1, m / 16, k / 32, groups, blocks) + at),
-                          reinterpret_cast<__m256i>(mid));
+                          high_halves(mid));
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(S + a_tile(2, m / 16, k / 32, groups, blocks) + at),
-                          reinterpret_cast<__m256i>(lo));
+                          high_halves(lo));
     }
 }
 
@@ -188,7 +200,8 @@ int64_t hr_linear_packed_size_amx(int64_t N, int64_t K) { return N * K; }
 
 // Pack W [N, K] (row-major float32) into P (hr_linear_packed_size_amx values of 16 bits) in the
 // layout above. Returns 0, or 1 when N is not a multiple of 16, K not a multiple of 32, or some
-// value of W is not a bfloat16 (P then holds nothing usable). With P null only the checks run.
+// value of W is not a bfloat16 or is a subnormal one (P then holds nothing usable). With P null
+// only the checks run.
 int64_t hr_linear_pack_amx(const float* W, uint16_t* P, int64_t N, int64_t K) {
   if (N < 16 || K < 32 || N % 16 != 0 || K % 32 != 0) return 1;
   const int64_t blocks = K / 32;
@@ -199,13 +212,20 @@ int64_t hr_linear_pack_amx(const float* W, uint16_t* P, int64_t N, int64_t K) {
     // values) they are 16 32-bit words, word i going to row i of the tile, column j
     const __m512i rows16 = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
-    const __m512i low = _mm512_set1_epi32(0xFFFF);
+    const __m512i low = _mm512_set1_epi32(0xFFFF), exponent = _mm512_set1_epi32(0x7F800000);
+    const __m512i mantissa = _mm512_set1_epi32(0x007F0000);
+    // refused: a value that is not a bf16, or a subnormal one (the tile unit reads it as zero)
+    const auto refused = [&](__m512 v) {
+      const __m512i bits = _mm512_castps_si512(v);
+      return _mm512_test_epi32_mask(bits, low) |
+             (_mm512_testn_epi32_mask(bits, exponent) & _mm512_test_epi32_mask(bits, mantissa));
+    };
     for (int64_t p = lo; p < hi; ++p)
       for (int64_t j = 0; j < 16; ++j) {
         const float* w = W + (16 * p + j) * K;
         for (int64_t kb = 0; kb < blocks; ++kb) {
           const __m512 a = _mm512_loadu_ps(w + 32 * kb), b = _mm512_loadu_ps(w + 32 * kb + 16);
-          if (_mm512_test_epi32_mask(_mm512_or_si512(_mm512_castps_si512(a), _mm512_castps_si512(b)), low)) {
+          if (refused(a) | refused(b)) {
             bad.store(1, std::memory_order_relaxed);
             return;
           }
@@ -221,7 +241,7 @@ int64_t hr_linear_pack_amx(const float* W, uint16_t* P, int64_t N, int64_t K) {
         for (int64_t k = 0; k < K; ++k) {
           uint32_t bits;
           std::memcpy(&bits, W + (16 * p + j) * K + k, sizeof bits);
-          if (bits & 0xFFFFu) {
+          if ((bits & 0xFFFFu) || ((bits & 0x7F800000u) == 0 && (bits & 0x007F0000u) != 0)) {
             bad.store(1, std::memory_order_relaxed);
             return;
           }
@@ -234,29 +254,39 @@ int64_t hr_linear_pack_amx(const float* W, uint16_t* P, int64_t N, int64_t K) {
 
 // Y [M, N] = X [M, K] W^T (+ b) from the packed P. Returns 0; 1 when M is outside [1, 65536] or
 // the shape is not packable; 2 when the tile state was not granted (hr_amx_enable) or this build
-// has no AMX. Nothing is written unless it returns 0.
+// has no AMX; 3 when the input parts could not be allocated. Rows run in blocks of kAmxRowBlock
+// (the parts of a block stay in L2; a row's outputs do not depend on its block). Y is written
+// only where it returns 0 (a failed allocation may leave earlier blocks written: the caller must
+// not use Y then).
 int64_t hr_linear_amx(const uint16_t* P, const float* b, const float* X, float* Y, int64_t N, int64_t K, int64_t M) {
 #if HR_AMX
   if (g_enabled.load() == 0) return 2;
   if (M < 1 || M > kAmxMaxRows || N < 16 || K < 32 || N % 16 != 0 || K % 32 != 0) return 1;
-  const int64_t Mp = (M + 15) / 16 * 16;
   thread_local std::vector<uint16_t> parts;
-  if (parts.size() < static_cast<size_t>(3 * Mp * K)) parts.resize(3 * Mp * K);
-  uint16_t* S = parts.data();
-  split(X, S, M, Mp, K);
   const int64_t panels = N / 16, units = (panels + 1) / 2;
-  const int rows = M < 16 ? static_cast<int>(M) : 16;
-  at::parallel_for(0, units, 2, [&](int64_t lo, int64_t hi) {
-    configure(rows);
-    for (int64_t u = lo; u < hi; ++u) {
-      const int64_t p = 2 * u;
-      for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
-        if (p + 1 < panels) unit<true>(P, S, b, Y, N, K, M, Mp, p, m0);
-        else unit<false>(P, S, b, Y, N, K, M, Mp, p, m0);
-      }
+  for (int64_t r0 = 0; r0 < M; r0 += kAmxRowBlock) {
+    const int64_t Mb = std::min(kAmxRowBlock, M - r0), Mp = (Mb + 15) / 16 * 16;
+    try {
+      if (parts.size() < static_cast<size_t>(3 * Mp * K)) parts.resize(3 * Mp * K);
+    } catch (const std::bad_alloc&) {
+      return 3;
     }
-    _tile_release();
-  });
+    const uint16_t* S = parts.data();
+    split(X + r0 * K, parts.data(), Mb, Mp, K);
+    float* Yb = Y + r0 * N;
+    const int rows = Mb < 16 ? static_cast<int>(Mb) : 16;
+    at::parallel_for(0, units, 2, [&](int64_t lo, int64_t hi) {
+      configure(rows);
+      for (int64_t u = lo; u < hi; ++u) {
+        const int64_t p = 2 * u;
+        for (int64_t m0 = 0; m0 < Mp; m0 += 32) {
+          if (p + 1 < panels) unit<true>(P, S, b, Yb, N, K, Mb, Mp, p, m0);
+          else unit<false>(P, S, b, Yb, N, K, Mb, Mp, p, m0);
+        }
+      }
+      _tile_release();
+    });
+  }
   return 0;
 #else
   (void)P, (void)b, (void)X, (void)Y, (void)N, (void)K, (void)M;

@@ -10,12 +10,13 @@ from rollout import native_linear
 
 
 def pack_without(weight: torch.Tensor, switch: str) -> torch.Tensor:
-    """``weight`` packed with the switch ``native_linear.<switch>`` off (on again after)."""
+    """``weight`` packed with the switch ``native_linear.<switch>`` off (as it was again after)."""
+    was = getattr(native_linear, switch)
     setattr(native_linear, switch, False)
     try:
         return native_linear.pack(weight)
     finally:
-        setattr(native_linear, switch, True)
+        setattr(native_linear, switch, was)
 
 
 def fp32_pack(weight: torch.Tensor) -> torch.Tensor:

@@ -47,8 +47,9 @@ def chain_calls(monkeypatch):
 
 
 def _head(target, bf16: bool | str):
-    """A head with fp32 weights (False), bf16-valued ones (True: bf16 panels, as the shipped head)
-    or ``"int8"`` ones (rollout.quantize: int8 panels)."""
+    """A head with fp32 weights (False), bf16-valued ones (True, ``"panels"`` or ``"tiles"``: as the
+    shipped head; packed as AMX tiles where the CPU has them and ``native_linear.amx`` is on, else as
+    bf16 panels) or ``"int8"`` ones (rollout.quantize: int8 panels)."""
     head = copy_head(target, noise=0.3)
     if bf16 == "int8":
         quantize_int8_(head)
@@ -93,14 +94,19 @@ def _draft_steps(target, head, native: list[bool], tree: bool = False):
     return out
 
 
-@pytest.mark.parametrize("bf16", [False, True, "int8"])
+@pytest.mark.parametrize("bf16", [False, "panels", "tiles", "int8"])
 @pytest.mark.parametrize("tree", [False, True])
-def test_draft_steps_give_the_bits_of_the_heads_forward(native_steps, bf16, tree):
+def test_draft_steps_give_the_bits_of_the_heads_forward(native_steps, bf16, tree, monkeypatch):
+    """The C++ draft steps against the head's Python forwards, bit for bit: fp32 weights, bf16-valued
+    ones as compact panels and (where the CPU has AMX) as AMX tiles, and int8 ones."""
+    if bf16 == "tiles" and not native_linear.amx_available():
+        pytest.skip("AMX tiles cannot run here (no AMX-BF16 CPU, or HONEST_ROLLOUTS_AMX=0)")
+    monkeypatch.setattr(native_linear, "amx", bf16 == "tiles")
     target = tiny_target(seed=2)
     head = _head(target, bf16)
     own = _draft_steps(target, head, [False] * 4, tree)
-    if bf16 == "int8":
-        assert native_linear.panels_of(head.lm_head).dtype == torch.int8
+    packed = {False: torch.float32, "panels": torch.bfloat16, "tiles": torch.int16, "int8": torch.int8}[bf16]
+    assert native_linear.panels_of(head.lm_head).dtype == packed
     assert not any(native_steps)  # (switched off; after a Python step the round stays in Python)
     native_steps.clear()
     fast = _draft_steps(target, head, [True] * 4, tree)

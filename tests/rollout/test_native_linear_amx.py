@@ -7,6 +7,8 @@ decodes consistently. Skipped where the tiles cannot run (no AMX-BF16 CPU)."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -63,6 +65,29 @@ def test_the_split_of_the_inputs_is_exact():
     x = torch.randn(40, k, generator=torch.Generator().manual_seed(1)) * torch.logspace(-20, 20, k)
     got = native_linear.linear(x, w, None, native_linear.pack(w))
     assert torch.equal(got[:, :k], x) and torch.equal(got[:, k:], 2 * x)
+
+
+def test_extreme_inputs_and_weights():
+    """Near the float range's ends: the split is exact down to 2^-103 and up to the largest float
+    (the split truncates, so the top part cannot round up to inf); an inf input gives inf where its
+    weight is not 0 and NaN where it is, as an fp32 sum does, and NaN stays in its own row; a
+    subnormal bf16 weight (which the tile unit would read as zero) gets compact panels."""
+    k = 64
+    w = torch.cat([torch.eye(k), 2 * torch.eye(k)])
+    tiles = native_linear.pack(w)
+    x = torch.tensor([[3.4e38, -3.4028235e38, 1.2345678 * 2.0 ** -103, -1.2345678e-31, 1.0e-20, 2.0 ** -126]
+                      + [1.5] * (k - 6)])
+    got = native_linear.linear(x, w, None, tiles)
+    assert torch.equal(got[:, :k], x) and torch.equal(got[:, k:], 2 * x)
+    x = torch.ones(3, k)
+    x[0, 3], x[1, 5] = math.inf, math.nan
+    got = native_linear.linear(x, w, None, tiles)
+    assert got[0, 3] == math.inf and got[0, k + 3] == math.inf
+    assert got[0, :3].isnan().all() and got[0, 4:k].isnan().all()  # inf x 0
+    assert got[1, :].isnan().all() and torch.equal(got[2], torch.cat([torch.ones(k), 2 * torch.ones(k)]))
+    tiny = bf16_valued(32, 64, seed=8)
+    tiny[5, 7] = 2.0 ** -130  # a bf16 subnormal: its low 16 bits are zero
+    assert native_linear.pack(tiny).dtype == torch.bfloat16
 
 
 def test_each_rows_bits_do_not_depend_on_the_batch_or_the_threads():
