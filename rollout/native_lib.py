@@ -91,8 +91,6 @@ def declare(lib: ctypes.CDLL) -> None:
     lib.hr_linear_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
     lib.hr_linear_pack_amx.restype = ctypes.c_int64
     lib.hr_linear_pack_amx.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.hr_linear_packed_size_amx.restype = ctypes.c_int64
-    lib.hr_linear_packed_size_amx.argtypes = [ctypes.c_int64] * 2
     lib.hr_digest.restype = ctypes.c_uint64
     lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
     lib.hr_digest_many.restype = None

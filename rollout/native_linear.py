@@ -213,10 +213,9 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
             return buf
     if (compact and amx and amx_available()
             and all(lib.hr_linear_pack_amx(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights)):
-        tiles = [lib.hr_linear_packed_size_amx(w.shape[0], k) for w in weights]
-        buf = _buffer(out, sum(tiles), torch.int16)
+        buf = _buffer(out, sum(sizes), torch.int16)  # the tiles take the panels' size (every N_i a multiple of 16)
         if all(lib.hr_linear_pack_amx(w.data_ptr(), buf[s:].data_ptr(), w.shape[0], k) == 0
-               for w, s in zip(weights, [sum(tiles[:i]) for i in range(len(tiles))])):
+               for w, s in zip(weights, starts)):
             return buf
     if compact and all(lib.hr_linear_pack16(w.data_ptr(), None, w.shape[0], k) == 0 for w in weights):
         buf = _buffer(out, sum(sizes), torch.bfloat16)

@@ -196,60 +196,54 @@ int64_t hr_amx_enable() {
 #endif
 }
 
-int64_t hr_linear_packed_size_amx(int64_t N, int64_t K) { return N * K; }
-
-// Pack W [N, K] (row-major float32) into P (hr_linear_packed_size_amx values of 16 bits) in the
-// layout above. Returns 0, or 1 when N is not a multiple of 16, K not a multiple of 32, or some
-// value of W is not a bfloat16 or is a subnormal one (P then holds nothing usable). With P null
-// only the checks run.
+// Pack W [N, K] (row-major float32) into P (N x K values of 16 bits, the size of its bf16 panels)
+// in the layout above. Returns 0, or 1 when N is not a multiple of 16, K not a multiple of 32, some
+// value of W is not a bfloat16 or is a subnormal one, or this build has no AMX (P then holds
+// nothing usable). With P null only the shape and W's first row are tested (0: they pass), as
+// hr_linear_pack16 does: a dense fp32 weight is refused before a buffer is made for it.
 int64_t hr_linear_pack_amx(const float* W, uint16_t* P, int64_t N, int64_t K) {
+#if HR_AMX
   if (N < 16 || K < 32 || N % 16 != 0 || K % 32 != 0) return 1;
+  const __m512i low = _mm512_set1_epi32(0xFFFF), exponent = _mm512_set1_epi32(0x7F800000);
+  const __m512i mantissa = _mm512_set1_epi32(0x007F0000);
+  // refused: a value of w[0 .. 16) that is not a bf16, or a subnormal one (the tile unit reads it as zero)
+  const auto refused = [&](const float* w) {
+    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(w));
+    return (_mm512_test_epi32_mask(bits, low) |
+            (_mm512_testn_epi32_mask(bits, exponent) & _mm512_test_epi32_mask(bits, mantissa))) != 0;
+  };
+  if (P == nullptr) {
+    for (int64_t k = 0; k < K; k += 16)
+      if (refused(W + k)) return 1;
+    return 0;
+  }
   const int64_t blocks = K / 32;
   std::atomic<int> bad{0};
   at::parallel_for(0, N / 16, 16, [&](int64_t lo, int64_t hi) {
-#if HR_AMX
     // a row's 32 values of a block are 16 pairs (k = 2i, 2i + 1): as bf16 (exact for bf16
     // values) they are 16 32-bit words, word i going to row i of the tile, column j
     const __m512i rows16 = _mm512_mullo_epi32(
         _mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0), _mm512_set1_epi32(16));
-    const __m512i low = _mm512_set1_epi32(0xFFFF), exponent = _mm512_set1_epi32(0x7F800000);
-    const __m512i mantissa = _mm512_set1_epi32(0x007F0000);
-    // refused: a value that is not a bf16, or a subnormal one (the tile unit reads it as zero)
-    const auto refused = [&](__m512 v) {
-      const __m512i bits = _mm512_castps_si512(v);
-      return _mm512_test_epi32_mask(bits, low) |
-             (_mm512_testn_epi32_mask(bits, exponent) & _mm512_test_epi32_mask(bits, mantissa));
-    };
     for (int64_t p = lo; p < hi; ++p)
       for (int64_t j = 0; j < 16; ++j) {
         const float* w = W + (16 * p + j) * K;
         for (int64_t kb = 0; kb < blocks; ++kb) {
-          const __m512 a = _mm512_loadu_ps(w + 32 * kb), b = _mm512_loadu_ps(w + 32 * kb + 16);
-          if (refused(a) | refused(b)) {
+          if (refused(w + 32 * kb) || refused(w + 32 * kb + 16)) {
             bad.store(1, std::memory_order_relaxed);
             return;
           }
-          if (P != nullptr)
-            _mm512_i32scatter_epi32(reinterpret_cast<int32_t*>(P) + (p * blocks + kb) * (kTile / 2) + j, rows16,
-                                    reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)), 4);
+          const __m512 a = _mm512_loadu_ps(w + 32 * kb), b = _mm512_loadu_ps(w + 32 * kb + 16);
+          _mm512_i32scatter_epi32(reinterpret_cast<int32_t*>(P) + (p * blocks + kb) * (kTile / 2) + j, rows16,
+                                  reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)), 4);
         }
         if (bad.load(std::memory_order_relaxed)) return;
       }
-#else
-    for (int64_t p = lo; p < hi; ++p)
-      for (int64_t j = 0; j < 16; ++j)
-        for (int64_t k = 0; k < K; ++k) {
-          uint32_t bits;
-          std::memcpy(&bits, W + (16 * p + j) * K + k, sizeof bits);
-          if ((bits & 0xFFFFu) || ((bits & 0x7F800000u) == 0 && (bits & 0x007F0000u) != 0)) {
-            bad.store(1, std::memory_order_relaxed);
-            return;
-          }
-          if (P != nullptr) P[(p * blocks + k / 32) * 512 + (k % 32) / 2 * 32 + 2 * j + k % 2] = bits >> 16;
-        }
-#endif
   });
   return bad.load();
+#else
+  (void)W, (void)P, (void)N, (void)K;
+  return 1;  // no AMX in this build: the tiles never run
+#endif
 }
 
 // Y [M, N] = X [M, K] W^T (+ b) from the packed P. Returns 0; 1 when M is outside [1, 65536] or
