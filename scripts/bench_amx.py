@@ -38,26 +38,16 @@ from rollout.engine import Engine  # noqa: E402
 from rollout.models import load_embedded_target, round_weights_  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
 from rollout.timing import step_costs  # noqa: E402
-from scripts.cli import positive_int  # noqa: E402
+from scripts.cli import positive_int, positive_ints  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 
 KERNELS = ("tiles", "compact")
 
 
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return values
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--batch-sizes", type=_ints, default=[1, 8, 16, 32])
-    ap.add_argument("--blocks", type=_ints, default=[1, 3, 7], help="block tokens per row of the timed forwards")
+    ap.add_argument("--batch-sizes", type=positive_ints, default=[1, 8, 16, 32])
+    ap.add_argument("--blocks", type=positive_ints, default=[1, 3, 7], help="block tokens per row of the timed forwards")
     ap.add_argument("--rounds", type=positive_int, default=3, help="alternations of the two kernels")
     ap.add_argument("--reps", type=positive_int, default=10, help="timed forwards per step and round")
     ap.add_argument("--max-new-tokens", type=positive_int, default=64)

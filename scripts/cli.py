@@ -14,14 +14,20 @@ def head_folder(text: str) -> str:
     return text
 
 
-def batch_sizes(text: str) -> str:
-    """A comma list of positive batch sizes, kept as written."""
+def positive_ints(text: str, what: str = "values") -> list[int]:
+    """A comma list of integers >= 1 (``what`` names them in the refusal)."""
     try:
-        sizes = [int(b) for b in text.split(",")]
+        values = [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a comma list of integers, got {text!r}") from None
-    if not sizes or min(sizes) < 1:
-        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{what} must be >= 1, got {text!r}")
+    return values
+
+
+def batch_sizes(text: str) -> str:
+    """A comma list of positive batch sizes, kept as written."""
+    positive_ints(text, "batch sizes")
     return text
 
 
