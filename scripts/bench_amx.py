@@ -88,12 +88,12 @@ def measure(engine: Engine, prompts: list[list[int]], args) -> dict:
                                         for n in [*args.blocks, "draft"]},
                            "tok_s": {name: statistics.median(v) for name, v in rec[k]["tok_s"].items()}}
                        for k in KERNELS}
-        report(batch, rows[batch], args)
+        report(batch, rows[batch])
     use("tiles")
     return rows
 
 
-def report(batch: int, row: dict, args) -> None:
+def report(batch: int, row: dict) -> None:
     tiles, compact = row["tiles"], row["compact"]
     steps = "  ".join(f"T({n}) {compact['steps_ms'][n]:.1f} -> {tiles['steps_ms'][n]:.1f} ms "
                       f"({compact['steps_ms'][n] / tiles['steps_ms'][n]:.2f}x)" for n in tiles["steps_ms"])
