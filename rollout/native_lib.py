@@ -65,62 +65,49 @@ def required() -> ctypes.CDLL:
     return _lib
 
 
+_i64, _u64, _f32, _ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_float, ctypes.c_void_p
+_KERNEL = [_ptr] * 4 + [_i64] * 3  # (panels, bias, x, y, N, K, M): every linear kernel
+_PACK = [_ptr] * 2 + [_i64] * 2  # (weight, out, N, K)
+
+# name -> (result type, argument types) of every entry point
+SIGNATURES: dict[str, tuple] = {
+    "hr_linear": (_i64, _KERNEL),
+    "hr_linear16": (_i64, _KERNEL),
+    "hr_linear8": (_i64, _KERNEL),
+    "hr_linear_amx": (_i64, _KERNEL),
+    "hr_linear_pack": (None, _PACK),
+    "hr_linear_pack16": (_i64, _PACK),
+    "hr_linear_pack_amx": (_i64, _PACK),
+    "hr_linear_pack8": (_i64, [_ptr] * 3 + [_i64] * 2),
+    "hr_linear_packed_size": (_i64, [_i64] * 2),
+    "hr_linear_packed_size8": (_i64, [_i64] * 2),
+    "hr_amx_built": (_i64, []),
+    "hr_amx_enable": (_i64, []),
+    "hr_linear_max_rows": (_i64, []),
+    "hr_linear_vectorised": (_i64, []),
+    "hr_digest": (_u64, [_ptr, _i64]),
+    "hr_digest_many": (None, [ctypes.POINTER(_ptr), ctypes.POINTER(_i64), _i64, ctypes.POINTER(_u64)]),
+    "hr_attend": (_i64, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _i64, _i64, _i64, _ptr, _i64, _i64, _ptr]
+                  + [_i64] * 6 + [_f32]),
+    "hr_attend_vectorised": (_i64, []),
+    "hr_rms_norm": (None, [_ptr, _ptr, _ptr, _i64, _i64, _f32]),
+    "hr_decoder_layer": (_i64, [_ptr, _i64, _i64, _i64, _ptr, _ptr, _f32] + [_ptr] * 4 + [_i64] * 5 + [_ptr] * 4
+                         + [_i64] * 3 + [_ptr, _ptr, _i64, _i64, _i64, _f32, _ptr]),
+    "hr_decoder_layer_scratch": (_i64, [_i64] * 6),
+    "hr_decoder_stack": (_i64, [_ptr, _i64, _i64, _i64, _i64, _ptr, _f32] + [_i64] * 4 + [_ptr, _ptr] + [_i64] * 3
+                         + [_ptr, _ptr] + [_i64] * 3 + [_f32, _ptr, _ptr]),
+    "hr_draft_layer": (_i64, [_ptr] * 3 + [_i64] * 3 + [_ptr] * 3 + [_f32] + [_ptr] * 4 + [_i64] * 5 + [_ptr] * 4
+                       + [_i64] * 3 + [_ptr] * 2 + [_i64] * 3 + [_f32, _ptr, _ptr, _i64, _f32, _ptr, _ptr]),
+    "hr_draft_layer_scratch": (_i64, [_i64] * 6),
+    "hr_draft_chain": (_i64, [_ptr] * 6 + [_f32] + [_i64] * 3 + [_ptr] * 3 + [_f32] + [_ptr] * 4 + [_i64] * 5
+                       + [_ptr] * 4 + [_i64] * 3 + [_ptr, _i64, _i64, _f32, _ptr, _ptr, _i64, _f32, _ptr]),
+    "hr_draft_chain_scratch": (_i64, [_i64] * 7),
+}
+
+
 def declare(lib: ctypes.CDLL) -> None:
-    """Set the argument and result types of every entry point of the opened library ``lib``."""
-    lib.hr_linear.restype = ctypes.c_int64
-    lib.hr_linear.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.hr_linear_pack.restype = None
-    lib.hr_linear_pack.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.hr_linear_packed_size.restype = ctypes.c_int64
-    lib.hr_linear_packed_size.argtypes = [ctypes.c_int64] * 2
-    lib.hr_linear16.restype = ctypes.c_int64
-    lib.hr_linear16.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.hr_linear_pack16.restype = ctypes.c_int64
-    lib.hr_linear_pack16.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.hr_linear8.restype = ctypes.c_int64
-    lib.hr_linear8.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.hr_linear_pack8.restype = ctypes.c_int64
-    lib.hr_linear_pack8.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 2
-    lib.hr_linear_packed_size8.restype = ctypes.c_int64
-    lib.hr_linear_packed_size8.argtypes = [ctypes.c_int64] * 2
-    lib.hr_amx_built.restype = ctypes.c_int64
-    lib.hr_amx_built.argtypes = []
-    lib.hr_amx_enable.restype = ctypes.c_int64
-    lib.hr_amx_enable.argtypes = []
-    lib.hr_linear_amx.restype = ctypes.c_int64
-    lib.hr_linear_amx.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3
-    lib.hr_linear_pack_amx.restype = ctypes.c_int64
-    lib.hr_linear_pack_amx.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2
-    lib.hr_digest.restype = ctypes.c_uint64
-    lib.hr_digest.argtypes = [ctypes.c_void_p, ctypes.c_int64]
-    lib.hr_digest_many.restype = None
-    lib.hr_digest_many.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.POINTER(ctypes.c_int64), ctypes.c_int64,
-                                   ctypes.POINTER(ctypes.c_uint64)]
-    lib.hr_linear_max_rows.restype = ctypes.c_int64
-    lib.hr_linear_vectorised.restype = ctypes.c_int64
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.hr_attend.restype = i64
-    lib.hr_attend.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, i64, i64, ptr, i64, i64, ptr] + [i64] * 6 + [
-        ctypes.c_float]
-    lib.hr_attend_vectorised.restype = i64
-    lib.hr_rms_norm.restype = None
-    lib.hr_rms_norm.argtypes = [ptr, ptr, ptr, i64, i64, ctypes.c_float]
-    f32 = ctypes.c_float
-    lib.hr_decoder_layer.restype = i64
-    lib.hr_decoder_layer.argtypes = ([ptr, i64, i64, i64, ptr, ptr, f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
-                                     + [i64] * 3 + [ptr, ptr, i64, i64, i64, f32, ptr])
-    lib.hr_decoder_layer_scratch.restype = i64
-    lib.hr_decoder_layer_scratch.argtypes = [i64] * 6
-    lib.hr_decoder_stack.restype = i64
-    lib.hr_decoder_stack.argtypes = ([ptr, i64, i64, i64, i64, ptr, f32] + [i64] * 4 + [ptr, ptr] + [i64] * 3
-                                     + [ptr, ptr] + [i64] * 3 + [f32, ptr, ptr])
-    lib.hr_draft_layer.restype = i64
-    lib.hr_draft_layer.argtypes = ([ptr] * 3 + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5 + [ptr] * 4
-                                   + [i64] * 3 + [ptr] * 2 + [i64] * 3 + [f32, ptr, ptr, i64, f32, ptr, ptr])
-    lib.hr_draft_layer_scratch.restype = i64
-    lib.hr_draft_layer_scratch.argtypes = [i64] * 6
-    lib.hr_draft_chain.restype = i64
-    lib.hr_draft_chain.argtypes = ([ptr] * 6 + [f32] + [i64] * 3 + [ptr] * 3 + [f32] + [ptr] * 4 + [i64] * 5
-                                   + [ptr] * 4 + [i64] * 3 + [ptr, i64, i64, f32, ptr, ptr, i64, f32, ptr])
-    lib.hr_draft_chain_scratch.restype = i64
-    lib.hr_draft_chain_scratch.argtypes = [i64] * 7
+    """Set the result and argument types of every entry point (:data:`SIGNATURES`) of the opened
+    library ``lib``."""
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
