@@ -69,7 +69,8 @@ _i64, _u64, _f32, _ptr = ctypes.c_int64, ctypes.c_uint64, ctypes.c_float, ctypes
 _KERNEL = [_ptr] * 4 + [_i64] * 3  # (panels, bias, x, y, N, K, M): every linear kernel
 _PACK = [_ptr] * 2 + [_i64] * 2  # (weight, out, N, K)
 
-# name -> (result type, argument types) of every entry point
+# name -> (result type, argument types) of every entry point (tests/test_native_signatures.py checks them
+# against the sources)
 SIGNATURES: dict[str, tuple] = {
     "hr_linear": (_i64, _KERNEL),
     "hr_linear16": (_i64, _KERNEL),

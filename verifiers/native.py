@@ -77,6 +77,23 @@ def build() -> Path:
     return cbuild.build("verifier", SOURCES, "the fused verifier")
 
 
+_i64, _f64, _ptr, _params = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.POINTER(Params)
+
+# name -> (result type, argument types) of every entry point (tests/test_native_signatures.py
+# checks them against the sources)
+SIGNATURES: dict[str, tuple] = {
+    "hr_verify_chain": (_i64, [_ptr] * 5 + [_i64] * 3 + [_f64, _params] + [_ptr] * 8),
+    "hr_verify_candidates": (_i64, [_ptr] * 4 + [_i64] * 3 + [_f64, _params] + [_ptr] * 6),
+    "hr_draw_sampled": (_i64, [_ptr] * 2 + [_i64] * 3 + [_f64] + [_ptr] * 2),
+    "hr_verify_sampled": (_i64, [_ptr] * 5 + [_i64] * 3 + [_f64, _params] + [_ptr] * 5),
+    "hr_walk_sampled": (_i64, [_ptr] * 7 + [_i64] * 7 + [_f64, _params] + [_ptr] * 7),
+    "hr_verify_block": (_i64, [_ptr] * 5 + [_i64] * 3 + [_f64] + [_ptr] * 6),
+    "hr_walk_block_tree": (_i64, [_ptr] * 8 + [_i64] * 5 + [_f64] + [_ptr] * 6),
+    "hr_rule_name": (ctypes.c_char_p, [_i64]),
+    "hr_rule_nargs": (_i64, [_i64]),
+}
+
+
 def _load() -> ctypes.CDLL | None:
     if _tried:
         return _lib
@@ -96,33 +113,9 @@ def _load_locked() -> ctypes.CDLL | None:
     if lib is None:
         _tried = True
         return None
-    fn = lib.hr_verify_chain
-    fn.restype = ctypes.c_int64
-    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
-                   + [ctypes.c_void_p] * 8)
-    fn = lib.hr_verify_candidates
-    fn.restype = ctypes.c_int64
-    fn.argtypes = ([ctypes.c_void_p] * 4 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
-                   + [ctypes.c_void_p] * 6)
-    fn = lib.hr_draw_sampled
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 2
-    fn = lib.hr_verify_sampled
-    fn.restype = ctypes.c_int64
-    fn.argtypes = ([ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double, ctypes.POINTER(Params)]
-                   + [ctypes.c_void_p] * 5)
-    fn = lib.hr_walk_sampled
-    fn.restype = ctypes.c_int64
-    fn.argtypes = ([ctypes.c_void_p] * 7 + [ctypes.c_int64] * 7 + [ctypes.c_double, ctypes.POINTER(Params)]
-                   + [ctypes.c_void_p] * 7)
-    fn = lib.hr_verify_block
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 3 + [ctypes.c_double] + [ctypes.c_void_p] * 6
-    fn = lib.hr_walk_block_tree
-    fn.restype = ctypes.c_int64
-    fn.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int64] * 5 + [ctypes.c_double] + [ctypes.c_void_p] * 6
-    lib.hr_rule_name.restype, lib.hr_rule_name.argtypes = ctypes.c_char_p, [ctypes.c_int64]
-    lib.hr_rule_nargs.restype, lib.hr_rule_nargs.argtypes = ctypes.c_int64, [ctypes.c_int64]
+    for name, (restype, argtypes) in SIGNATURES.items():
+        fn = getattr(lib, name)
+        fn.restype, fn.argtypes = restype, argtypes
     _lib, _tried = lib, True
     return lib
 
