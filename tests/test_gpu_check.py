@@ -1,0 +1,31 @@
+"""``scripts/gpu_check.sh`` runs ``pytest -m gpu`` over the files in its ``GPU_TESTS`` list only
+(the whole tree would import Ray, TRL and vLLM, which the GPU machine lacks). A ``gpu`` test in
+a file the list leaves out would never run there, and a listed file without one is a stale entry:
+the list must be exactly the files pytest collects ``gpu`` tests from."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def listed_files() -> set[str]:
+    script = (ROOT / "scripts" / "gpu_check.sh").read_text()
+    body = re.search(r"^GPU_TESTS=\(\n(.*?)^\)", script, re.M | re.S)
+    assert body, "gpu_check.sh has no GPU_TESTS=( ... ) list"
+    return {line.strip() for line in body.group(1).splitlines() if line.strip()}
+
+
+def test_gpu_check_runs_every_file_with_gpu_tests():
+    out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
+                          "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+    collected = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
+    assert collected, "no gpu-marked test was collected"
+    assert listed_files() == collected, (f"not in GPU_TESTS: {sorted(collected - listed_files())}; "
+                                         f"listed without a gpu test: {sorted(listed_files() - collected)}")
+    assert all((ROOT / f).is_file() for f in listed_files())
