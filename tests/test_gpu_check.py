@@ -1,10 +1,12 @@
 """``scripts/gpu_check.sh`` runs ``pytest -m gpu`` over the files in its ``GPU_TESTS`` list only
 (the whole tree would import Ray, TRL and vLLM, which the GPU machine lacks). A ``gpu`` test in
 a file the list leaves out would never run there, and a listed file without one is a stale entry:
-the list must be exactly the files pytest collects ``gpu`` tests from."""
+the list must be exactly the files pytest collects ``gpu`` tests from, and they must import on
+that machine, which has no Ray, TRL, gguf, vLLM or scipy."""
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -29,3 +31,19 @@ def test_gpu_check_runs_every_file_with_gpu_tests():
     assert listed_files() == collected, (f"not in GPU_TESTS: {sorted(collected - listed_files())}; "
                                          f"listed without a gpu test: {sorted(listed_files() - collected)}")
     assert all((ROOT / f).is_file() for f in listed_files())
+
+
+ABSENT_THERE = ("ray", "trl", "gguf", "vllm", "scipy")  # not installed on the GPU machine (scripts/gpu_check.sh)
+
+
+def test_the_listed_files_collect_without_what_the_gpu_machine_lacks():
+    """Collected as gpu_check.sh collects them, with Ray, TRL, gguf, vLLM and scipy made absent
+    (``sys.modules[name] = None``: an import fails, ``importlib.util.find_spec`` says absent) and
+    the C++ kernels off: every listed file imports and yields its gpu tests."""
+    blocked = "".join(f"sys.modules[{name!r}] = None; " for name in ABSENT_THERE)
+    code = (f"import sys; {blocked}import pytest; "
+            f"sys.exit(pytest.main(['-m', 'gpu', '--collect-only', '-q', '-p', 'no:cacheprovider', *sys.argv[1:]]))")
+    out = subprocess.run([sys.executable, "-c", code, *sorted(listed_files())], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300, env={**os.environ, "HONEST_ROLLOUTS_NATIVE": "0"})
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
+    assert {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line} == listed_files()
