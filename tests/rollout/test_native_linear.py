@@ -101,6 +101,52 @@ def test_fallback_to_torch():
     assert wg.grad is not None and torch.equal(wg.grad, x[:1].expand(50, 40))
 
 
+
+@needs_kernel
+def test_a_call_of_exactly_max_rows_rows_runs_on_the_kernel(monkeypatch):
+    """``max_rows`` is the most rows the kernel takes, and it takes them: a call of exactly that
+    many rows runs there (each row's bits those of a one-row call: batch-invariant), one row more
+    goes to torch (``test_fallback_to_torch``)."""
+    rows = native_linear.max_rows()
+    g = torch.Generator().manual_seed(5)
+    w, x = torch.randn(16, 16, generator=g), torch.randn(rows, 16, generator=g)
+    runs = []
+    real = native_linear._run
+    monkeypatch.setattr(native_linear, "_run", lambda *a, **kw: runs.append(a[0].shape[0]) or real(*a, **kw))
+    panels = native_linear.pack(w)
+    out = native_linear.linear(x, w, None, panels)
+    assert runs == [rows]
+    for i in (0, rows // 2, rows - 1):
+        assert torch.equal(out[i:i + 1], native_linear.linear(x[i:i + 1], w, None, panels))
+    native_linear.linear(torch.cat([x, x[:1]]), w, None, panels)
+    assert runs == [rows] + [1] * 3  # the call of rows + 1 rows went to torch
+
+
+@needs_kernel
+def test_layers_merge_into_one_call_only_when_every_part_but_the_last_is_whole_panels():
+    """``_mergeable``: one packed buffer stands for several layers only where the offsets of the
+    parts after the first fall on panel boundaries (every part's rows but the last's a multiple of
+    16, as ``pack_merged`` lays them out); the last part may end in a partial panel. Merged, the
+    call gives the concatenated outputs."""
+    g = torch.Generator().manual_seed(6)
+
+    def layers(*outs: int) -> list[nn.Linear]:
+        out = [nn.Linear(40, n, bias=False) for n in outs]
+        for m in out:
+            m.weight.data = torch.randn(m.out_features, 40, generator=g)
+        return out
+
+    assert not native_linear._mergeable(layers(24, 16))  # the second part would start mid-panel
+    assert not native_linear._mergeable(layers(16, 8, 16))
+    group = layers(32, 16, 24)
+    assert native_linear._mergeable(group)
+    x = torch.randn(3, 40, generator=g)
+    panels = native_linear.pack_merged([m.weight for m in group])
+    with torch.no_grad():
+        got = native_linear._merged(group, panels, x)
+        torch.testing.assert_close(got, torch.cat([m(x) for m in group], -1), rtol=1e-5, atol=1e-5)
+
+
 def test_routed_switches_and_restores():
     layer = nn.Sequential(nn.Linear(40, 30), nn.ReLU(), nn.Linear(30, 20, bias=False))
     calls = []

@@ -152,3 +152,22 @@ def test_the_engine_sees_a_weight_changed_through_data_between_calls():
     for a, b in zip(changed.completions, scratch.completions):
         assert a.completion_ids == b.completion_ids and a.behaviour_logprobs == b.behaviour_logprobs
     assert [c.completion_ids for c in changed.completions] != [c.completion_ids for c in first.completions]
+
+
+def test_a_merged_buffer_is_packed_again_when_only_a_later_part_changes_through_data():
+    """A fused module's merged buffer (q/k/v, gate/up) is checked against the digests of every
+    weight it was packed from: a write through ``.data`` (no version change) to its last part
+    alone packs it again, as the parts are then."""
+    g = torch.Generator().manual_seed(7)
+    owner = nn.Module()
+    parts = [torch.randn(32, 48, generator=g), torch.randn(16, 48, generator=g), torch.randn(24, 48, generator=g)]
+    job = (owner, native_linear._merged_buffers, parts)
+    native_linear._refill_all([job])
+    native_linear._refill_all([job])  # versions unchanged: now stamped with the digests
+    before = native_linear.repacks
+    native_linear._refill_all([job])
+    assert native_linear.repacks == before  # kept
+    parts[2].data[23, 47] += 1.0
+    (panels,) = native_linear._refill_all([job])
+    assert native_linear.repacks == before + 1
+    assert torch.equal(panels, native_linear.pack_merged(parts))
