@@ -43,3 +43,14 @@ def test_keep_moves_each_kept_row_whole(rows):
         for i, r in enumerate(rows):
             n = lengths[r]
             assert torch.equal(k[i, :, :n], k0[r, :, :n]) and torch.equal(v[i, :, :n], v0[r, :, :n])
+
+
+def test_a_forward_that_fills_the_capacity_exactly_fits():
+    """``prepare`` takes a block whose last slot is the cache's last (kv_len == capacity) and
+    refuses one slot more, naming the slots needed."""
+    cache = RowKVCache(1, 2, 1, 2, 10, torch.float32, "cpu")
+    cache.set_lengths(torch.tensor([4, 7]))
+    slots, kv_len = cache.prepare(3)
+    assert kv_len == 10 and slots.tolist() == [[4, 5, 6], [7, 8, 9]]
+    with pytest.raises(RuntimeError, match=r"capacity 10 exceeded \(11 slots needed\)"):
+        cache.prepare(4)

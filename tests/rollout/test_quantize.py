@@ -188,3 +188,15 @@ def test_trl_settings_take_drafter_weights_locally_and_refuse_a_bad_value():
     assert RolloutSettings(backend_options={"drafter_weights": "int8"}).backend_options == {"drafter_weights": "int8"}
     with pytest.raises(ConfigError, match=r"drafter_weights.*'fp4'.*allowed: stored, int8"):
         RolloutSettings(backend_options={"drafter_weights": "fp4"})
+
+
+def test_rows_of_subnormal_magnitude_stay_within_127_steps():
+    """A row whose largest value is subnormal has a scale rounded coarsely (max / 127 keeps few
+    bits), so ``weight / scale`` can pass 127 (up to 190): the integers are still clamped to
+    [-127, 127] and the values are exactly those integers times the scale."""
+    w = torch.arange(1, 20001, dtype=torch.int32).view(torch.float32)[:, None] * torch.tensor([1.0, -0.5])
+    values, scales = int8_rows(w)
+    assert (scales > 0).any()
+    q = values / torch.where(scales > 0, scales, torch.ones_like(scales))[:, None]
+    assert torch.equal(q, q.round()) and q.abs().max() <= 127
+    assert torch.equal(q * scales[:, None] + 0.0, values)
