@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from rollout.params import SpecConfig
-from rollout.planner import RoundPlanner, bucket
+from rollout.planner import REPROBE, RoundPlanner, bucket
+from rollout.planner_costs import Recent
 from tests.rollout.planner_sim import cpu_like, kernel_like, simulate
 
 
@@ -221,3 +222,74 @@ def test_chains_shorter_than_the_best_are_not_run_again():
     assert settled.count(6) >= len(settled) - 8, chosen
     assert not [k for k in settled if 0 < k < 6], chosen
     assert 0 in settled, chosen
+
+
+def test_depths_not_yet_tried_borrow_the_mean_of_the_tried_ones():
+    """alpha_j of a depth no round has reached is the pseudo-count estimate around the mean rate of
+    the tried depths (not the fixed ``prior_accept``): chains of one draft accepted 9 times in 10
+    make a chain of three look as good as that rate says."""
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"), adaptive_k=True)
+    planner.observe(1, 1, 1.0, 0.1, [2] * 9 + [1])  # depth 1 tried 10 times, accepted 9; depths 2, 3 never
+    rate = planner._accepts[1] / planner._attempts[1]
+    assert rate == pytest.approx(0.9) and planner._attempts[2:] == [0, 0]
+    alphas = planner.acceptance()
+    w = planner.prior_weight
+    assert alphas[0] == pytest.approx((9 + w * rate) / (10 + w))
+    assert alphas[1:] == [pytest.approx(rate)] * 2
+    assert planner.expected_tokens(3) == pytest.approx(1 + alphas[0] + alphas[0] * rate + alphas[0] * rate ** 2)
+
+
+def test_a_bucket_without_its_own_draft_cost_borrows_the_nearest_smaller_one_on_a_tie():
+    """``_nearest``: a bucket's own entry, else the nearest measured bucket's, the smaller one
+    when two are as near (a draft step at batch 2 is a better guess for batch 4 than one at 16)."""
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"))
+    table = {}
+    for bk, seconds in ((1, 0.1), (3, 0.3), (5, 0.5)):
+        table[bk] = Recent()
+        table[bk].add(seconds)
+    assert planner._nearest(table, 3).value == 0.3  # its own
+    assert planner._nearest(table, 2).value == 0.1  # buckets 1 and 3 tie: the smaller
+    assert planner._nearest(table, 4).value == 0.3  # 3 and 5 tie
+    assert planner._nearest(table, 0).value == 0.1 and planner._nearest(table, 9).value == 0.5
+    assert planner._nearest({}, 2) is None
+
+
+def test_of_the_alternatives_due_again_the_nearest_runs_first(monkeypatch):
+    """When several alternatives to the best option are due for a re-probe in the same round, the
+    one whose expected rate is nearest the best's runs first (it is the likeliest to take over)."""
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"), adaptive_k=True)
+    planner.trace = []
+    planner._bucket_rounds[0] = 5
+    planner._last_run.update({(0, 0): 1, (0, 1): 2})  # bucket 0 probed: not a new bucket
+    rates = {0: 1.0, 1: 1.5, 2: 2.0, 3: 1.2}
+    monkeypatch.setattr(planner, "rates", lambda b, switching=None: dict(rates))
+    monkeypatch.setattr(planner, "_due", lambda b, k, ratio, best: k != best)
+    assert planner.choose(1) == 1
+    assert planner.trace[-1]["why"] == REPROBE
+    rates[3] = 1.9
+    assert planner.choose(1) == 3
+
+
+def test_larger_options_open_one_at_a_time():
+    """Only the next chain length above the measured ones is open to choice (its cost extrapolated
+    from them): with chains of one measured at batch 1, the rates compare plain, 1 and 2, not 3."""
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"), adaptive_k=True)
+    planner.observe(1, 0, 1.0, 0.0, [1])
+    planner.observe(1, 1, 1.2, 0.1, [2])
+    assert set(planner.rates(1)) == {0, 1, 2}
+    planner.observe(1, 2, 1.4, 0.2, [3])
+    assert set(planner.rates(1)) == {0, 1, 2, 3}
+
+
+def test_the_acceptance_is_established_at_explore_row_rounds():
+    """A probe's catch-up is charged once the acceptance rests on ``explore`` row-rounds of drafting
+    (``_established``), counted from that many on, for chains (depth 1 attempts) and trees."""
+    chain = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"))
+    rows = int(chain.explore)
+    chain.observe(rows - 1, 3, 1.0, 0.1, [1] * (rows - 1))
+    assert not chain._established()
+    chain.observe(1, 3, 1.0, 0.1, [4])
+    assert chain._attempts[1] == chain.explore and chain._established()
+    tree = RoundPlanner.for_spec(SpecConfig(mode="tree", depth=3, top_k=2, total_tokens=6, max_batch="auto"))
+    tree.observe(rows, 1, 1.0, 0.1, [2] * rows)
+    assert tree._tree[1] == tree.explore and tree._established()

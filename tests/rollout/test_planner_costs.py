@@ -81,3 +81,15 @@ def test_the_cost_curve_pools_buckets_and_never_decreases():
     xs = [x for x, _ in planner._curve()]
     ys = [y for _, y in planner._curve()]
     assert xs == sorted(xs) and ys == sorted(ys)
+
+
+def test_a_measurement_window_rounds_old_is_still_fresh():
+    """``Recent``: the measurements taken within ``window`` rounds of the newest one count, that
+    many rounds back included, and one round more is stale."""
+    recent = Recent(keep=5, window=48)
+    recent.add(10.0, now=0)
+    recent.add(1.0, now=47)
+    recent.add(2.0, now=48)
+    assert recent.fresh() == [10.0, 1.0, 2.0] and recent.value == 2.0
+    recent.add(3.0, now=49)
+    assert recent.fresh() == [1.0, 2.0, 3.0] and recent.value == 2.0
