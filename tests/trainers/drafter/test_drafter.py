@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, causal_mask
 from rollout.models import TargetModel
-from trainers.drafter.train import DrafterConfig, init_from_target, train_drafter
+from trainers.drafter.train import DrafterConfig, epoch_batches, init_from_target, lr_at, train_drafter
 from trainers.drafter.ttt import estimated_tau, ttt_entropy_floor, ttt_forward, ttt_loss, ttt_mask
-from trainers.drafter.data import collate, draft_vocab, generate_batch, records_to_data
+from trainers.drafter.data import DrafterData, collate, draft_vocab, generate_batch, records_to_data
 from trainers.tasks.general import general_prompts
 
 V = 300
@@ -176,3 +176,53 @@ def test_calibrate_logit_scale_picks_the_best_draft_temperature():
     assert len({round(t, 6) for t in taus.values()}) == len(grid)  # the scale changes T = 1 acceptance
     report = evaluate(head, data, cfg, torch.device("cpu"), scale=2.0)
     assert taus[2.0] == pytest.approx(report["arithmetic"]["est_tau_t1"])
+
+
+def test_draft_vocab_breaks_ties_towards_the_lower_id():
+    """Tokens as frequent as each other: the lower ids make the draft vocabulary."""
+    tokens = torch.tensor([1, 9, 9, 5, 5, 7, 7, 3, 3])  # prompt token 1, then 9, 5, 7 and 3 twice each
+    data = records_to_data([{"tokens": tokens, "features": torch.zeros(9, 3), "final": torch.zeros(9, 1),
+                             "argmax": torch.zeros(9, dtype=torch.long), "lse": torch.zeros(9)}], [1], ["general"])
+    ids, coverage = draft_vocab(data, 2, 12)
+    assert ids.tolist() == [3, 5] and coverage == pytest.approx(0.5)
+
+
+def test_concatenated_data_keeps_each_samples_span():
+    """``DrafterData.concat``: the samples of every part, in order, each spanning its own tokens."""
+    g = torch.Generator().manual_seed(0)
+    lens = [5, 3, 7, 4, 6]
+    recs = [{"tokens": torch.randint(0, V, (n,), generator=g), "features": torch.randn(n, 6, generator=g).half(),
+             "final": torch.randn(n, 2, generator=g).half(), "argmax": torch.randint(0, V, (n,), generator=g),
+             "lse": torch.randn(n, generator=g)} for n in lens]
+    plens, kinds = [2, 1, 3, 2, 2], ["arithmetic", "general", "arithmetic", "general", "general"]
+    whole = records_to_data(recs, plens, kinds)
+    parts = [records_to_data(recs[a:b], plens[a:b], kinds[a:b]) for a, b in ((0, 2), (2, 3), (3, 5))]
+    joined = DrafterData.concat(parts)
+    for name, value in whole.__dict__.items():
+        other = getattr(joined, name)
+        assert value == other if isinstance(value, list) else torch.equal(value, other), name
+
+
+def test_the_learning_rate_warms_up_from_its_first_step():
+    """``lr_at``: linear warmup whose first step already moves the weights (lr / warmup_steps), the
+    peak at the last warmup step, then cosine decay to ``lr * min_lr_ratio`` at the end."""
+    cfg = DrafterConfig(lr=1e-3, warmup_steps=4, min_lr_ratio=0.1)
+    assert [lr_at(cfg, s, 20) for s in range(4)] == pytest.approx([2.5e-4, 5e-4, 7.5e-4, 1e-3])
+    assert lr_at(cfg, 4, 20) == pytest.approx(1e-3) and lr_at(cfg, 20, 20) == pytest.approx(1e-4)
+    assert lr_at(dataclasses.replace(cfg, warmup_steps=0), 0, 20) == pytest.approx(1e-3)
+
+
+
+def test_epoch_batches_group_similar_lengths():
+    """``epoch_batches``: every sample once per epoch, in batches of ``batch_size`` cut from chunks of
+    8 batches of the shuffled samples, each chunk sorted by length: within a chunk the batches do not
+    overlap in length (less padding)."""
+    g = torch.Generator().manual_seed(3)
+    lengths = torch.randint(5, 500, (160,), generator=g).tolist()
+    batches = epoch_batches(lengths, 4, torch.Generator().manual_seed(0))
+    assert sorted(i for b in batches for i in b) == list(range(160)) and {len(b) for b in batches} == {4}
+    perm = torch.randperm(160, generator=torch.Generator().manual_seed(0)).tolist()
+    for start in range(0, 160, 32):
+        chunk = set(perm[start: start + 32])
+        spans = sorted((min(lengths[i] for i in b), max(lengths[i] for i in b)) for b in batches if set(b) <= chunk)
+        assert len(spans) == 8 and all(hi <= lo for (_, hi), (lo, _) in zip(spans, spans[1:])), spans

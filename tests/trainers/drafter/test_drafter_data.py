@@ -106,3 +106,17 @@ def test_generate_and_train_a_step_on_cuda(tmp_path):
     report = train_drafter(cfg, head, a, progress=False, log=lambda *_: None)
     assert report["steps"] == 2 and torch.isfinite(torch.tensor(report["loss"]))
     assert not torch.equal(before, head.fc.weight.detach())
+
+
+def test_each_sample_of_a_prompt_draws_its_own_greedy_or_sampled_choice():
+    """With ``greedy_fraction`` 0.5 and several samples per prompt, the greedy/sampled draw is made
+    per sample, not once per prompt: some prompt gets both a greedy answer (each response token the
+    recorded argmax before it) and a sampled one."""
+    target = tiny_target(init_range=0.3)
+    data = _dataset(target, 0, samples_per_prompt=4, greedy_fraction=0.5)
+    greedy = []
+    for i in range(len(data)):
+        lo, hi, plen = int(data.offsets[i]), int(data.offsets[i + 1]), int(data.prompt_lens[i])
+        greedy.append(data.tokens[lo + plen: hi].tolist() == data.argmax[lo + plen - 1: hi - 1].tolist())
+    per_prompt = [{greedy[i] for i in range(p, len(data), len(PROMPTS))} for p in range(len(PROMPTS))]
+    assert any(len(kinds) == 2 for kinds in per_prompt), greedy

@@ -155,3 +155,25 @@ def test_ce_loss_matches_a_slow_reference():
     assert not bool(head.t2d[batch.argmax[:, 1:].clamp(min=0)][lossable].all())
     assert per_step == pytest.approx(slow, rel=1e-5)
     assert float(loss) == pytest.approx(sum(0.8**s * v for s, v in enumerate(slow)), rel=1e-5)
+
+
+def test_t0_acceptance_compares_target_ids_with_the_targets_argmax():
+    """``acc_t0``: the share of scored positions where the draft's argmax, mapped from its draft id to
+    the target's id, is the target's argmax: equal to the position-by-position count (the draft
+    vocabulary here is a subset, so draft ids and target ids differ)."""
+    head, batch = _head_and_batch()
+    assert not torch.equal(head.target_ids, torch.arange(len(head.target_ids)))
+    with torch.no_grad():  # the target's argmax made the draft's at every other column of step 0: hits to count
+        (_, hidden), = ttt_forward(head, batch, 1)
+        guess = head.target_ids[head.logits_from_hidden(hidden).argmax(-1)]  # [B, T]: predicts position col + 1
+        shown = batch.argmax[:, 1:]
+        shown[:, ::2] = torch.where(shown[:, ::2] >= 0, guess[:, ::2], shown[:, ::2])
+
+    def hit(r, k, hidden):
+        return float(int(head.target_ids[head.logits_from_hidden(hidden).argmax(-1)]) == int(batch.argmax[r, k]))
+
+    with torch.no_grad():
+        acc = ttt_acceptance(head, batch, 3)
+        slow = _slow_per_step(head, batch, 3, hit)
+    assert (acc["acc_t0"] / acc["count"]).tolist() == pytest.approx(slow, abs=1e-6)
+    assert slow[0] > 0.3
