@@ -380,3 +380,87 @@ def test_report_speedups_gaps_and_sequence_ess_on_hand_built_runs():
     assert gap["diff_ci_low"] < -0.2 < gap["diff_ci_high"]
     assert mars["seq_ess"] == pytest.approx(102 ** 2 / (100 * (99 + 9)), abs=1e-12)  # 99 ones and a 3
     assert mars["tau"] == pytest.approx(2.0)
+
+
+def test_the_kl_summary_reports_the_share_of_infinite_kl_and_the_mean_of_the_finite_ones():
+    """``summarise``: KL(P || p) is infinite where P puts mass outside p's support; the report gives
+    the fraction of such tokens (``inf_frac``) and the statistics of the finite values."""
+    run = _run_data("mars:theta=0.9@chain", "verifier", "chain", "mars:theta=0.9", "plain", 10.0, [1] * 4, [0.0] * 4, 2)
+    run.tokens["kl"] = [torch.tensor([0.1, math.inf, 0.3, 0.2, math.inf, 0.0, 0.4, 0.2], dtype=torch.float64)]
+    kl = build_report([run], {})["configurations"]["mars:theta=0.9@chain"]["kl"]
+    assert kl["inf_frac"] == pytest.approx(2 / 8) and kl["mean"] == pytest.approx(1.2 / 6)
+
+
+def test_a_runs_step_view_counts_dropped_tokens_in_the_ess_and_staleness_in_absolute_value():
+    """``step_stats``: the token ESS counts tokens the correction dropped (weight 0) as weights of 0,
+    as ``effective_sample_size`` defines it; the staleness is the mean of |log pi - log p|, so
+    drifts of both signs do not cancel."""
+    beh = [[-1.0, -2.0, -0.5], [-0.7, -1.2]]
+    tgt = [[-1.2, -1.8, -0.5], [-0.4, -1.2]]  # log p - log pi_old below: +0.2, -0.2, 0, -0.3, 0
+    pol = [[-1.0, -2.0, -0.5], [-0.7, -1.2]]
+    weights = [[1.0, 0.0, 1.0], [2.0, 0.0]]
+    records = [{"behaviour_logprobs": b, "target_logprobs": t, "policy_logprobs": p, "relaxed": [0] * len(b),
+                "weights": w, "reward": 1.0} for b, t, p, w in zip(beh, tgt, pol, weights)]
+    row = step_stats(records)
+    assert row["weight_ess"] == pytest.approx(4.0 ** 2 / (5 * 6.0))  # (1 + 1 + 2)^2 / (5 (1 + 1 + 4))
+    assert row["masked_frac"] == pytest.approx(2 / 5)
+    assert row["stale_abs_mean"] == pytest.approx((0.2 + 0.2 + 0.3) / 5)
+
+
+def test_each_batch_runs_with_its_own_seed_and_keeps_each_completions_summed_log_ratio(monkeypatch):
+    """``run_batch``: batch i is generated with seed ``cfg.seed + i``; each completion's sequence log
+    ratio is the sum over its tokens of log p - log P (the engine's log-probs; the per-token drift
+    is stubbed out, it is ``token_drift``'s test)."""
+    from types import SimpleNamespace
+
+    import trainers.drift.run as run_module
+    from trainers.drift.run import PromptItem, RunData, TIMING_KEYS, run_batch
+    from trainers.drift.study import RunSpec
+
+    comps = [SimpleNamespace(num_tokens=3, completion_ids=[5, 6, 7], behaviour_logprobs=[-1.0, -2.0, -0.5],
+                             target_logprobs=[-1.5, -1.0, -0.5], relaxed=[False] * 3),
+             SimpleNamespace(num_tokens=1, completion_ids=[8], behaviour_logprobs=[-0.25], target_logprobs=[-0.5],
+                             relaxed=[True])]
+    debug = [SimpleNamespace(row=r, index=i) for r, c in enumerate(comps) for i in range(c.num_tokens)]
+    seeds = []
+
+    class Engine:
+        def generate(self, prompts, sampling, spec, verifier, seed, debug):
+            seeds.append(seed)
+            return SimpleNamespace(completions=comps, debug=debug_records,
+                                   timings=SimpleNamespace(**{k: 1.0 for k in TIMING_KEYS}))
+
+    debug_records = debug
+    monkeypatch.setattr(run_module, "token_drift", lambda rule, records, sampling: {
+        k: torch.zeros(len(records), dtype=torch.float64) for k in ("tv", "kl", "logP")})
+    cfg = DriftConfig(seed=11)
+    data = RunData(RunSpec("lossless@chain", "verifier", "chain", parse_verifier("lossless")))
+    items = [PromptItem([1, 2], None, 0), PromptItem([3], None, 0)]
+    tokenizer = SimpleNamespace(eos_token_id=2, decode=lambda ids, skip_special_tokens=True: "")
+    for index in (0, 3):
+        run_batch(Engine(), data, items, index, cfg, tokenizer)
+    assert seeds == [11, 14]
+    assert data.seq_log_ratio == pytest.approx([sum(c.target_logprobs) - sum(c.behaviour_logprobs) for c in comps] * 2)
+    assert data.lengths == [3, 1, 3, 1]
+
+
+def test_the_prompt_set_has_the_configured_size_split_evenly_over_the_difficulties():
+    """``build_prompts``: ``cfg.prompts`` task prompts, the remainder of an uneven split going to the
+    first difficulties (5 over levels 1, 2, 3: 2, 2, 1)."""
+    from trainers.drift.run import build_prompts
+
+    items = build_prompts(DriftConfig(prompts=5, difficulties=(1, 2, 3)), CharTokenizer())
+    assert [it.difficulty for it in items] == [1, 1, 2, 2, 3]
+
+
+def test_uncovered_mass_is_the_untruncated_targets_under_top_k_sampling():
+    """With top-k sampling, a lossless rule's P is p restricted to the top k; ``uncovered`` is the
+    mass the *untruncated* target (softmax at the temperature) puts where P is 0, not the truncated
+    p's (which is 0 there by construction)."""
+    records = _records(n=20, chain=False)
+    s = SamplingParams(temperature=1.0, top_k=3)
+    drift = token_drift(get_rule("lossless"), records, s)
+    full = torch.softmax(torch.stack([r.target_logits for r in records]).double(), -1)
+    outside = 1.0 - full.topk(3, -1).values.sum(-1)
+    torch.testing.assert_close(drift["uncovered"], outside, rtol=1e-5, atol=1e-6)
+    assert float(outside.min()) > 0.0 and float(outside.mean()) > 0.1
