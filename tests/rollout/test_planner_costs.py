@@ -7,7 +7,7 @@ import pytest
 
 from rollout.params import SpecConfig
 from rollout.planner import RoundPlanner, bucket
-from rollout.planner_costs import Recent
+from rollout.planner_costs import Recent, read_curve
 
 
 def test_round_cost_interpolates_between_measured_blocks():
@@ -93,3 +93,12 @@ def test_a_measurement_window_rounds_old_is_still_fresh():
     assert recent.fresh() == [10.0, 1.0, 2.0] and recent.value == 2.0
     recent.add(3.0, now=49)
     assert recent.fresh() == [1.0, 2.0, 3.0] and recent.value == 2.0
+
+
+def test_a_curve_read_below_its_first_point_never_goes_below_a_positive_floor():
+    """``read_curve`` extrapolates along the nearest segment, but a steep first segment read far to
+    its left would give a cost of zero or less (an option that looks free, or a rate of the wrong
+    sign): the cost read is at least 1e-9."""
+    curve = [(4.0, 1.0), (8.0, 3.0)]
+    assert read_curve(curve, 6.0) == 2.0 and read_curve(curve, 10.0) == 4.0
+    assert read_curve(curve, 2.0) == 1e-9 and read_curve(curve, 1.0) == 1e-9
