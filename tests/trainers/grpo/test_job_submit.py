@@ -54,15 +54,27 @@ class Head:
         self.marker = f"HONEST_ROLLOUTS_TEST_HEAD={temp_dir.name}"
         self.env = dict(os.environ, RAY_AUTH_MODE="disabled", MKL_CBWR="AVX2", TOKENIZERS_PARALLELISM="false",
                         HONEST_ROLLOUTS_TEST_HEAD=temp_dir.name)
+        # a port found free can be taken by another process before Ray binds it: a failed start is
+        # cleaned up and tried once more on fresh ports, and a second failure shows Ray's output
+        for _ in range(2):
+            done = self._start()
+            if done.returncode == 0:
+                return
+            self.stop()
+            self.dash = _free_port()
+        raise RuntimeError(f"ray start --head failed twice (exit {done.returncode}):\n"
+                           f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+
+    def _start(self) -> subprocess.CompletedProcess:
         # every port named: the defaults (e.g. the job agent's 52365) may belong to another Ray here
         ports = [f"--{name}={_free_port()}" for name in (
             "port", "dashboard-agent-listen-port", "dashboard-agent-grpc-port", "metrics-export-port",
             "runtime-env-agent-port", "ray-client-server-port", "node-manager-port", "object-manager-port")]
         ray_bin = str(Path(sys.executable).parent / "ray")
-        subprocess.run([ray_bin, "start", "--head", *ports, f"--dashboard-port={self.dash}",
-                        "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=2",
-                        f"--temp-dir={temp_dir}", "--disable-usage-stats"],
-                       env=self.env, check=True, capture_output=True, timeout=180)
+        return subprocess.run([ray_bin, "start", "--head", *ports, f"--dashboard-port={self.dash}",
+                               "--include-dashboard=true", "--dashboard-host=127.0.0.1", "--num-cpus=2",
+                               f"--temp-dir={self.temp_dir}", "--disable-usage-stats"],
+                              env=self.env, capture_output=True, text=True, timeout=180)
 
     def submit(self, entrypoint: list[str], timeout: float = 600) -> tuple[str, str]:
         # the client runs with auth off, as the README says, only for this submission: left in
