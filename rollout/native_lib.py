@@ -6,9 +6,10 @@ decoding linear kernel (``linear.cpp``, over the panels that ``pack.cpp`` packs,
 (``digest.cpp``), attention (``attention.cpp``), RMS norm (``norm.cpp``) and the fused decoder and
 draft layers (``layer.cpp``). :func:`load` opens it once
 per process (``_lib``, which :mod:`rollout.native_linear`, :mod:`rollout.native_ops`,
-:mod:`rollout.native_layers` and :mod:`rollout.native_draft` call) and runs :func:`declare` on it
-first: ctypes then passes every argument with the C type the function takes (a Python float as
-``float``, an int as ``int64_t``) and reads every result as its C type.
+:mod:`rollout.native_layers` and :mod:`rollout.native_draft` call), with every entry point's types
+set from :data:`SIGNATURES` (``cbuild.open_library``): ctypes then passes every argument with the C
+type the function takes (a Python float as ``float``, an int as ``int64_t``) and reads every result
+as its C type.
 """
 
 from __future__ import annotations
@@ -39,14 +40,13 @@ def load() -> ctypes.CDLL | None:
         if _tried:
             return _lib
         try:
-            lib = cbuild.open_library("linear", SOURCES, "the native linear kernel", "torch's GEMM")
+            lib = cbuild.open_library("linear", SOURCES, "the native linear kernel", "torch's GEMM", SIGNATURES)
         except Exception:
             _tried = True
             raise
         if lib is None:
             _tried = True
             return None
-        declare(lib)
         _lib, _tried = (lib if lib.hr_linear_vectorised() else None), True
         return _lib
 
@@ -105,10 +105,3 @@ SIGNATURES: dict[str, tuple] = {
     "hr_draft_chain_scratch": (_i64, [_i64] * 7),
 }
 
-
-def declare(lib: ctypes.CDLL) -> None:
-    """Set the result and argument types of every entry point (:data:`SIGNATURES`) of the opened
-    library ``lib``."""
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes

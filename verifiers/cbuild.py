@@ -104,14 +104,21 @@ def mode() -> str:
     return value
 
 
-def open_library(name: str, sources: list[Path], what: str, fallback: str) -> ctypes.CDLL | None:
-    """Build (when not cached) and open library ``name``. On failure: raise under
+def open_library(name: str, sources: list[Path], what: str, fallback: str,
+                 signatures: dict[str, tuple]) -> ctypes.CDLL | None:
+    """Build (when not cached) and open library ``name``, with the result and argument types of
+    each entry point set from ``signatures`` (name -> (result type, argument types)): ctypes then
+    passes every argument as the C type the function takes. On failure: raise under
     ``HONEST_ROLLOUTS_NATIVE=1``, else warn that ``what`` is unavailable and ``fallback`` runs
     instead, and return None."""
     try:
-        return ctypes.CDLL(str(build(name, sources, what)))
+        lib = ctypes.CDLL(str(build(name, sources, what)))
     except (RuntimeError, OSError, subprocess.SubprocessError) as err:
         if mode() == "1":
             raise
         warnings.warn(f"{what} is unavailable, using {fallback}: {err}", RuntimeWarning, stacklevel=4)
         return None
+    for entry, (restype, argtypes) in signatures.items():
+        fn = getattr(lib, entry)
+        fn.restype, fn.argtypes = restype, argtypes
+    return lib

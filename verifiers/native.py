@@ -106,16 +106,13 @@ def _load_locked() -> ctypes.CDLL | None:
     if _tried:
         return _lib
     try:
-        lib = cbuild.open_library("verifier", SOURCES, "the fused C++ verifier", "the PyTorch one")
+        lib = cbuild.open_library("verifier", SOURCES, "the fused C++ verifier", "the PyTorch one", SIGNATURES)
     except Exception:
         _tried = True  # one attempt per process
         raise
     if lib is None:
         _tried = True
         return None
-    for name, (restype, argtypes) in SIGNATURES.items():
-        fn = getattr(lib, name)
-        fn.restype, fn.argtypes = restype, argtypes
     _lib, _tried = lib, True
     return lib
 
