@@ -206,15 +206,15 @@ int64_t hr_linear_pack_amx(const float* W, uint16_t* P, int64_t N, int64_t K) {
   if (N < 16 || K < 32 || N % 16 != 0 || K % 32 != 0) return 1;
   const __m512i low = _mm512_set1_epi32(0xFFFF), exponent = _mm512_set1_epi32(0x7F800000);
   const __m512i mantissa = _mm512_set1_epi32(0x007F0000);
-  // refused: a value of w[0 .. 16) that is not a bf16, or a subnormal one (the tile unit reads it as zero)
-  const auto refused = [&](const float* w) {
-    const __m512i bits = _mm512_castps_si512(_mm512_loadu_ps(w));
+  // refused: a value of v that is not a bf16, or a subnormal one (the tile unit reads it as zero)
+  const auto refused = [&](__m512 v) {
+    const __m512i bits = _mm512_castps_si512(v);
     return (_mm512_test_epi32_mask(bits, low) |
             (_mm512_testn_epi32_mask(bits, exponent) & _mm512_test_epi32_mask(bits, mantissa))) != 0;
   };
   if (P == nullptr) {
     for (int64_t k = 0; k < K; k += 16)
-      if (refused(W + k)) return 1;
+      if (refused(_mm512_loadu_ps(W + k))) return 1;
     return 0;
   }
   const int64_t blocks = K / 32;
@@ -228,11 +228,11 @@ int64_t hr_linear_pack_amx(const float* W, uint16_t* P, int64_t N, int64_t K) {
       for (int64_t j = 0; j < 16; ++j) {
         const float* w = W + (16 * p + j) * K;
         for (int64_t kb = 0; kb < blocks; ++kb) {
-          if (refused(w + 32 * kb) || refused(w + 32 * kb + 16)) {
+          const __m512 a = _mm512_loadu_ps(w + 32 * kb), b = _mm512_loadu_ps(w + 32 * kb + 16);
+          if (refused(a) || refused(b)) {
             bad.store(1, std::memory_order_relaxed);
             return;
           }
-          const __m512 a = _mm512_loadu_ps(w + 32 * kb), b = _mm512_loadu_ps(w + 32 * kb + 16);
           _mm512_i32scatter_epi32(reinterpret_cast<int32_t*>(P) + (p * blocks + kb) * (kTile / 2) + j, rows16,
                                   reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(b, a)), 4);
         }
