@@ -22,11 +22,16 @@ def listed_files() -> set[str]:
     return {line.strip() for line in body.group(1).splitlines() if line.strip()}
 
 
+def collected_files(pytest_output: str) -> set[str]:
+    """The test files of ``pytest --collect-only -q``'s listing."""
+    return {line.split("::")[0] for line in pytest_output.splitlines() if "::" in line}
+
+
 def test_gpu_check_runs_every_file_with_gpu_tests():
     out = subprocess.run([sys.executable, "-m", "pytest", "-m", "gpu", "--collect-only", "-q", "-p", "no:cacheprovider",
                           "tests"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
-    collected = {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line}
+    collected = collected_files(out.stdout)
     assert collected, "no gpu-marked test was collected"
     assert listed_files() == collected, (f"not in GPU_TESTS: {sorted(collected - listed_files())}; "
                                          f"listed without a gpu test: {sorted(listed_files() - collected)}")
@@ -46,4 +51,4 @@ def test_the_listed_files_collect_without_what_the_gpu_machine_lacks():
     out = subprocess.run([sys.executable, "-c", code, *sorted(listed_files())], cwd=ROOT, capture_output=True,
                          text=True, timeout=300, env={**os.environ, "HONEST_ROLLOUTS_NATIVE": "0"})
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-2000:]
-    assert {line.split("::")[0] for line in out.stdout.splitlines() if "::" in line} == listed_files()
+    assert collected_files(out.stdout) == listed_files()

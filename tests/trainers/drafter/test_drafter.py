@@ -212,7 +212,6 @@ def test_the_learning_rate_warms_up_from_its_first_step():
     assert lr_at(dataclasses.replace(cfg, warmup_steps=0), 0, 20) == pytest.approx(1e-3)
 
 
-
 def test_epoch_batches_group_similar_lengths():
     """``epoch_batches``: every sample once per epoch, in batches of ``batch_size`` cut from chunks of
     8 batches of the shuffled samples, each chunk sorted by length: within a chunk the batches do not
