@@ -82,6 +82,12 @@ class RolloutWorker:
         """The backend's raw next-token logits [N, V] (a weight-sync check)."""
         return self.backend.next_token_logits(prompts)
 
+    def head_weights(self) -> dict[str, torch.Tensor] | None:
+        """The EAGLE-3 head's weights as this actor drafts with them (a drafter-sync check);
+        None without a head."""
+        head = getattr(self.backend, "head", None)
+        return None if head is None else {k: v.detach().cpu() for k, v in head.state_dict().items()}
+
     def ping(self) -> tuple[int, float]:
         return os.getpid(), time.time()
 

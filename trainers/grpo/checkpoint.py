@@ -2,11 +2,13 @@
 
 Layout: ``<out_dir>/checkpoints/step_000004/`` with ``policy.safetensors`` (fp32),
 ``optimizer.pt``, ``state.json`` (step, policy version, seed, drafter path, RNG states of
-``random`` and torch) and, when a drafter is used, a copy of the head folder in
-``drafter/``. A checkpoint is written to ``step_N.tmp`` and renamed, ``state.json`` last
-and atomically, so a kill never leaves a half-written one where ``latest_checkpoint``
-looks (it ignores ``.tmp`` folders and unreadable states). Every randomness of the loop is derived from
-(seed, step), so restoring these gives the same next step as an uninterrupted run.
+``random`` and torch), when a drafter is used, a copy of the head folder in ``drafter/``,
+and, when the head trains with the policy, its fp32 weights, optimizer and sample window in
+``drafter_training.pt`` (``trainers.grpo.online_drafter``). A checkpoint is written to
+``step_N.tmp`` and renamed, ``state.json`` last and atomically, so a kill never leaves a
+half-written one where ``latest_checkpoint`` looks (it ignores ``.tmp`` folders and unreadable
+states). Every randomness of the loop is derived from (seed, step), so restoring these gives
+the same next step as an uninterrupted run.
 """
 
 from __future__ import annotations
@@ -68,7 +70,9 @@ def write_atomic(path: Path, text: str) -> None:
 
 
 def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, optimizer: torch.optim.Optimizer,
-                    state: dict, drafter_path: Path | None = None) -> Path:
+                    state: dict, drafter_path: Path | None = None, extra: dict[str, object] | None = None) -> Path:
+    """Write the checkpoint of ``step`` (see the module doc); ``extra``: objects saved beside
+    the policy as ``<name>.pt`` (``torch.save``), e.g. the online drafter's state."""
     final = checkpoint_dir(out_dir, step)
     tmp = final.with_name(final.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
@@ -87,6 +91,8 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
             unique[name] = t
     save_file(unique, str(tmp / "policy.safetensors"))
     torch.save(optimizer.state_dict(), tmp / "optimizer.pt")
+    for name, obj in (extra or {}).items():
+        torch.save(obj, tmp / f"{name}.pt")
     full_state = dict(state, step=step, aliases=aliases, python_rng=_encode_py_rng(random.getstate()),
                       torch_rng=torch.get_rng_state().tolist())
     if drafter_path is not None:

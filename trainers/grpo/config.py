@@ -17,6 +17,7 @@ from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
 from trainers.grpo.correction import CorrectionConfig
 from trainers.grpo.loss import GRPOConfig
+from trainers.grpo.online_drafter import OnlineDrafterConfig
 from trainers.tasks.arithmetic import DIFFICULTIES
 from trainers.tasks.rewards import RewardConfig
 
@@ -212,11 +213,16 @@ class TrainConfig:
     reward: RewardConfig = field(default_factory=RewardConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ray: RayConfig = field(default_factory=RayConfig)
+    drafter_training: OnlineDrafterConfig = field(default_factory=OnlineDrafterConfig)
 
     def __post_init__(self) -> None:
         if self.model.drafter is None and self.rollout.spec.mode != "off":
             raise ConfigError("rollout.spec.mode", "speculation needs a drafter (model.drafter is null)",
                               allowed=["off"])
+        if self.drafter_training.enabled and (self.model.drafter is None or self.rollout.spec.mode == "off"):
+            raise ConfigError("drafter_training.every", "trains the EAGLE-3 head the rollouts draft with; there is "
+                              f"none (model.drafter {self.model.drafter!r}, rollout.spec.mode "
+                              f"{self.rollout.spec.mode!r}): set it to 0", allowed=[0])
         if self.rollout.sampling.temperature <= 0:
             raise ConfigError("rollout.sampling.temperature", "must be > 0 for training: the policy log-probs "
                               f"and importance weights need a sampling distribution, got {self.rollout.sampling.temperature}")

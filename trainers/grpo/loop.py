@@ -9,7 +9,9 @@ One step:
 4. recompute log pi_old of every token with the trainer's policy, build importance
    weights pi_old / P (truncated or masked, per token or per sequence), apply the
    clipped policy-gradient loss (one optimizer step per batch), log drift;
-5. broadcast the new weights (version + 1); checkpoint and log.
+5. broadcast the new weights (version + 1); with ``drafter_training.every``, train the EAGLE-3
+   head on this step's sequences under the new policy and ship it to the actors
+   (``trainers/grpo/online_drafter.py``); checkpoint and log.
 
 Simplification: one gradient step per rollout batch, so the PPO ratio is 1 at the step
 and the clipping is inactive; the off-policy weights carry the whole correction.
@@ -38,6 +40,7 @@ from trainers.grpo.forward_plan import ForwardCost, micro_batches
 from trainers.grpo.guards import check_loss_and_grad, check_weights
 from trainers.grpo.loss import group_advantages, policy_loss
 from trainers.grpo.metrics import relaxed_fraction, reward_stats
+from trainers.grpo.online_drafter import STATE_FILE, OnlineDrafter
 from trainers.grpo.policy import completion_logprobs, forward_paths
 from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
 from trainers.grpo.run_dir import prepare_run_dir
@@ -79,6 +82,7 @@ class GRPOTrainer:
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else 0
         self.start_step, self.version = 0, 0
         self.pool: RolloutPool | None = None
+        self.drafter: OnlineDrafter | None = None  # the head trained with the policy (drafter_training)
 
     # ------------------------------------------------------------------ set-up
     def start(self) -> None:
@@ -91,6 +95,12 @@ class GRPOTrainer:
         r = self.cfg.rollout
         sampling = dataclasses.replace(r.sampling, stop_token_ids=self.stop_ids)
         drafter = self.cfg.model.drafter_path()
+        if self.cfg.drafter_training.enabled:
+            self.drafter = OnlineDrafter(self.cfg.drafter_training, drafter, self.policy_target, self.out_dir,
+                                         self.cfg.run.seed)
+            if ckpt is not None and (ckpt / f"{STATE_FILE}.pt").is_file():  # the head as trained so far
+                self.drafter.load_state_dict(torch.load(ckpt / f"{STATE_FILE}.pt", weights_only=False))
+                drafter = self.drafter.export()
         spec = WorkerSpec(target=self.cfg.model.target, drafter_path=str(drafter) if drafter else None,
                           sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor,
                           device="cuda" if r.num_gpus_per_actor > 0 else "cpu", backend=r.backend,
@@ -128,6 +138,11 @@ class GRPOTrainer:
         adv = group_advantages(rewards.view(-1, g), scale_std=self.cfg.grpo.scale_std,
                                eps=self.cfg.grpo.std_eps).reshape(-1)
         metrics, records = self.update(batch, adv)
+        if self.drafter is not None and self.drafter.due(step):
+            prompts = batch.prompt_lists()
+            sequences = [p + o for p, o in zip(prompts, batch.completion_lists())]
+            metrics.update(self.drafter.train_round(step, sequences, [len(p) for p in prompts]))
+            self.pool.load_drafter(str(self.drafter.export_path))
         metrics.update(reward_stats(rewards.view(-1, g), correct.view(-1, g)))
         tokens = batch.timings["tokens"]
         metrics.update(tau=batch.tau, rollout_tokens=tokens, rollout_s=t_rollout,
@@ -209,9 +224,11 @@ class GRPOTrainer:
             for step in range(self.start_step, steps):
                 m = self.step(step)
                 self.logger.log(step + 1, m)
+                head = (f"  head tau {m['drafter_est_tau']:.2f} loss {m['drafter_loss']:.3f} {m['drafter_s']:.1f}s"
+                        if "drafter_est_tau" in m else "")
                 print(f"step {step + 1}/{steps}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
                       f"tau {m['tau']:.2f}  tok/s {m['rollout_tokens_per_s']:.1f}  relaxed {m['relaxed_frac']:.2f}  "
-                      f"KL {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s", flush=True)
+                      f"KL {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s{head}", flush=True)
                 every = self.cfg.run.checkpoint_every
                 if (every and (step + 1) % every == 0) or step + 1 == steps:
                     self.save(step + 1)
@@ -223,7 +240,11 @@ class GRPOTrainer:
 
     def save(self, step: int) -> None:
         state = {"version": self.version, "seed": self.cfg.run.seed}
-        save_checkpoint(self.out_dir, step, self.policy, self.optimizer, state, self.cfg.model.drafter_path())
+        if self.drafter is None:
+            save_checkpoint(self.out_dir, step, self.policy, self.optimizer, state, self.cfg.model.drafter_path())
+            return
+        save_checkpoint(self.out_dir, step, self.policy, self.optimizer, state, self.drafter.export(),
+                        extra={STATE_FILE: self.drafter.state_dict()})
 
     def finish(self) -> list[dict]:
         rows = read_metrics(self.out_dir)

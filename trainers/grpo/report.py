@@ -20,7 +20,7 @@ SUMMARY_KEYS = (
     ("reward_mean", "reward"), ("accuracy", "accuracy"), ("tau", "tau"),
     ("rollout_tokens_per_s", "tok/s"), ("relaxed_frac", "relaxed"), ("kl_k3", "KL(P||pi)"),
     ("log_ratio_mean", "mean log w"), ("is_ess", "ESS"), ("is_masked_frac", "masked"),
-    ("step_s", "step s"),
+    ("drafter_est_tau", "head tau"), ("drafter_est_tau_initial", "initial head tau"), ("step_s", "step s"),
 )
 log = logging.getLogger(__name__)
 
@@ -131,7 +131,9 @@ def plot_run(rows: list[dict], out_dir: Path) -> list[Path]:
     steps = [r["step"] for r in rows]
     panels = [
         ("reward.png", "reward", [("reward_mean", "mean reward"), ("accuracy", "accuracy")]),
-        ("tau.png", "acceptance length tau", [("tau", "tau")]),
+        ("tau.png", "acceptance length tau", [("tau", "tau (rollouts)"),
+                                               ("drafter_est_tau", "head, teacher-forced on fresh rollouts (T = 1)"),
+                                               ("drafter_est_tau_initial", "the head as loaded, same rollouts")]),
         ("drift.png", "drift (behaviour vs policy)", [("kl_k3", "KL(P||pi), k3"),
                                                        ("log_ratio_abs_mean", "mean |log w|"),
                                                        ("relaxed_frac", "relaxed fraction")]),
@@ -142,6 +144,8 @@ def plot_run(rows: list[dict], out_dir: Path) -> list[Path]:
     for name, title, series in panels:
         fig, ax = plt.subplots(figsize=(6, 3.5))
         for key, label in series:
+            if key != series[0][0] and not any(key in r for r in rows):
+                continue  # an optional series (the online drafter's)
             ys = [r.get(key, float("nan")) for r in rows]
             ax.plot(steps, ys, marker="o", label=label)
         ax.set_xlabel("step")

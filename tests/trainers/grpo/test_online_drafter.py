@@ -1,0 +1,186 @@
+"""Training the EAGLE-3 head during GRPO (``trainers/grpo/online_drafter.py``): its records are
+the drafter data the engine captures, a round trains the head and nothing of the policy, the
+actors draft with the shipped head, and a resumed run continues the same head."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from rollout.config import ConfigError
+from rollout.eagle3 import load_eagle3
+from rollout.models import TargetConfig, load_target
+from tests.trainers.conftest import write_config
+from trainers.grpo.config import load_train_config
+from trainers.grpo.online_drafter import OnlineDrafter, OnlineDrafterConfig, rollout_records, teacher_forced_tau
+
+
+@pytest.fixture(scope="module")
+def target(tiny_policy_dir):
+    t, _ = load_target(TargetConfig(path=str(tiny_policy_dir)))
+    return t
+
+
+def _sequences(target, n=6, new=10, seed=0):
+    """Prompts of different lengths, the first two each answered twice more (groups that share a
+    prompt), and their completions, sampled by the engine (plain decoding, features captured),
+    and those captures."""
+    from rollout.engine import Engine
+    from rollout.params import SamplingParams
+
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(5, 400, (4 + 3 * i,), generator=g).tolist() for i in range(n)]
+    prompts += prompts[:2] * 2
+    res = Engine(target, num_threads=1).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=new),
+                                                 seed=seed, capture=True)
+    seqs = [c.prompt_ids + c.completion_ids for c in res.completions]
+    return seqs, [len(p) for p in prompts], res.captures
+
+
+def test_records_match_the_engines_capture(target):
+    from trainers.drafter.data import _record
+
+    seqs, plens, caps = _sequences(target)
+    seqs[-1] = seqs[-1][: plens[-1]]  # an empty completion
+    assert len({tuple(s[:p]) for s, p in zip(seqs, plens)}) == 6
+    data = rollout_records(target, seqs, plens, batch=2)  # groups of 3 in two forwards
+    assert data.kinds == ["rollout"] * len(seqs) and data.prompt_lens.tolist() == plens
+    for i, (seq, cap, plen) in enumerate(zip(seqs, caps, plens)):
+        ref = _record(target, seq, cap) if len(cap.features) == len(seq) - 1 else None
+        lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
+        assert data.tokens[lo:hi].tolist() == seq
+        if ref is None:  # the cut row: its prompt's features, no completion to predict
+            assert (data.argmax[lo:hi] == -1).all() and not data.lse[lo:hi].any()
+            continue
+        torch.testing.assert_close(data.features[lo:hi].float(), ref["features"].float(), atol=2e-3, rtol=2e-3)
+        torch.testing.assert_close(data.final[lo:hi].float(), ref["final"].float(), atol=2e-3, rtol=2e-3)
+        # argmax and lse where they predict a completion token; -1 and 0 before
+        assert torch.equal(data.argmax[lo + plen - 1: hi], ref["argmax"][plen - 1:]), i
+        torch.testing.assert_close(data.lse[lo + plen - 1: hi], ref["lse"][plen - 1:], atol=1e-4, rtol=1e-5)
+        assert (data.argmax[lo: lo + plen - 1] == -1).all() and not data.lse[lo: lo + plen - 1].any()
+    with pytest.raises(ValueError, match="sequence 1: prompt length 9"):
+        rollout_records(target, [[1, 2, 3], [1] * 8], [2, 9], batch=2)
+
+
+def _drafter(target, head_dir, tmp_path, **cfg):
+    return OnlineDrafter(OnlineDrafterConfig(**{"every": 1, "lr": 3e-3, "updates": 4, "batch_size": 4, **cfg}),
+                         head_dir, target, tmp_path, seed=5)
+
+
+@pytest.fixture
+def trainable(target):
+    """The target as the GRPO trainer holds it: parameters that take gradients."""
+    was = [p.requires_grad for p in target.model.parameters()]
+    target.model.requires_grad_(True)
+    yield target
+    for p, w in zip(target.model.parameters(), was):
+        p.requires_grad_(w)
+        p.grad = None
+
+
+def test_a_round_trains_the_head_and_not_the_policy(trainable, tiny_head_dir, tmp_path):
+    target = trainable
+    seqs, plens, _ = _sequences(target, n=8, new=12)
+    drafter = _drafter(target, tiny_head_dir, tmp_path)
+    policy_before = {k: v.clone() for k, v in target.model.state_dict().items()}
+    head_before = {k: v.clone() for k, v in drafter.head.state_dict().items()}
+    data = rollout_records(target, seqs, plens, batch=8)
+    tau0 = teacher_forced_tau(drafter.head, data, steps=4, batch=8)[0]
+    first = drafter.train_round(0, seqs, plens)
+    assert first["drafter_est_tau"] == pytest.approx(tau0, rel=1e-6)  # scored before it trains on them
+    assert first["drafter_est_tau_initial"] == first["drafter_est_tau"]  # nothing trained yet
+    for step in range(1, 6):
+        last = drafter.train_round(step, seqs, plens)
+    assert last["drafter_loss"] < first["drafter_loss"] - 0.05, (first, last)
+    assert last["drafter_est_tau"] > first["drafter_est_tau"], (first, last)
+    assert last["drafter_est_tau_initial"] == pytest.approx(tau0, rel=1e-6)  # the loaded head, kept aside
+    assert len(drafter.window) == min(len(seqs) * 6, drafter.cfg.buffer) and drafter.rounds == 6
+    assert any(not torch.equal(v, head_before[k]) for k, v in drafter.head.state_dict().items())
+    for name, v in target.model.state_dict().items():  # nothing of the policy moved or got a gradient
+        assert torch.equal(v, policy_before[name]), name
+    assert all(p.grad is None for p in target.model.parameters())
+    exported = load_eagle3(drafter.export_path, target)  # what the actors load: bf16 values of the head
+    for name, v in exported.state_dict().items():
+        assert torch.equal(v, drafter.head.state_dict()[name].to(torch.bfloat16).to(v.dtype)), name
+
+
+def test_state_round_trip_continues_the_same_head(target, tiny_head_dir, tmp_path):
+    seqs, plens, _ = _sequences(target, n=6, new=8, seed=1)
+    a = _drafter(target, tiny_head_dir, tmp_path / "a", buffer=8)
+    a.train_round(0, seqs, plens)
+    b = _drafter(target, tiny_head_dir, tmp_path / "b", buffer=8)
+    b.load_state_dict(copy.deepcopy(a.state_dict()))  # as a checkpoint holds it: no shared tensors
+    fresh = _drafter(target, tiny_head_dir, tmp_path / "c", buffer=8)
+    fresh.head.load_state_dict(a.head.state_dict())  # the head alone: no optimizer moments, no window
+    ra, rb, rc = (d.train_round(1, seqs[::-1], plens[::-1]) for d in (a, b, fresh))
+    assert ra["drafter_loss"] == rb["drafter_loss"] and ra["drafter_est_tau"] == rb["drafter_est_tau"]
+    assert rc["drafter_loss"] != ra["drafter_loss"]  # the window and the moments matter
+    for name, v in a.head.state_dict().items():
+        assert torch.equal(v, b.head.state_dict()[name]), name
+
+
+@pytest.mark.parametrize("values, field", [
+    ({"every": -1}, "every"), ({"objective": "block"}, "objective"), ({"objective": "ce"}, "ce_weight"),
+    ({"export_dtype": "int8"}, "export_dtype"), ({"lr": 0}, "lr"), ({"buffer": 0}, "buffer"),
+    ({"betas": [0.9]}, "betas"), ({"score_initial": "yes"}, "score_initial"),
+])
+def test_bad_settings_name_the_field(values, field):
+    with pytest.raises(ConfigError) as err:
+        OnlineDrafterConfig(**values)
+    assert err.value.field == field, str(err.value)
+
+
+def test_training_needs_a_drafter(tmp_path, tiny_policy_dir):
+    path = write_config(tmp_path / "c.yaml", tiny_policy_dir, None, tmp_path / "out", rollout={"spec": {"mode": "off"}},
+                        drafter_training={"every": 1})
+    with pytest.raises(ConfigError) as err:
+        load_train_config(path)
+    assert err.value.field == "drafter_training.every" and "model.drafter None" in str(err.value)
+
+
+def _length_reward(text, answer, cfg=None) -> float:
+    return float(len(text) % 3)  # uneven rewards: a policy gradient that is not 0
+
+
+def test_grpo_run_trains_ships_and_resumes_the_head(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray, monkeypatch):
+    from trainers.grpo.loop import GRPOTrainer
+
+    monkeypatch.setattr("trainers.grpo.loop.answer_reward", _length_reward)
+    settings = dict(drafter_training={"every": 1, "lr": 3e-3, "updates": 2, "batch_size": 4},
+                    rollout={"verifier": {"name": "lossless", "params": {}}})
+
+    def trainer(name, steps):
+        path = write_config(tmp_path / f"{name}.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / name,
+                            run={"steps": steps}, **settings)
+        return GRPOTrainer(load_train_config(path))
+
+    full = trainer("full", 2)
+    full.start()
+    initial = {k: v.clone() for k, v in full.drafter.head.state_dict().items()}
+    held = full.pool._ray.get(full.pool.actors[0].head_weights.remote())
+    for name, v in held.items():  # the actor starts with the configured head
+        assert torch.equal(v, initial[name]), name
+    m = full.step(0)
+    assert {"drafter_est_tau", "drafter_loss", "drafter_s"} <= set(m) and m["drafter_est_tau"] >= 1.0
+    held = full.pool._ray.get(full.pool.actors[0].head_weights.remote())
+    shipped = load_eagle3(full.drafter.export_path, full.policy_target).state_dict()
+    assert any(not torch.equal(v, initial[k]) for k, v in shipped.items())
+    for name, v in held.items():  # the actor drafts with the head the trainer just trained
+        assert torch.equal(v, shipped[name]), name
+    full.pool.shutdown()
+    full.logger.close()
+    rows_full = trainer("full2", 2).run()
+    part = trainer("part", 1)
+    part.run()
+    ckpt = tmp_path / "part" / "checkpoints" / "step_000001"
+    assert (ckpt / "drafter_training.pt").is_file() and (ckpt / "drafter" / "model.safetensors").is_file()
+    resumed = trainer("part", 2)
+    rows_resumed = resumed.run()
+    for key in ("drafter_loss", "drafter_est_tau", "reward_mean", "loss"):
+        assert rows_resumed[1][key] == pytest.approx(rows_full[1][key], rel=1e-6, abs=1e-9), key
+    final_full = torch.load(tmp_path / "full2" / "checkpoints" / "step_000002" / "drafter_training.pt")["head"]
+    final_resumed = torch.load(tmp_path / "part" / "checkpoints" / "step_000002" / "drafter_training.pt")["head"]
+    for name, v in final_full.items():
+        assert torch.equal(v, final_resumed[name]), name

@@ -1,0 +1,292 @@
+"""Training the EAGLE-3 head during GRPO training, on the policy's own rollouts.
+
+A fixed head keeps every rollout exact (the verifier corrects any draft), but the policy moves
+away from the model the head was trained on, and the acceptance tau falls with it. With
+``drafter_training.every: n`` the trainer keeps a copy of the head and, after every n-th policy
+step:
+
+1. **features**: runs the *updated* policy (the one the next rollouts come from) once, without
+   gradients, over this step's sequences (prompt + completion), capturing the EAGLE-3 features
+   (the aux layers' inputs) and the final norm's output at every position: the same records
+   ``trainers.drafter.data`` builds from plain decoding (each group's prompt run once, on the
+   engine's CPU kernels). The completions are samples of the
+   previous policy under the rollout verifier; what the head learns is the new policy's next
+   token distribution at every position of them (the loss never uses the sampled token);
+2. **score**: the head's teacher-forced acceptance on these samples before it has seen them
+   (``drafter_est_tau``: ``1 + sum_k prod_{s<k} a_s`` over the per-step T = 1 acceptance
+   ``a_s`` at the head's logit scale, ``trainers.drafter.ttt``): how well the head fits the
+   policy it is about to draft for, on held-out data; with ``score_initial``, also the head as
+   it was loaded (``drafter_est_tau_initial``), on the same samples: what training gained;
+3. **train**: appends the records to a window of the last ``buffer`` samples and runs
+   ``updates`` AdamW steps of the TTT loss (``objective``: "tv" or "ce") on batches drawn from
+   it (seeded by (run seed, step), so a resumed run draws the same batches);
+4. **ship**: writes the head, rounded to ``export_dtype``, to ``<out_dir>/drafter/`` (written
+   beside and renamed in) and every rollout actor re-loads it (``RolloutPool.load_drafter``:
+   the hf and vLLM backends, replacement actors included).
+
+The head's fp32 weights, its optimizer and the window are saved with each checkpoint
+(``drafter_training.pt``), so a resumed run continues the same head.
+
+Cost: the feature forward is one forward of the policy over the batch (no backward), and each
+update is a TTT forward and backward of the one-layer head; ``drafter_s`` logs the total.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rollout import native_linear
+from rollout.config import ConfigError, check_int, check_number
+from rollout.eagle3 import Eagle3Head, load_eagle3, save_eagle3
+from rollout.models import TargetModel
+from trainers.drafter.data import DrafterData, collate, records_to_data
+from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
+
+OBJECTIVES = ("tv", "ce")  # "block" needs responses sampled at T = 1 from the target itself
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+STATE_FILE = "drafter_training"  # the checkpoint's ``drafter_training.pt``
+
+
+@dataclass(frozen=True)
+class OnlineDrafterConfig:
+    """every: train the head after every n-th policy step (0: never, the head stays as loaded);
+    updates: head optimizer steps per round; batch_size: samples per head step; buffer: the
+    most recent samples kept to train on; lr, betas, weight_decay, grad_clip: AdamW;
+    objective: "tv" (one minus the expected T = 1 acceptance, plus ``ce_weight`` x the soft
+    cross-entropy) or "ce" (``trainers.drafter.ttt``); ttt_steps, step_weight: the unrolled
+    draft steps and their weights; feature_batch: sequences per feature forward;
+    export_dtype: the dtype the actors' head is written in ("bfloat16": half the bytes per draft
+    step on this project's kernels; "float32"); score_initial: also score the head as it was
+    loaded on each round's fresh samples (``drafter_est_tau_initial``: what training it gained,
+    measured on the same held-out samples; one more no-grad pass of the head)."""
+
+    every: int = 0
+    updates: int = 4
+    batch_size: int = 8
+    buffer: int = 64
+    lr: float = 3e-5
+    betas: tuple[float, float] = (0.9, 0.95)
+    weight_decay: float = 0.0
+    grad_clip: float = 0.5
+    objective: str = "tv"
+    ce_weight: float = 0.1
+    ttt_steps: int = 4
+    step_weight: float = 0.8
+    feature_batch: int = 8
+    export_dtype: str = "bfloat16"
+    score_initial: bool = True
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "betas", tuple(self.betas) if isinstance(self.betas, (list, tuple)) else self.betas)
+        check_int("every", self.every, 0)
+        for name in ("updates", "batch_size", "buffer", "ttt_steps", "feature_batch"):
+            check_int(name, getattr(self, name))
+        check_number("lr", self.lr, 0, low_open=True, finite=True)
+        if not isinstance(self.betas, tuple) or len(self.betas) != 2 or not all(
+                isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+            raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
+        check_number("weight_decay", self.weight_decay, 0, finite=True)
+        check_number("grad_clip", self.grad_clip, 0, low_open=True, finite=True)
+        if self.objective not in OBJECTIVES:
+            raise ConfigError("objective", f"unknown objective {self.objective!r} (\"block\" needs responses "
+                              "the target sampled at T = 1, which rollouts are not)", allowed=OBJECTIVES)
+        check_number("ce_weight", self.ce_weight, 0, finite=True)
+        if self.ce_weight and self.objective != "tv":
+            raise ConfigError("ce_weight", "adds the cross-entropy to the 'tv' objective only; set it to 0 "
+                              f"with objective {self.objective!r}")
+        check_number("step_weight", self.step_weight, 0, 1, low_open=True)
+        if not isinstance(self.score_initial, bool):
+            raise ConfigError("score_initial", f"must be true or false, got {self.score_initial!r}")
+        if self.export_dtype not in EXPORT_DTYPES:
+            raise ConfigError("export_dtype", f"unknown dtype {self.export_dtype!r}", allowed=tuple(EXPORT_DTYPES))
+
+    @property
+    def enabled(self) -> bool:
+        return self.every > 0
+
+
+@torch.no_grad()
+def rollout_records(target: TargetModel, sequences: list[list[int]], prompt_lens: list[int],
+                    batch: int) -> DrafterData:
+    """The drafter-data records (``trainers.drafter.data``) of ``sequences`` (prompt +
+    completion token ids) under ``target`` as it is now, without gradients. Rows that share a
+    prompt (a GRPO group) run it once: one forward of the prompt, its KV cache repeated for up
+    to ``batch`` of them, one forward of their completions (right-padded). ``argmax`` and ``lse``
+    are filled only where the target predicts a completion token (the positions the loss and the
+    acceptance read; -1 and 0 before), which skips the prompt's share of the wide output layer."""
+    assert len(sequences) == len(prompt_lens) and sequences, "need one prompt length per sequence"
+    groups: dict[tuple[int, ...], list[int]] = {}
+    for i, (seq, plen) in enumerate(zip(sequences, prompt_lens)):
+        if not 0 < plen <= len(seq):
+            raise ValueError(f"sequence {i}: prompt length {plen} does not fit its {len(seq)} tokens")
+        groups.setdefault(tuple(seq[:plen]), []).append(i)
+    records: dict[int, dict[str, torch.Tensor]] = {}
+    with native_linear.routed(target.model):  # the engine's CPU kernels (the torch path elsewhere)
+        for prompt, rows in groups.items():
+            for start in range(0, len(rows), batch):
+                part = rows[start: start + batch]
+                completions = [sequences[i][len(prompt):] for i in part]
+                records.update(zip(part, _group_records(target, list(prompt), completions)))
+    return records_to_data([records[i] for i in range(len(sequences))], list(prompt_lens),
+                           ["rollout"] * len(sequences))
+
+
+def _group_records(target: TargetModel, prompt: list[int], completions: list[list[int]]) -> list[dict]:
+    """The records of ``prompt`` followed by each of ``completions`` (see :func:`rollout_records`)."""
+    from transformers import DynamicCache
+
+    device, p, g = target.device, len(prompt), len(completions)
+    cache = DynamicCache()
+    with target.capture(final=True) as cap:
+        target.model.model(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True)
+    pf, pfinal = cap.features()[0], cap.final()[0]  # [P, 3H], [P, H]
+    width = max(len(c) for c in completions)
+    cf = cfinal = None
+    if width:
+        ids = torch.zeros(g, width, dtype=torch.long)
+        mask = torch.ones(g, p + width, dtype=torch.long)
+        for r, c in enumerate(completions):
+            ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+            mask[r, p + len(c):] = 0
+        cache.batch_repeat_interleave(g)
+        with target.capture(final=True) as cap:
+            target.model.model(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
+                               position_ids=torch.arange(p, p + width, device=device).expand(g, -1), use_cache=True)
+        cf, cfinal = cap.features(), cap.final()  # [g, W, 3H], [g, W, H]
+    lm_head = target.model.get_output_embeddings()
+    out = []
+    for r, c in enumerate(completions):
+        n = p + len(c)
+        features = torch.cat([pf, cf[r, : len(c)]]) if c else pf  # [n, 3H]
+        final = torch.cat([pfinal, cfinal[r, : len(c)]]) if c else pfinal
+        logits = lm_head(final[p - 1: n - 1]).float()  # predicts the completion's tokens
+        out.append(_record(prompt + list(c), features[: n - 1], final[: n - 1], logits))
+    return out
+
+
+def _record(tokens: list[int], features: torch.Tensor, final: torch.Tensor, logits: torch.Tensor) -> dict:
+    """One sample's record: features and final outputs of positions 0..n-2, the logits of the
+    last ``len(logits)`` of them; argmax -1 and lse 0 elsewhere (and at position n - 1, which
+    has no successor, zeros throughout)."""
+    n, m = len(tokens), len(logits)
+    argmax = torch.full((n,), -1, dtype=torch.long)
+    lse = torch.zeros(n)
+    argmax[n - 1 - m: n - 1] = logits.argmax(-1).cpu()
+    lse[n - 1 - m: n - 1] = torch.logsumexp(logits, -1).cpu()
+    z = lambda x: torch.cat([x, torch.zeros_like(x[:1])])  # noqa: E731
+    return {"tokens": torch.tensor(tokens, dtype=torch.long), "features": z(features).half().cpu(),
+            "final": z(final).half().cpu(), "argmax": argmax, "lse": lse}
+
+
+def teacher_forced_tau(head: Eagle3Head, data: DrafterData, steps: int, batch: int) -> tuple[float, float]:
+    """The chain tau the head's teacher-forced acceptance on ``data`` implies, at T = 1 (its
+    logit scale) and at T = 0 (``trainers.drafter.ttt.estimated_tau``)."""
+    device = next(head.parameters()).device
+    sums = None
+    was_training = head.training
+    head.eval()
+    for start in range(0, len(data), batch):
+        acc = ttt_acceptance(head, collate(data, list(range(start, min(start + batch, len(data)))), device), steps,
+                             (head.cfg.logit_scale,))
+        sums = acc if sums is None else {k: sums[k] + acc[k] for k in acc}
+    head.train(was_training)
+    n = sums["count"].clamp(min=1)
+    return estimated_tau(sums["acc_t1"][0] / n), estimated_tau(sums["acc_t0"] / n)
+
+
+class OnlineDrafter:
+    """The trainer's copy of the head, trained on the rollouts (see the module doc)."""
+
+    def __init__(self, cfg: OnlineDrafterConfig, head_path: Path, target: TargetModel, out_dir: Path, seed: int):
+        self.cfg, self.target, self.seed = cfg, target, seed
+        self.export_path = Path(out_dir) / "drafter"
+        self.head = load_eagle3(head_path, target).to(target.device)
+        self.head.train()
+        self.initial = load_eagle3(head_path, target).to(target.device) if cfg.score_initial else None
+        self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas,
+                                           weight_decay=cfg.weight_decay)
+        self.window: list[DrafterData] = []  # the last ``buffer`` samples, one DrafterData each
+        self.rounds = 0
+
+    def due(self, step: int) -> bool:
+        """Whether the round after policy step ``step`` (0-based) trains the head."""
+        return self.cfg.enabled and (step + 1) % self.cfg.every == 0
+
+    def train_round(self, step: int, sequences: list[list[int]], prompt_lens: list[int]) -> dict[str, float]:
+        """Features of the current policy over ``sequences``, the head's score on them, then
+        ``updates`` head steps on the window; returns the round's metrics."""
+        c = self.cfg
+        t0 = time.perf_counter()
+        fresh = rollout_records(self.target, sequences, prompt_lens, c.feature_batch)
+        t_features = time.perf_counter() - t0
+        tau_t1, tau_t0 = teacher_forced_tau(self.head, fresh, c.ttt_steps, c.batch_size)
+        scores = {"drafter_est_tau": tau_t1, "drafter_est_tau_t0": tau_t0}
+        if self.initial is not None:
+            scores["drafter_est_tau_initial"] = teacher_forced_tau(self.initial, fresh, c.ttt_steps, c.batch_size)[0]
+        self.window = (self.window + [_sample(fresh, i) for i in range(len(fresh))])[-c.buffer:]
+        data = DrafterData.concat(self.window)
+        gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
+        device = next(self.head.parameters()).device
+        losses = []
+        for _ in range(c.updates):
+            idx = torch.randperm(len(data), generator=gen)[: c.batch_size].tolist()
+            loss, _ = ttt_loss(self.head, collate(data, idx, device), c.ttt_steps, c.step_weight, c.objective,
+                               ce_weight=c.ce_weight, scale=self.head.cfg.logit_scale)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"drafter_training: the head's loss is {float(loss)} at policy step "
+                                         f"{step + 1} (update {len(losses) + 1}); lower drafter_training.lr")
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(self.head.parameters(), c.grad_clip)
+            self.optimizer.step()
+            losses.append(float(loss.detach()))
+        self.rounds += 1
+        self.export()
+        return scores | {"drafter_loss": sum(losses) / len(losses), "drafter_features_s": t_features,
+                         "drafter_s": time.perf_counter() - t0}
+
+    def export(self) -> Path:
+        """Write the head in ``export_dtype`` to ``export_path`` (into a sibling folder, then
+        renamed over the old one, so a reader never sees half a head)."""
+        import shutil
+
+        tmp = self.export_path.with_name(self.export_path.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        save_eagle3(_rounded(self.head, EXPORT_DTYPES[self.cfg.export_dtype]), tmp)
+        old = self.export_path.with_name(self.export_path.name + ".old")
+        shutil.rmtree(old, ignore_errors=True)
+        if self.export_path.exists():
+            self.export_path.rename(old)
+        tmp.rename(self.export_path)
+        shutil.rmtree(old, ignore_errors=True)
+        return self.export_path
+
+    def state_dict(self) -> dict:
+        return {"head": {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()},
+                "optimizer": self.optimizer.state_dict(), "rounds": self.rounds,
+                "window": [w.__dict__ for w in self.window]}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.head.load_state_dict(state["head"])
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.rounds = int(state["rounds"])
+        self.window = [DrafterData(**w) for w in state["window"]]
+
+
+def _sample(data: DrafterData, i: int) -> DrafterData:
+    """Sample ``i`` of ``data`` on its own."""
+    lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
+    return DrafterData(tokens=data.tokens[lo:hi], features=data.features[lo:hi], final=data.final[lo:hi],
+                       argmax=data.argmax[lo:hi], lse=data.lse[lo:hi], offsets=torch.tensor([0, hi - lo]),
+                       prompt_lens=data.prompt_lens[i: i + 1], kinds=[data.kinds[i]])
+
+
+def _rounded(head: Eagle3Head, dtype: torch.dtype) -> Eagle3Head:
+    """A copy of ``head``'s weights in ``dtype`` (sharing its embedding, which is not saved)."""
+    out = Eagle3Head(head.cfg, head.embed_tokens)
+    out.load_state_dict(head.state_dict())
+    return out.to(dtype).requires_grad_(False)
