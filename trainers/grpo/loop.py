@@ -165,7 +165,7 @@ class GRPOTrainer:
         """
         c = self.cfg
         prompts, outs = batch.prompt_lists(), batch.completion_lists()
-        n, mb = len(batch), c.optim.micro_batch
+        mb = c.optim.micro_batch
         behaviour, target_lp, relaxed, mask = (t.to(self.device) for t in (
             batch.behaviour_logprobs, batch.target_logprobs, batch.relaxed, batch.completion_mask))
         adv = adv.to(self.device)
