@@ -19,12 +19,15 @@ functions. :class:`SpeculativeRollouts` is such a callable:
   ``max_completion_length``), so TRL's recomputed log-probs and ours describe the same
   processed distribution; settings TRL's log-probs do not apply (top-p, top-k, min-p,
   repetition penalty) are refused.
-- **the draft head follows the policy** only by re-loading: with
-  ``drafter_reload_every: n`` the head is re-read from its folder every n optimizer steps
-  (a drafter trainer elsewhere may rewrite it). A head that stays fixed while the policy
-  drifts keeps every output exact (the verifier corrects for any draft), but its
-  acceptance tau falls as the policy moves away from the one it was trained on, so
-  rollouts slow down; tau is logged every step (``speculative/tau``) to show it.
+- **the draft head follows the policy** by training with it (``drafter_training.every: n``,
+  ``trainers.grpo.online_drafter``: after every n-th optimizer step the head is trained on the
+  last generation's sequences under the updated policy, written to ``<output_dir>/drafter/``
+  and re-loaded by the backend or every actor; its state is saved with TRL's checkpoints and
+  restored on resume) or by re-loading: with ``drafter_reload_every: n`` the head is re-read
+  from its folder every n optimizer steps (a drafter trainer elsewhere may rewrite it). A head
+  that stays fixed while the policy drifts keeps every output exact (the verifier corrects for
+  any draft), but its acceptance tau falls as the policy moves away from the one it was trained
+  on, so rollouts slow down; tau is logged every step (``speculative/tau``) to show it.
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
 from rollout.quantize import check_drafter_weights
+from trainers.grpo.online_drafter import OnlineDrafter, OnlineDrafterConfig
 
 PLACEMENTS = ("local", "ray")
 
@@ -53,6 +57,8 @@ class RolloutSettings:
     spec / verifier: our speculation and verification settings. drafter: an EAGLE-3 head
     folder, "default" (the shipped head) or null (``spec.mode`` must be "off").
     drafter_reload_every: re-load the head from its folder every n optimizer steps (0 = never).
+    drafter_training: train the head with the policy (``OnlineDrafterConfig``; ``every: 0``, the
+    default, never does).
     placement: "local" (in this process, sharing the trainer's model) or "ray" (our actor pool;
     ``target`` is what each actor loads before the weights are pushed). seed: base seed of
     the rollouts (call i uses a seed derived from it and i). threads: torch threads of the
@@ -76,6 +82,7 @@ class RolloutSettings:
     threads: int | None = None
     backend: str = "hf"
     backend_options: dict = field(default_factory=dict)
+    drafter_training: OnlineDrafterConfig = field(default_factory=OnlineDrafterConfig)
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -91,6 +98,12 @@ class RolloutSettings:
             raise ConfigError("spec.mode", "speculation needs a drafter (drafter is null)", allowed=["off"])
         for name in ("drafter_reload_every", "seed"):
             check_int(name, getattr(self, name), 0)
+        if self.drafter_training.enabled and (self.drafter is None or self.spec.mode == "off"):
+            raise ConfigError("drafter_training.every", "trains the head the rollouts draft with; there is none "
+                              f"(drafter {self.drafter!r}, spec.mode {self.spec.mode!r}): set it to 0", allowed=[0])
+        if self.drafter_training.enabled and self.drafter_reload_every:
+            raise ConfigError("drafter_reload_every", "and drafter_training.every both replace the head; "
+                              "keep one of them (set this to 0 to train the head here)", allowed=[0])
         for name in ("num_actors", "threads_per_actor"):
             check_int(name, getattr(self, name))
         if self.placement == "ray" and self.target is None:
@@ -153,6 +166,9 @@ class SpeculativeRollouts:
         self._calls = 0
         self._pushed_step = -1
         self._loaded_step = 0
+        self.drafter: OnlineDrafter | None = None  # the head trained with the policy (drafter_training)
+        self.drafter_metrics: dict[str, float] = {}  # the last round's, for the trainer's log
+        self._trained_step = 0
 
     # ------------------------------------------------------------------ set-up
     def bind(self, trainer: Any) -> None:
@@ -179,6 +195,14 @@ class SpeculativeRollouts:
                               verifier=s.verifier, threads=s.threads_per_actor, backend=s.backend,
                               backend_options=s.backend_options)
             self.pool = RolloutPool(spec, s.num_actors, num_cpus_per_actor=s.threads_per_actor)
+        if s.drafter_training.enabled:
+            from pathlib import Path
+
+            from rollout.models import TargetModel
+
+            model = trainer.accelerator.unwrap_model(trainer.model)
+            self.drafter = OnlineDrafter(s.drafter_training, Path(drafter), TargetModel(model),
+                                         Path(trainer.args.output_dir), s.seed)
 
     def close(self) -> None:
         if self.pool is not None:
@@ -203,6 +227,48 @@ class SpeculativeRollouts:
             model = trainer.accelerator.unwrap_model(trainer.model)
             self.pool.set_weights(model.state_dict(), step)
         self._pushed_step = step
+        self.train_drafter(step)
+
+    def train_drafter(self, step: int) -> None:
+        """Where a round is due at optimizer step ``step`` (``drafter_training.every`` steps after
+        the last, and a generation to train on): the head trained on the last generation's
+        sequences under the policy as it is now (``OnlineDrafter.train_round``); every backend
+        then drafts with it. Called before each generation, and before a checkpoint is written
+        (so that it holds the head the next generation drafts with)."""
+        if self.drafter is None or self.last_batch is None or step < self._trained_step + \
+                self.settings.drafter_training.every:
+            return
+        prompts = self.last_batch.prompt_lists()
+        sequences = [p + c for p, c in zip(prompts, self.last_batch.completion_lists())]
+        model = self.drafter.target.model
+        training = model.training
+        model.eval()  # no dropout in the features
+        try:
+            self.drafter_metrics = self.drafter.train_round(step - 1, sequences, [len(p) for p in prompts])
+        finally:
+            model.train(training)
+        self._trained_step = step
+        self._ship_drafter()
+
+    @property
+    def trained_step(self) -> int:
+        """The optimizer step of the head's last training round (0: none yet)."""
+        return self._trained_step
+
+    def restore_drafter(self, state: dict) -> None:
+        """The trained head's state from a checkpoint (``OnlineDrafter.state_dict`` plus
+        ``trained_step``); every backend then drafts with it."""
+        self.drafter.load_state_dict(state)
+        self._trained_step = int(state["trained_step"])
+        self.drafter.export()
+        self._ship_drafter()
+
+    def _ship_drafter(self) -> None:
+        path = str(self.drafter.export_path)
+        if self.backend is not None:
+            self.backend.load_drafter(path)
+        else:
+            self.pool.load_drafter(path)
 
     def _reload_drafter(self) -> None:
         path = self.settings.drafter_path()

@@ -22,11 +22,16 @@ Our correction modes map onto TRL's (``CORRECTION_TO_TRL``):
 Our metrics go through TRL's own ``_metrics`` (so they show in its logs and TensorBoard):
 ``speculative/tau``, ``speculative/relaxed_fraction``, ``speculative/rollout_tokens_per_s``,
 ``speculative/kl_k1``, ``speculative/kl_k3`` (KL(P || pi) estimated from the sampled tokens)
-and ``speculative/is_ess`` (normalised effective sample size of TRL's weights).
+and ``speculative/is_ess`` (normalised effective sample size of TRL's weights); with the head
+training alongside (``RolloutSettings.drafter_training``) also its round's
+``speculative/drafter_est_tau``, ``speculative/drafter_est_tau_initial``,
+``speculative/drafter_loss`` and ``speculative/drafter_s``, and its state goes into each
+checkpoint (``drafter_training.pt``) and back on resume.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -35,6 +40,7 @@ from trl import GRPOTrainer
 from rollout.config import ConfigError
 from trainers.drift.stats import drift_stats, effective_sample_size
 from trainers.grpo.correction import CorrectionConfig
+from trainers.grpo.online_drafter import STATE_FILE
 from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts
 
 CORRECTION_TO_TRL = {"token_tis": "token_truncate", "token_mis": "token_mask",
@@ -109,6 +115,9 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         m["speculative/tau"].append(batch.tau)
         m["speculative/relaxed_fraction"].append(float((batch.relaxed & mask).sum() / mask.sum().clamp(min=1)))
         m["speculative/rollout_tokens_per_s"].append(batch.timings["tokens"] / max(self.rollouts.last_seconds, 1e-9))
+        for key, value in self.rollouts.drafter_metrics.items():  # the head's training round before this batch
+            m[f"speculative/{key}"].append(value)
+        self.rollouts.drafter_metrics = {}
         old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
         if old is None or sampled is None:
             return
@@ -119,6 +128,26 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         ratio = self.importance_ratios(output)
         if ratio is not None:
             m["speculative/is_ess"].append(effective_sample_size(ratio[valid]))
+
+    # -------------------------------------------------------------- the trained head in checkpoints
+    def _save_checkpoint(self, model, trial) -> None:
+        """TRL's checkpoint, plus the trained head's state (``drafter_training.pt``) when the
+        head trains with the policy (its round after this step first, where one is due)."""
+        self.rollouts.train_drafter(int(self.state.global_step))
+        super()._save_checkpoint(model, trial)
+        drafter = self.rollouts.drafter
+        if drafter is not None:
+            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+            state = drafter.state_dict() | {"trained_step": self.rollouts.trained_step}
+            torch.save(state, os.path.join(folder, f"{STATE_FILE}.pt"))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """TRL's resume, plus the trained head's state where the checkpoint holds it (the backend
+        or every actor then drafts with it)."""
+        super()._load_from_checkpoint(resume_from_checkpoint, model)
+        path = os.path.join(resume_from_checkpoint, f"{STATE_FILE}.pt")
+        if self.rollouts.drafter is not None and os.path.isfile(path):
+            self.rollouts.restore_drafter(torch.load(path, weights_only=False))
 
     def importance_ratios(self, output: dict[str, Any]) -> torch.Tensor | None:
         """TRL's importance-sampling ratios [B, T] of one generation's output (None: off)."""

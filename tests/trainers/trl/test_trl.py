@@ -17,6 +17,7 @@ from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SpecConfig, VerifierConfig
 from trainers.grpo.correction import CorrectionConfig
+from trainers.grpo.online_drafter import OnlineDrafterConfig
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
@@ -39,7 +40,7 @@ class Recording:
 
 
 def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, correction=None, steps=2,
-             placement="local", reload_every=0, spec=None, **args):
+             placement="local", reload_every=0, spec=None, drafter_training=None, **args):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -60,6 +61,7 @@ def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, c
                                verifier=VerifierConfig(verifier, params or {}), drafter=str(head_dir),
                                placement=placement, target=TargetConfig(path=str(policy_dir)),
                                drafter_reload_every=reload_every,
+                               drafter_training=OnlineDrafterConfig(**(drafter_training or {})),
                                threads_per_actor=1, threads=2)
     return Trainer(model=model, reward_funcs=_reward, args=GRPOConfig(**kw),
                    train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]), processing_class=tok,
@@ -184,6 +186,52 @@ def test_draft_head_is_reloaded_between_steps(tmp_path, tiny_policy_dir, tiny_he
     trainer.train()
     assert loads == [str(tiny_head_dir)] * 3  # re-read before the generations of steps 2 and 3
     assert trainer.rollouts.backend.head is not first
+
+
+def test_draft_head_trains_with_the_policy_and_resumes(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
+    from rollout.backend import HFBackend
+    from rollout.eagle3 import load_eagle3
+
+    loads = []
+    original = HFBackend.load_drafter
+    monkeypatch.setattr(HFBackend, "load_drafter", lambda self, path: (loads.append(path), original(self, path)))
+    online = {"every": 1, "lr": 3e-3, "updates": 2, "batch_size": 4}
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=3, drafter_training=online,
+                       save_strategy="steps", save_steps=2)
+    initial = {k: v.clone() for k, v in trainer.rollouts.backend.head.state_dict().items()}
+    trainer.train()
+    export = str(tmp_path / "out" / "drafter")
+    # trained after steps 1 and 2 (the latter before checkpoint-2 is written) and after step 3, before
+    # the final checkpoint: each checkpoint holds the head the next generation drafts with
+    assert loads == [str(tiny_head_dir), export, export, export]
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-3"]
+    held = trainer.rollouts.backend.head.state_dict()
+    shipped = load_eagle3(export, trainer.rollouts.drafter.target).state_dict()
+    assert any(not torch.equal(v, initial[k]) for k, v in held.items())
+    for name, v in held.items():  # the backend drafts with the head trained here
+        assert torch.equal(v, shipped[name]), name
+    logged = [h for h in trainer.state.log_history if "speculative/drafter_est_tau" in h]
+    assert len(logged) == 2 and all(h["speculative/drafter_est_tau"] >= 1 for h in logged), trainer.state.log_history
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "drafter_training.pt", weights_only=False)
+    assert saved["trained_step"] == 2 and saved["rounds"] == 2
+    trainer.rollouts.close()
+    resumed = _trainer(tmp_path / "r", tiny_policy_dir, tiny_head_dir, steps=2, drafter_training=online)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "out" / "checkpoint-2"))  # nothing left to train
+    assert resumed.rollouts.trained_step == 2 and resumed.rollouts.drafter.rounds == 2
+    for name, v in resumed.rollouts.drafter.head.state_dict().items():
+        assert torch.equal(v, saved["head"][name]), name
+    assert loads[-1] == str(tmp_path / "r" / "out" / "drafter")  # the restored head is the one drafting
+
+
+def test_head_training_and_reloading_are_exclusive():
+    from trainers.trl import RolloutSettings
+
+    with pytest.raises(ConfigError, match="drafter_reload_every") as err:
+        RolloutSettings(drafter_reload_every=1, drafter_training=OnlineDrafterConfig(every=1))
+    assert err.value.field == "drafter_reload_every"
+    with pytest.raises(ConfigError) as err:
+        RolloutSettings(spec=SpecConfig(mode="off"), drafter_training=OnlineDrafterConfig(every=1))
+    assert err.value.field == "drafter_training.every"
 
 
 # ---------------------------------------------------------------------------- refusals
