@@ -328,7 +328,7 @@ def test_speculative_metrics_are_kl_of_behaviour_to_policy_and_ess_of_trls_ratio
                          behaviour_logprobs=sampled, target_logprobs=sampled, kinds=torch.zeros(2, 3, dtype=torch.int8),
                          relaxed=relaxed, finish_reasons=["length"] * 2, tau=2.5, timings={"tokens": 5.0})
     trainer = SpeculativeGRPOTrainer.__new__(SpeculativeGRPOTrainer)  # only what the metrics read
-    trainer.rollouts = SimpleNamespace(last_batch=batch, last_seconds=0.5)
+    trainer.rollouts = SimpleNamespace(last_batch=batch, last_seconds=0.5, drafter_metrics={"drafter_est_tau": 2.5})
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     trainer.model = SimpleNamespace(training=True)
     trainer._log_rollout_metrics({"old_per_token_logps": old, "sampling_per_token_logps": sampled,
@@ -341,3 +341,5 @@ def test_speculative_metrics_are_kl_of_behaviour_to_policy_and_ess_of_trls_ratio
     assert m["speculative/is_ess"] == [pytest.approx(float(w.sum() ** 2 / (5 * (w ** 2).sum())), abs=1e-6)]
     assert m["speculative/relaxed_fraction"] == [pytest.approx(3 / 5)]  # not the padded flag: 4 / 6
     assert m["speculative/tau"] == [2.5] and m["speculative/rollout_tokens_per_s"] == [pytest.approx(10.0)]
+    # the head's training round is logged once, with the batch after it
+    assert m["speculative/drafter_est_tau"] == [2.5] and trainer.rollouts.drafter_metrics == {}
