@@ -169,6 +169,8 @@ def _attention(module: nn.Module, merged, attend_native, hidden_states: torch.Te
     from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
     from transformers.models.llama.modeling_llama import eager_attention_forward
 
+    if cache is None:  # older transformers (5.19, vLLM's pin) pass the cache as past_key_values
+        cache = kwargs.pop("past_key_values", None)
     lead = hidden_states.shape[:-1]  # [B, T]
     d = module.head_dim
     n_q, n_kv = module.q_proj.out_features // d, module.k_proj.out_features // d

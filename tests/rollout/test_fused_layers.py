@@ -310,3 +310,28 @@ def test_draft_attention_fused_matches_its_own_forward(past_len, unfused):
     assert calls == [1]
     torch.testing.assert_close(fused, own, rtol=1e-5, atol=1e-5)
     assert torch.equal(fused_kv[0], own_kv[0]) and torch.equal(fused_kv[1], own_kv[1])
+
+
+@pytest.mark.parametrize("name", ["cache", "past_key_values"])
+def test_fused_attention_takes_the_cache_by_either_name(name):
+    """transformers 5.25 hands a layer its KV cache as ``cache``, 5.19 (vLLM's pin) as
+    ``past_key_values``: the fused attention must write and read it under both names, or a
+    forward over a cached prefix silently attends to its own tokens only."""
+    from transformers import DynamicCache
+
+    target = tiny_target()
+    attn = target.model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(2, 7, 64, generator=g)
+    cos_sin = target.model.model.rotary_emb(x, torch.arange(7).expand(2, -1))
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()[None, None].expand(2, 1, -1, -1)
+    with torch.no_grad():
+        whole, _ = attn(x, position_embeddings=cos_sin, attention_mask=causal)
+        cache = DynamicCache()
+        with native_linear.routed(target.model):
+            attn(x[:, :4], position_embeddings=tuple(c[:, :4] for c in cos_sin), attention_mask=causal[..., :4, :4],
+                 **{name: cache})
+            tail, _ = attn(x[:, 4:], position_embeddings=tuple(c[:, 4:] for c in cos_sin),
+                           attention_mask=causal[..., 4:, :], **{name: cache})
+    assert cache.get_seq_length() == 7
+    torch.testing.assert_close(tail, whole[:, 4:], atol=1e-5, rtol=1e-5)

@@ -45,6 +45,7 @@ from rollout.eagle3 import Eagle3Head, load_eagle3, save_eagle3
 from rollout.models import TargetModel
 from trainers.drafter.data import DrafterData, collate, records_to_data
 from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
+from trainers.grpo.policy import cache_kwarg
 
 OBJECTIVES = ("tv", "ce")  # "block" needs responses sampled at T = 1 from the target itself
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -136,27 +137,36 @@ def rollout_records(target: TargetModel, sequences: list[list[int]], prompt_lens
 
 
 def _group_records(target: TargetModel, prompt: list[int], completions: list[list[int]]) -> list[dict]:
-    """The records of ``prompt`` followed by each of ``completions`` (see :func:`rollout_records`)."""
+    """The records of ``prompt`` followed by each of ``completions`` (see :func:`rollout_records`):
+    the prompt once and its KV cache under the completions, or, for a model whose forward takes no
+    cache (``trainers.grpo.policy.cache_kwarg``), every row whole."""
     from transformers import DynamicCache
 
     device, p, g = target.device, len(prompt), len(completions)
-    cache = DynamicCache()
-    with target.capture(final=True) as cap:
-        target.model.model(input_ids=torch.tensor([prompt], device=device), cache=cache, use_cache=True)
-    pf, pfinal = cap.features()[0], cap.final()[0]  # [P, 3H], [P, H]
     width = max(len(c) for c in completions)
-    cf = cfinal = None
-    if width:
-        ids = torch.zeros(g, width, dtype=torch.long)
-        mask = torch.ones(g, p + width, dtype=torch.long)
-        for r, c in enumerate(completions):
-            ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
-            mask[r, p + len(c):] = 0
-        cache.batch_repeat_interleave(g)
+    ids = torch.zeros(g, width, dtype=torch.long)
+    mask = torch.ones(g, p + width, dtype=torch.long)
+    for r, c in enumerate(completions):
+        ids[r, : len(c)] = torch.tensor(c, dtype=torch.long)
+        mask[r, p + len(c):] = 0
+    body, kwarg = target.model.model, cache_kwarg(target.model.model)
+    if kwarg is None:
         with target.capture(final=True) as cap:
-            target.model.model(input_ids=ids.to(device), attention_mask=mask.to(device), cache=cache,
-                               position_ids=torch.arange(p, p + width, device=device).expand(g, -1), use_cache=True)
-        cf, cfinal = cap.features(), cap.final()  # [g, W, 3H], [g, W, H]
+            body(input_ids=torch.cat([torch.tensor([prompt]).expand(g, -1), ids], 1).to(device),
+                 attention_mask=mask.to(device), use_cache=False)
+        features, final = cap.features(), cap.final()  # [g, P + W, 3H], [g, P + W, H]
+        pf, pfinal, cf, cfinal = features[0, :p], final[0, :p], features[:, p:], final[:, p:]
+    else:
+        cache = DynamicCache()
+        with target.capture(final=True) as cap:
+            body(input_ids=torch.tensor([prompt], device=device), use_cache=True, **{kwarg: cache})
+        pf, pfinal = cap.features()[0], cap.final()[0]  # [P, 3H], [P, H]
+        if width:
+            cache.batch_repeat_interleave(g)
+            with target.capture(final=True) as cap:
+                body(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,
+                     position_ids=torch.arange(p, p + width, device=device).expand(g, -1), **{kwarg: cache})
+            cf, cfinal = cap.features(), cap.final()  # [g, W, 3H], [g, W, H]
     lm_head = target.model.get_output_embeddings()
     out = []
     for r, c in enumerate(completions):

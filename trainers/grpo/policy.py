@@ -60,7 +60,7 @@ def pack(prompt_ids: list[list[int]], completion_ids: list[list[int]], pad_id: i
     return input_ids, attention, index, cmask
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str | None:
+def cache_kwarg(model: torch.nn.Module) -> str | None:
     """The name under which the model's forward takes a KV cache (``cache`` in transformers 5), or None."""
     params = _forward_params(model)
     return next((name for name in ("cache", "past_key_values") if name in params), None)
@@ -73,7 +73,7 @@ def forward_paths(model: torch.nn.Module, share_prompts: bool = True) -> tuple[s
     if not share_prompts or not hasattr(model, "config"):
         return ("whole",)
     paths = ["whole"]
-    if _cache_kwarg(model) is not None:
+    if cache_kwarg(model) is not None:
         paths.append("cached")
         if getattr(model.config, "_attn_implementation", None) in MASKED_ATTENTION and "position_ids" in _forward_params(model):
             paths.append("packed")
@@ -129,7 +129,7 @@ def _cached_logits(model: torch.nn.Module, prompt_ids: list[list[int]], completi
         positions[i] = torch.arange(len(p) - 1, len(p) - 1 + s_w)
     attention = torch.cat([p_mask[of_row], s_mask], dim=1)
     out = model(input_ids=suffix.to(device), attention_mask=attention.to(device), position_ids=positions.to(device),
-                use_cache=True, **{_cache_kwarg(model): rows_cache})
+                use_cache=True, **{cache_kwarg(model): rows_cache})
     return out.logits
 
 
