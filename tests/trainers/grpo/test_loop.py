@@ -174,12 +174,13 @@ def test_resume_reproduces_the_next_step(tmp_path, tiny_policy_dir, tiny_head_di
         assert torch.equal(a, b), name
 
 
-@pytest.mark.parametrize("name", ["default", "gpu"])
+@pytest.mark.parametrize("name", ["default", "gpu", "grpo_drafter"])
 def test_shipped_configs_validate(name):
     from pathlib import Path
 
     cfg = load_train_config(Path(__file__).parents[3] / "configs" / f"{name}.yaml")
     assert cfg.rollouts_per_step >= cfg.grpo.group_size
+    assert cfg.drafter_training.enabled == (name == "grpo_drafter")
 
 
 def test_overrides_merge_at_every_depth():
