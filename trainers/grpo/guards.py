@@ -22,6 +22,9 @@ class NonFiniteError(RuntimeError):
         self.step, self.quantity = step, quantity
         if quantity.startswith("checkpoint"):
             super().__init__(f"step {step}: {quantity} is not finite ({detail})")
+        elif quantity.startswith("drafter"):
+            super().__init__(f"step {step}: {quantity} is not finite ({detail}); stopped before the head is shipped "
+                             "to the actors or saved (the last checkpoint holds the last good head)")
         else:
             super().__init__(f"step {step}: {quantity} is not finite ({detail}); stopped before the weight "
                              "broadcast and before any checkpoint (the last checkpoint is the last good policy)")

@@ -45,6 +45,7 @@ from rollout.eagle3 import Eagle3Head, load_eagle3, save_eagle3
 from rollout.models import TargetModel
 from trainers.drafter.data import DrafterData, collate, records_to_data
 from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
+from trainers.grpo.guards import NonFiniteError
 from trainers.grpo.policy import cache_kwarg
 
 OBJECTIVES = ("tv", "ce")  # "block" needs responses sampled at T = 1 from the target itself
@@ -246,9 +247,9 @@ class OnlineDrafter:
             idx = torch.randperm(len(data), generator=gen)[: c.batch_size].tolist()
             loss, _ = ttt_loss(self.head, collate(data, idx, device), c.ttt_steps, c.step_weight, c.objective,
                                ce_weight=c.ce_weight, scale=self.head.cfg.logit_scale)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"drafter_training: the head's loss is {float(loss)} at policy step "
-                                         f"{step + 1} (update {len(losses) + 1}); lower drafter_training.lr")
+            if not torch.isfinite(loss):  # stops the run (exit 3) before a broken head ships or is saved
+                raise NonFiniteError(step + 1, "drafter loss", f"update {len(losses) + 1} of the head's round: "
+                                     f"{float(loss.detach())}; lower drafter_training.lr")
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), c.grad_clip)

@@ -125,6 +125,18 @@ def test_state_round_trip_continues_the_same_head(target, tiny_head_dir, tmp_pat
         assert torch.equal(v, b.head.state_dict()[name]), name
 
 
+def test_a_non_finite_head_loss_stops_before_the_head_ships(target, tiny_head_dir, tmp_path):
+    from trainers.grpo.guards import NonFiniteError
+
+    seqs, plens, _ = _sequences(target, n=4, new=8, seed=2)
+    drafter = _drafter(target, tiny_head_dir, tmp_path)
+    with torch.no_grad():
+        drafter.head.fc.weight[0, 0] = float("nan")
+    with pytest.raises(NonFiniteError, match="step 4: drafter loss is not finite .*update 1 of the head's round"):
+        drafter.train_round(3, seqs, plens)
+    assert not drafter.export_path.exists() and drafter.rounds == 0
+
+
 @pytest.mark.parametrize("values, field", [
     ({"every": -1}, "every"), ({"objective": "block"}, "objective"), ({"objective": "ce"}, "ce_weight"),
     ({"export_dtype": "int8"}, "export_dtype"), ({"lr": 0}, "lr"), ({"buffer": 0}, "buffer"),
