@@ -144,16 +144,27 @@ def generate_batch(
 
 def _record(target: TargetModel, tokens: list[int], cap: Capture) -> dict[str, torch.Tensor]:
     """A sample's record from its tokens and the engine's capture; the logits at each position
-    are ``lm_head(final)``. The last position (no successor) is padded with zeros / -1."""
+    are ``lm_head(final)``."""
     assert len(cap.features) == len(tokens) - 1, (len(cap.features), len(tokens))
     logits = target.model.get_output_embeddings()(cap.final).float()  # [L-1, V]
-    argmax, lse = logits.argmax(-1), torch.logsumexp(logits, -1)
+    return make_record(tokens, cap.features, cap.final, logits)
+
+
+def make_record(tokens: list[int], features: torch.Tensor, final: torch.Tensor,
+                logits: torch.Tensor) -> dict[str, torch.Tensor]:
+    """One sample's record: the features and final-norm outputs of positions 0..n-2 (n tokens),
+    the argmax and logsumexp of ``logits``, which are the target's at the last ``len(logits)`` of
+    those positions (all of them, or a suffix such as a completion's); argmax -1 and lse 0 at the
+    positions before, and at position n - 1, which has no successor, zeros throughout."""
+    n, m = len(tokens), len(logits)
+    assert len(features) == len(final) == n - 1 and m <= n - 1, (len(features), len(final), m, n)
+    argmax = torch.full((n,), -1, dtype=torch.long)
+    lse = torch.zeros(n)
+    argmax[n - 1 - m: n - 1] = logits.argmax(-1).cpu()
+    lse[n - 1 - m: n - 1] = torch.logsumexp(logits.float(), -1).cpu()
     z = lambda x: torch.cat([x, torch.zeros_like(x[:1])])  # noqa: E731
-    return {
-        "tokens": torch.tensor(tokens, dtype=torch.long), "features": z(cap.features).half().cpu(),
-        "final": z(cap.final).half().cpu(), "argmax": torch.cat([argmax, torch.full_like(argmax[:1], -1)]).cpu(),
-        "lse": z(lse).float().cpu(),
-    }
+    return {"tokens": torch.tensor(tokens, dtype=torch.long), "features": z(features).half().cpu(),
+            "final": z(final).half().cpu(), "argmax": argmax, "lse": lse}
 
 
 def records_to_data(records: list[dict[str, torch.Tensor]], prompt_lens: list[int], kinds: list[str]) -> DrafterData:

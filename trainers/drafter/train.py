@@ -13,7 +13,7 @@ from rollout.config import ConfigError, check_int, check_number
 from rollout.eagle3 import Eagle3Head
 from rollout.models import TargetConfig, TargetModel
 from trainers.drafter.data import DrafterDataConfig
-from trainers.drafter.ttt import OBJECTIVES, estimated_block_tau, estimated_tau, ttt_acceptance, ttt_loss
+from trainers.drafter.ttt import OBJECTIVES, estimated_block_tau, estimated_tau, summed_acceptance, ttt_loss
 
 
 @dataclass(frozen=True)
@@ -177,20 +177,9 @@ def epoch_batches(lengths: list[int], batch_size: int, gen: torch.Generator) -> 
 def _acceptance_sums(head: Eagle3Head, data, cfg: DrafterConfig, device: torch.device,
                      scales: tuple[float, ...], block: bool = False) -> dict[str, dict[str, torch.Tensor]]:
     """``ttt_acceptance`` summed over the held-out batches of each prompt kind."""
-    from trainers.drafter.data import collate
-
-    head.eval()
-    out = {}
-    for kind in sorted(set(data.kinds)):
-        idx = [i for i, k in enumerate(data.kinds) if k == kind]
-        sums = None
-        for start in range(0, len(idx), cfg.batch_size):
-            acc = ttt_acceptance(head, collate(data, idx[start: start + cfg.batch_size], device), cfg.ttt_steps,
-                                 scales, block=block)
-            sums = acc if sums is None else {k: sums[k] + acc[k] for k in acc}
-        out[kind] = sums
-    head.train()
-    return out
+    return {kind: summed_acceptance(head, data, [i for i, k in enumerate(data.kinds) if k == kind], cfg.ttt_steps,
+                                    scales, cfg.batch_size, device, block=block)
+            for kind in sorted(set(data.kinds))}
 
 
 def _kind_report(sums: dict[str, torch.Tensor], i: int) -> dict[str, object]:

@@ -281,6 +281,24 @@ def ttt_acceptance(head: Eagle3Head, batch: Batch, steps: int,
     return {"acc_t0": acc0, "acc_t1": acc1, "count": count} | out
 
 
+def summed_acceptance(head: Eagle3Head, data, idx: list[int], steps: int, scales: tuple[float, ...],
+                      batch: int, device: torch.device | str, block: bool = False) -> dict[str, torch.Tensor]:
+    """:func:`ttt_acceptance` summed over the samples ``idx`` of ``data`` (a ``DrafterData``), in
+    batches of ``batch``, with the head in eval mode (its mode is restored after)."""
+    from trainers.drafter.data import collate
+
+    was_training = head.training
+    head.eval()
+    sums: dict[str, torch.Tensor] = {}
+    try:
+        for start in range(0, len(idx), batch):
+            acc = ttt_acceptance(head, collate(data, idx[start: start + batch], device), steps, scales, block=block)
+            sums = {k: sums[k] + v for k, v in acc.items()} if sums else acc
+    finally:
+        head.train(was_training)
+    return sums
+
+
 def estimated_block_tau(acc: list[float] | torch.Tensor) -> float:
     """The ceiling that per-step joint overlaps (the "block" objective's) put on a round's tau:
     1 plus their sum. No lossless verifier's tau exceeds it (each overlap bounds how often a

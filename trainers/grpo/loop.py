@@ -139,9 +139,7 @@ class GRPOTrainer:
                                eps=self.cfg.grpo.std_eps).reshape(-1)
         metrics, records = self.update(batch, adv)
         if self.drafter is not None and self.drafter.due(step):
-            prompts = batch.prompt_lists()
-            sequences = [p + o for p, o in zip(prompts, batch.completion_lists())]
-            metrics.update(self.drafter.train_round(step, sequences, [len(p) for p in prompts]))
+            metrics.update(self.drafter.train_on_batch(step, batch))
             self.pool.load_drafter(str(self.drafter.export_path))
         metrics.update(reward_stats(rewards.view(-1, g), correct.view(-1, g)))
         tokens = batch.timings["tokens"]

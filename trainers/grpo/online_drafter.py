@@ -46,10 +46,12 @@ from rollout import native_linear
 from rollout.config import ConfigError, check_int, check_number
 from rollout.eagle3 import Eagle3Head, load_eagle3, save_eagle3
 from rollout.models import TargetModel
-from trainers.drafter.data import DrafterData, collate, records_to_data
-from trainers.drafter.ttt import estimated_tau, ttt_acceptance, ttt_loss
+from rollout.outputs import RolloutBatch
+from trainers.drafter.data import DrafterData, collate, make_record, records_to_data
+from trainers.drafter.ttt import estimated_tau, summed_acceptance, ttt_loss
 from trainers.grpo.guards import NonFiniteError
 from trainers.grpo.policy import cache_kwarg
+
 
 OBJECTIVES = ("tv", "ce")  # "block" needs responses sampled at T = 1 from the target itself
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -178,36 +180,15 @@ def _group_records(target: TargetModel, prompt: list[int], completions: list[lis
         features = torch.cat([pf, cf[r, : len(c)]]) if c else pf  # [n, 3H]
         final = torch.cat([pfinal, cfinal[r, : len(c)]]) if c else pfinal
         logits = lm_head(final[p - 1: n - 1]).float()  # predicts the completion's tokens
-        out.append(_record(prompt + list(c), features[: n - 1], final[: n - 1], logits))
+        out.append(make_record(prompt + list(c), features[: n - 1], final[: n - 1], logits))
     return out
-
-
-def _record(tokens: list[int], features: torch.Tensor, final: torch.Tensor, logits: torch.Tensor) -> dict:
-    """One sample's record: features and final outputs of positions 0..n-2, the logits of the
-    last ``len(logits)`` of them; argmax -1 and lse 0 elsewhere (and at position n - 1, which
-    has no successor, zeros throughout)."""
-    n, m = len(tokens), len(logits)
-    argmax = torch.full((n,), -1, dtype=torch.long)
-    lse = torch.zeros(n)
-    argmax[n - 1 - m: n - 1] = logits.argmax(-1).cpu()
-    lse[n - 1 - m: n - 1] = torch.logsumexp(logits, -1).cpu()
-    z = lambda x: torch.cat([x, torch.zeros_like(x[:1])])  # noqa: E731
-    return {"tokens": torch.tensor(tokens, dtype=torch.long), "features": z(features).half().cpu(),
-            "final": z(final).half().cpu(), "argmax": argmax, "lse": lse}
 
 
 def teacher_forced_tau(head: Eagle3Head, data: DrafterData, steps: int, batch: int) -> tuple[float, float]:
     """The chain tau the head's teacher-forced acceptance on ``data`` implies, at T = 1 (its
     logit scale) and at T = 0 (``trainers.drafter.ttt.estimated_tau``)."""
-    device = next(head.parameters()).device
-    sums = None
-    was_training = head.training
-    head.eval()
-    for start in range(0, len(data), batch):
-        acc = ttt_acceptance(head, collate(data, list(range(start, min(start + batch, len(data)))), device), steps,
-                             (head.cfg.logit_scale,))
-        sums = acc if sums is None else {k: sums[k] + acc[k] for k in acc}
-    head.train(was_training)
+    sums = summed_acceptance(head, data, list(range(len(data))), steps, (head.cfg.logit_scale,), batch,
+                             next(head.parameters()).device)
     n = sums["count"].clamp(min=1)
     return estimated_tau(sums["acc_t1"][0] / n), estimated_tau(sums["acc_t0"] / n)
 
@@ -225,17 +206,31 @@ class OnlineDrafter:
                                            weight_decay=cfg.weight_decay)
         self.window: list[DrafterData] = []  # the last ``buffer`` samples, one DrafterData each
         self.rounds = 0
+        self._exported = False  # whether export_path holds the head as it is now
 
     def due(self, step: int) -> bool:
         """Whether the round after policy step ``step`` (0-based) trains the head."""
         return self.cfg.enabled and (step + 1) % self.cfg.every == 0
 
+    def train_on_batch(self, step: int, batch: RolloutBatch) -> dict[str, float]:
+        """:meth:`train_round` on a generation's sequences (each row's prompt + completion)."""
+        prompts = batch.prompt_lists()
+        sequences = [p + c for p, c in zip(prompts, batch.completion_lists())]
+        return self.train_round(step, sequences, [len(p) for p in prompts])
+
     def train_round(self, step: int, sequences: list[list[int]], prompt_lens: list[int]) -> dict[str, float]:
-        """Features of the current policy over ``sequences``, the head's score on them, then
-        ``updates`` head steps on the window; returns the round's metrics."""
+        """Features of the current policy over ``sequences`` (the policy in eval mode: no dropout
+        in them; its mode is restored after), the head's score on them, then ``updates`` head
+        steps on the window; returns the round's metrics. The head is exported after."""
         c = self.cfg
         t0 = time.perf_counter()
-        fresh = rollout_records(self.target, sequences, prompt_lens, c.feature_batch)
+        model = self.target.model
+        training = model.training
+        model.eval()
+        try:
+            fresh = rollout_records(self.target, sequences, prompt_lens, c.feature_batch)
+        finally:
+            model.train(training)
         t_features = time.perf_counter() - t0
         tau_t1, tau_t0 = teacher_forced_tau(self.head, fresh, c.ttt_steps, c.batch_size)
         scores = {"drafter_est_tau": tau_t1, "drafter_est_tau_t0": tau_t0}
@@ -257,6 +252,7 @@ class OnlineDrafter:
             loss.backward()
             torch.nn.utils.clip_grad_norm_(self.head.parameters(), c.grad_clip)
             self.optimizer.step()
+            self._exported = False
             losses.append(float(loss.detach()))
         self.rounds += 1
         self.export()
@@ -265,9 +261,12 @@ class OnlineDrafter:
 
     def export(self) -> Path:
         """Write the head in ``export_dtype`` to ``export_path`` (into a sibling folder, then
-        renamed over the old one, so a reader never sees half a head)."""
+        renamed over the old one, so a reader never sees half a head), unless that folder already
+        holds the head as it is (written since the last update or state load)."""
         import shutil
 
+        if self._exported and self.export_path.is_dir():
+            return self.export_path
         tmp = self.export_path.with_name(self.export_path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         save_eagle3(_rounded(self.head, EXPORT_DTYPES[self.cfg.export_dtype]), tmp)
@@ -277,6 +276,7 @@ class OnlineDrafter:
             self.export_path.rename(old)
         tmp.rename(self.export_path)
         shutil.rmtree(old, ignore_errors=True)
+        self._exported = True
         return self.export_path
 
     def state_dict(self) -> dict:
@@ -289,6 +289,7 @@ class OnlineDrafter:
         self.optimizer.load_state_dict(state["optimizer"])
         self.rounds = int(state["rounds"])
         self.window = [DrafterData(**w) for w in state["window"]]
+        self._exported = False
 
 
 def _sample(data: DrafterData, i: int) -> DrafterData:

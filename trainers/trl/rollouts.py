@@ -215,7 +215,7 @@ class SpeculativeRollouts:
         step = int(trainer.state.global_step)
         every = self.settings.drafter_reload_every
         if every and step >= self._loaded_step + every and self.settings.spec.mode != "off":
-            self._reload_drafter()
+            self._load_drafter(self.settings.drafter_path())
             self._loaded_step = step
         if step == self._pushed_step:
             return
@@ -232,23 +232,15 @@ class SpeculativeRollouts:
     def train_drafter(self, step: int) -> None:
         """Where a round is due at optimizer step ``step`` (``drafter_training.every`` steps after
         the last, and a generation to train on): the head trained on the last generation's
-        sequences under the policy as it is now (``OnlineDrafter.train_round``); every backend
+        sequences under the policy as it is now (``OnlineDrafter.train_on_batch``); every backend
         then drafts with it. Called before each generation, and before a checkpoint is written
         (so that it holds the head the next generation drafts with)."""
         if self.drafter is None or self.last_batch is None or step < self._trained_step + \
                 self.settings.drafter_training.every:
             return
-        prompts = self.last_batch.prompt_lists()
-        sequences = [p + c for p, c in zip(prompts, self.last_batch.completion_lists())]
-        model = self.drafter.target.model
-        training = model.training
-        model.eval()  # no dropout in the features
-        try:
-            self.drafter_metrics = self.drafter.train_round(step - 1, sequences, [len(p) for p in prompts])
-        finally:
-            model.train(training)
+        self.drafter_metrics = self.drafter.train_on_batch(step - 1, self.last_batch)
         self._trained_step = step
-        self._ship_drafter()
+        self._load_drafter(str(self.drafter.export_path))
 
     @property
     def trained_step(self) -> int:
@@ -260,18 +252,10 @@ class SpeculativeRollouts:
         ``trained_step``); every backend then drafts with it."""
         self.drafter.load_state_dict(state)
         self._trained_step = int(state["trained_step"])
-        self.drafter.export()
-        self._ship_drafter()
+        self._load_drafter(str(self.drafter.export()))
 
-    def _ship_drafter(self) -> None:
-        path = str(self.drafter.export_path)
-        if self.backend is not None:
-            self.backend.load_drafter(path)
-        else:
-            self.pool.load_drafter(path)
-
-    def _reload_drafter(self) -> None:
-        path = self.settings.drafter_path()
+    def _load_drafter(self, path: str) -> None:
+        """Every backend (the local one, or each actor) drafts with the head in ``path``."""
         if self.backend is not None:
             self.backend.load_drafter(path)
         else:

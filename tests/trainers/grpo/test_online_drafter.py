@@ -110,6 +110,61 @@ def test_a_round_trains_the_head_and_not_the_policy(trainable, tiny_head_dir, tm
         assert torch.equal(v, drafter.head.state_dict()[name].to(torch.bfloat16).to(v.dtype)), name
 
 
+def test_train_on_batch_is_the_round_on_each_rows_prompt_and_completion(target, tiny_head_dir, tmp_path):
+    """The loop and the TRL plug-in hand a generation over as it is: padded prompts of several
+    lengths; the features are taken in eval mode and the policy's mode is restored."""
+    from rollout.engine import Engine
+    from rollout.params import SamplingParams
+
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(5, 400, (3 + 4 * i,), generator=g).tolist() for i in range(4)] * 2
+    res = Engine(target, num_threads=1).generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=9), seed=3)
+    batch = res.to_batch(pad_id=7)
+    seqs = [c.prompt_ids + c.completion_ids for c in res.completions]
+    a, b = (_drafter(target, tiny_head_dir, tmp_path / name) for name in "ab")
+    modes = []
+    hook = target.model.model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
+    target.model.train()
+    try:
+        ra = a.train_on_batch(2, batch)
+        assert target.model.training and modes and not any(modes)
+        target.model.eval()
+        rb = b.train_round(2, seqs, [len(p) for p in prompts])
+    finally:
+        hook.remove()
+        target.model.eval()
+    assert {k: ra[k] for k in ("drafter_loss", "drafter_est_tau")} == {k: rb[k] for k in ("drafter_loss",
+                                                                                        "drafter_est_tau")}
+    for name, v in a.head.state_dict().items():
+        assert torch.equal(v, b.head.state_dict()[name]), name
+
+
+def test_export_writes_the_head_only_when_it_changed(target, tiny_head_dir, tmp_path, monkeypatch):
+    import shutil
+
+    from trainers.grpo import online_drafter
+
+    writes = []
+    real = online_drafter.save_eagle3
+    monkeypatch.setattr(online_drafter, "save_eagle3", lambda head, path: (writes.append(path), real(head, path))[1])
+    seqs, plens, _ = _sequences(target, n=4, new=8, seed=4)
+    d = _drafter(target, tiny_head_dir, tmp_path)
+    assert d.export() == d.export() == d.export_path and len(writes) == 1  # the loaded head, once
+    d.train_round(0, seqs, plens)
+    assert len(writes) == 2
+    d.export()  # a checkpoint right after the round: the folder already holds this head
+    assert len(writes) == 2
+    d.load_state_dict(copy.deepcopy(d.state_dict()))  # a resume: written again
+    d.export()
+    assert len(writes) == 3
+    shutil.rmtree(d.export_path)  # the folder gone: written again
+    d.export()
+    assert len(writes) == 4
+    exported = load_eagle3(d.export_path, target)
+    for name, v in exported.state_dict().items():
+        assert torch.equal(v, d.head.state_dict()[name].to(torch.bfloat16).to(v.dtype)), name
+
+
 def test_state_round_trip_continues_the_same_head(target, tiny_head_dir, tmp_path):
     seqs, plens, _ = _sequences(target, n=6, new=8, seed=1)
     a = _drafter(target, tiny_head_dir, tmp_path / "a", buffer=8)
