@@ -1,6 +1,8 @@
 """Drafter data generation on the engine: the sampling law, seeding on any device, and several
 samples per prompt."""
 
+import math
+
 import pytest
 import torch
 from test_drafter import V, tiny_target
@@ -120,3 +122,31 @@ def test_each_sample_of_a_prompt_draws_its_own_greedy_or_sampled_choice():
         greedy.append(data.tokens[lo + plen: hi].tolist() == data.argmax[lo + plen - 1: hi - 1].tolist())
     per_prompt = [{greedy[i] for i in range(p, len(data), len(PROMPTS))} for p in range(len(PROMPTS))]
     assert any(len(kinds) == 2 for kinds in per_prompt), greedy
+
+
+@pytest.mark.parametrize("m", [6, 3, 0], ids=["every-position", "a-suffix", "none"])
+def test_make_record_puts_each_logit_rows_argmax_and_lse_at_its_position(m):
+    """A record of n tokens: positions 0..n-2 carry the features and final outputs; the logits
+    given for the last m of them fill argmax and lse there (the row's own argmax and
+    logsumexp), -1 and 0 before; position n - 1 is zeros throughout."""
+    from trainers.drafter.data import make_record
+
+    g = torch.Generator().manual_seed(m)
+    n, h, v = 7, 4, 11
+    features, final = torch.randn(n - 1, 3 * h, generator=g), torch.randn(n - 1, h, generator=g)
+    logits = torch.randn(m, v, generator=g) * 3
+    rec = make_record(list(range(10, 10 + n)), features, final, logits)
+    assert rec["tokens"].tolist() == list(range(10, 10 + n))
+    assert rec["features"].dtype == rec["final"].dtype == torch.float16
+    assert torch.equal(rec["features"][:-1], features.half()) and not rec["features"][-1].any()
+    assert torch.equal(rec["final"][:-1], final.half()) and not rec["final"][-1].any()
+    for j in range(n):
+        r = j - (n - 1 - m)  # the logit row of position j
+        if 0 <= r < m:
+            assert int(rec["argmax"][j]) == max(range(v), key=lambda t: float(logits[r, t]))
+            assert float(rec["lse"][j]) == pytest.approx(math.log(sum(math.exp(float(x)) for x in logits[r])),
+                                                         rel=1e-6)
+        else:
+            assert int(rec["argmax"][j]) == -1 and float(rec["lse"][j]) == 0.0
+    with pytest.raises(AssertionError):
+        make_record(list(range(n)), features[:-1], final, logits)
