@@ -19,11 +19,10 @@ bandwidth is about 16-18 ms.)
   batch x block tokens, per call); anything else goes to ``torch.nn.functional.linear``.
 - Memory and time: each routed weight has a packed copy of its size (38 ms to pack SmolLM2-135M
   and its head on 2 threads, streaming stores), checked at the start of every ``Engine.generate``
-  call and packed again unless it still holds the weight as it is (``_refill``: the same tensor
-  and version counter, and the same bytes by a 64-bit digest; every weight's digest is read in
-  one pass, ``_refill_all``: 22-24 ms for SmolLM2-135M and its head on a 2-core Xeon, the rate of
-  a plain sum), so a call always sees the weights as they are. ``Engine(linear="torch")`` avoids
-  the copy.
+  call and packed again unless it still holds the weight as it is (:mod:`rollout.weight_check`:
+  the same tensor and version counter, and the same bytes by a 64-bit digest, every weight's read
+  in one pass: 22-24 ms for SmolLM2-135M and its head on a 2-core Xeon, the rate of a plain sum),
+  so a call always sees the weights as they are. ``Engine(linear="torch")`` avoids the copy.
 - Outputs differ from torch's only by float32 rounding (the order of each dot product's
   sum): the engine's tests check the logits against the torch path and that the emitted
   tokens are the same. Each output's sum runs in a fixed order whatever the number of rows
@@ -67,7 +66,6 @@ bandwidth is about 16-18 ms.)
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import functools
 import os
 
@@ -76,7 +74,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rollout import fused_layers, native_lib, native_ops
+from rollout import fused_layers, native_lib, native_ops, weight_check
 from rollout.native_lib import available
 
 SOURCES = native_lib.SOURCES  # the library's files (its build key)
@@ -86,9 +84,7 @@ amx = True  # switch: bf16-valued weights as AMX tiles where amx_available() (Fa
 
 _buffers = WeakIdKeyDictionary()  # weight -> its packed copy's buffer (see ``routed``)
 _merged_buffers = WeakIdKeyDictionary()  # fused module -> its merged layers' packed buffer (likewise)
-_stamps = WeakIdKeyDictionary()  # weight or fused module -> what its buffer was packed from (``_refill``)
 _int8_scales = WeakIdKeyDictionary()  # weight -> its rows' scales (``register_int8``)
-repacks = 0  # buffers packed (not kept) by ``routed`` so far: for tests and measurements
 epoch = 0  # counts ``routed`` entries: what was derived from the packed buffers is stale when it moves
 
 
@@ -228,72 +224,16 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     return buf
 
 
-def digest(t: torch.Tensor) -> int:
-    """A 64-bit digest of a contiguous CPU tensor's bytes (``csrc/digest.cpp``): any change of
-    one 8-byte word changes it; several changes leave it equal only by chance (about 2^-64)."""
-    assert t.device.type == "cpu" and t.is_contiguous(), (t.device, t.stride())
-    return int(native_lib.required().hr_digest(t.data_ptr(), t.numel() * t.element_size()))
-
-
-def digests(ts: list[torch.Tensor]) -> list[int]:
-    """:func:`digest` of each tensor, from one call (``hr_digest_many``: one pass of the threads
-    over all their bytes, not one parallel region per tensor): the same values."""
-    assert all(t.device.type == "cpu" and t.is_contiguous() for t in ts)
-    if not ts:
-        return []
-    n = len(ts)
-    ptrs = (ctypes.c_void_p * n)(*(t.data_ptr() for t in ts))
-    sizes = (ctypes.c_int64 * n)(*(t.numel() * t.element_size() for t in ts))
-    out = (ctypes.c_uint64 * n)()
-    native_lib.required().hr_digest_many(ptrs, sizes, n, out)
-    return [int(d) for d in out]
-
-
 def _source(weights: list[torch.Tensor]) -> tuple:
     """What a buffer is packed from, short of the bytes: each weight's address, shape, version
     counter and int8 scales, and the ``compact`` and ``amx`` switches."""
     return (compact, amx, *((w.data_ptr(), tuple(w.shape), w._version, id(_int8_scales.get(w))) for w in weights))
 
 
-def _due(owner, table: WeakIdKeyDictionary, source: tuple) -> bool:
-    """Whether :func:`_refill` must read the weights' digests to keep ``owner``'s buffer (its
-    weights' :func:`_source` is ``source``)."""
-    stamp = _stamps.get(owner)
-    return table.get(owner) is not None and stamp is not None and stamp[0] == source
-
-
-def _refill(owner, table: WeakIdKeyDictionary, weights: list[torch.Tensor], source: tuple,
-            sums: tuple | None) -> torch.Tensor:
-    """``owner``'s packed buffer in ``table`` (a weight's or a fused module's), packed again
-    unless it still holds ``weights`` as they are: ``sums``, their digests, read where the
-    buffer was packed from the same ``source`` (:func:`_due`), equal the digests read then.
-    Packed again, it is stamped with ``source`` and ``sums`` (None: no digests read)."""
-    global repacks
-    panels = table.get(owner)
-    if sums is not None and sums == _stamps[owner][1]:
-        return panels
-    panels = table[owner] = pack_merged(weights, panels)
-    _stamps[owner] = (source, sums)
-    repacks += 1
-    return panels
-
-
 def _refill_all(jobs: list[tuple]) -> list[torch.Tensor]:
-    """:func:`_refill` of each ``(owner, table, weights)``: each buffer kept where it was packed
-    from the same tensors (:func:`_source`: address, shape, version counter, int8 scales, the
-    ``compact`` switch) and their bytes have the same digests as then, else packed again. A
-    version counter alone cannot tell: a write through ``.data`` (as some optimizers and weight
-    loaders do) does not move it, so the digests are read each time, for every job that needs
-    them in one :func:`digests` call (one pass over the weights' bytes instead of a parallel
-    region per weight: 8 ms less of a 27 ms check of SmolLM2-135M's weights). A buffer packed
-    after its weights' version moved is stamped without digests (reading them would cost every
-    training step a pass over the weights): it is packed again, with digests, at the next call
-    that finds the versions unchanged, and kept from then on."""
-    sources = [_source(weights) for _, _, weights in jobs]
-    due = [_due(owner, table, source) for (owner, table, _), source in zip(jobs, sources)]
-    flat = iter(digests([w for (_, _, weights), d in zip(jobs, due) if d for w in weights]))
-    return [_refill(owner, table, weights, source, tuple(next(flat) for _ in weights) if d else None)
-            for (owner, table, weights), source, d in zip(jobs, sources, due)]
+    """Each ``(owner, table, weights)`` job's packed buffer, kept where it still holds the weights
+    as they are, else packed again (``rollout.weight_check.refill_all``)."""
+    return weight_check.refill_all(jobs, pack_merged, _source)
 
 
 def _mergeable(layers: list[nn.Linear]) -> bool:
@@ -323,8 +263,8 @@ def routed(*modules: nn.Module | None):
     kernel call each; norms and attention through :mod:`rollout.native_ops`; a
     decoder stack of such layers as one loop, ``fused_layers.stack_forward``). On entry each
     weight's packed copy (bf16-valued ones as compact panels, see the module docstring) is
-    packed again unless it still holds the weight as it is (``_refill``: same tensor and
-    version, same bytes by digest), so the block sees the weights as they are then, however
+    packed again unless it still holds the weight as it is (``rollout.weight_check``: same
+    tensor and version, same bytes by digest), so the block sees the weights as they are then, however
     they were changed before; they must not change inside the block. The modules are restored
     on exit."""
     global epoch

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout import native_lib, native_linear
+from rollout import native_lib, native_linear, weight_check
 from rollout.backend import HFBackend, WorkerSpec
 from rollout.config import ConfigError
 from rollout.engine import Engine
@@ -271,10 +271,10 @@ def test_every_routed_block_sees_the_weights_as_they_are():
                                        rtol=1e-5, atol=1e-4)
         tied = nn.Sequential(nn.Linear(48, 48, bias=False), nn.Linear(48, 48, bias=False))
         tied[1].weight = tied[0].weight
-        before = native_linear.repacks
+        before = weight_check.repacks
         with native_linear.routed(tied):
             got = tied(x)
-        assert native_linear.repacks - before == 1
+        assert weight_check.repacks - before == 1
         torch.testing.assert_close(got, F.linear(F.linear(x, tied[0].weight), tied[0].weight), rtol=1e-5, atol=1e-4)
 
 
@@ -315,7 +315,7 @@ def test_native_off_means_torch_everywhere(monkeypatch):
     with pytest.raises(RuntimeError, match="native linear kernel is not available here"):
         native_linear.pack(layer.weight)  # a direct call says why, not an AttributeError of a missing library
     with pytest.raises(RuntimeError, match="not available here"):
-        native_linear.digest(layer.weight.detach())
+        weight_check.digest(layer.weight.detach())
 
 
 @needs_kernel

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout import native_linear
+from rollout import native_linear, weight_check
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
@@ -26,21 +26,21 @@ def test_the_digest_follows_every_value(numel):
     sizes cover the vector body, the byte tail and chunks of 1 MiB (several threads)."""
     g = torch.Generator().manual_seed(numel)
     t = torch.randn(numel, generator=g)
-    base = native_linear.digest(t)
-    assert native_linear.digest(t.clone()) == base
+    base = weight_check.digest(t)
+    assert weight_check.digest(t.clone()) == base
     bits = t.view(torch.int32)
     for i in sorted({0, min(31, numel - 1), numel // 2, numel - 1}):
         for bit in (0, 17, 31):
             u = bits.clone()
             u[i] ^= 1 << bit if bit < 31 else -(1 << 31)
-            assert native_linear.digest(u.view(torch.float32)) != base, (i, bit)
+            assert weight_check.digest(u.view(torch.float32)) != base, (i, bit)
     if numel > 1:
         s = t.clone()
         s[0], s[-1] = t[-1].item(), t[0].item()
-        assert t[0] == t[-1] or native_linear.digest(s) != base
-        assert native_linear.digest(-t) != base
-        assert native_linear.digest(t[:-1].contiguous()) != base  # one value shorter
-    assert native_linear.digest(t + 1e-3) != base
+        assert t[0] == t[-1] or weight_check.digest(s) != base
+        assert weight_check.digest(-t) != base
+        assert weight_check.digest(t[:-1].contiguous()) != base  # one value shorter
+    assert weight_check.digest(t + 1e-3) != base
 
 
 def test_the_digest_does_not_depend_on_the_thread_count():
@@ -48,9 +48,9 @@ def test_the_digest_does_not_depend_on_the_thread_count():
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
-        one = native_linear.digest(t)
+        one = weight_check.digest(t)
         torch.set_num_threads(2)
-        assert native_linear.digest(t) == one
+        assert weight_check.digest(t) == one
     finally:
         torch.set_num_threads(before)
 
@@ -61,12 +61,12 @@ def test_the_digests_of_many_tensors_in_one_call_are_each_ones_own():
     g = torch.Generator().manual_seed(3)
     ts = [torch.randn(n, generator=g) for n in (1, 65, (1 << 18) + 5, 7, 3 * (1 << 18) + 1, 1000)]
     ts.append(torch.randint(-127, 128, (4099,), dtype=torch.int8, generator=g))
-    assert native_linear.digests(ts) == [native_linear.digest(t) for t in ts]
-    assert native_linear.digests(ts[::-1]) == [native_linear.digest(t) for t in ts[::-1]]
-    assert native_linear.digests([]) == []
+    assert weight_check.digests(ts) == [weight_check.digest(t) for t in ts]
+    assert weight_check.digests(ts[::-1]) == [weight_check.digest(t) for t in ts[::-1]]
+    assert weight_check.digests([]) == []
     changed = [t.clone() for t in ts]
     changed[2][-1] += 1
-    assert [a != b for a, b in zip(native_linear.digests(changed), native_linear.digests(ts))] == [
+    assert [a != b for a, b in zip(weight_check.digests(changed), weight_check.digests(ts))] == [
         i == 2 for i in range(len(ts))]
 
 
@@ -80,9 +80,9 @@ def test_panels_are_kept_while_the_weight_is_unchanged_and_packed_after_any_chan
     x = torch.randn(3, 96)
 
     def check(packed: bool) -> None:
-        before = native_linear.repacks
+        before = weight_check.repacks
         got = routed_out(net, x)
-        assert native_linear.repacks - before == int(packed)
+        assert weight_check.repacks - before == int(packed)
         torch.testing.assert_close(got, F.linear(x, net.weight.detach()), rtol=1e-5, atol=1e-4)
 
     check(True)  # first block
@@ -136,16 +136,16 @@ def test_the_engine_sees_a_weight_changed_through_data_between_calls():
     engine = Engine(target, head, num_threads=2, linear="native")
     first = engine.generate(prompts, **kw)
     engine.generate(prompts, **kw)
-    before = native_linear.repacks
+    before = weight_check.repacks
     again = engine.generate(prompts, **kw)
-    assert native_linear.repacks == before  # nothing packed: every panel kept
+    assert weight_check.repacks == before  # nothing packed: every panel kept
     assert [c.completion_ids for c in again.completions] == [c.completion_ids for c in first.completions]
     for p in target.model.parameters():
         if p.dim() == 2:
             p.data.mul_(-1.0)  # every matrix, in place, through .data
     changed = engine.generate(prompts, **kw)
-    assert native_linear.repacks > before
-    native_linear._stamps.clear()  # a fresh start: no stamps, no panels
+    assert weight_check.repacks > before
+    weight_check.stamps.clear()  # a fresh start: no stamps, no panels
     native_linear._buffers.clear()
     native_linear._merged_buffers.clear()
     scratch = engine.generate(prompts, **kw)
@@ -164,10 +164,10 @@ def test_a_merged_buffer_is_packed_again_when_only_a_later_part_changes_through_
     job = (owner, native_linear._merged_buffers, parts)
     native_linear._refill_all([job])
     native_linear._refill_all([job])  # versions unchanged: now stamped with the digests
-    before = native_linear.repacks
+    before = weight_check.repacks
     native_linear._refill_all([job])
-    assert native_linear.repacks == before  # kept
+    assert weight_check.repacks == before  # kept
     parts[2].data[23, 47] += 1.0
     (panels,) = native_linear._refill_all([job])
-    assert native_linear.repacks == before + 1
+    assert weight_check.repacks == before + 1
     assert torch.equal(panels, native_linear.pack_merged(parts))
