@@ -31,6 +31,8 @@ METRIC_NAMES = {
     "is_weight_max": "sampling/importance_sampling_ratio/max", "rollout_tokens_per_s": "generation/tokens_per_s",
     "rollout_s": "generation/seconds", "loss": "loss", "grad_norm": "grad_norm", "step_s": "step_time",
     "completion_len_mean": "completions/mean_length",
+    **{k: f"speculative/{k}" for k in ("drafter_est_tau", "drafter_est_tau_t0", "drafter_est_tau_initial",
+                                       "drafter_loss", "drafter_s", "drafter_features_s")},
 }
 
 

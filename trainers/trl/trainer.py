@@ -115,9 +115,7 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         m["speculative/tau"].append(batch.tau)
         m["speculative/relaxed_fraction"].append(float((batch.relaxed & mask).sum() / mask.sum().clamp(min=1)))
         m["speculative/rollout_tokens_per_s"].append(batch.timings["tokens"] / max(self.rollouts.last_seconds, 1e-9))
-        for key, value in self.rollouts.drafter_metrics.items():  # the head's training round before this batch
-            m[f"speculative/{key}"].append(value)
-        self.rollouts.drafter_metrics = {}
+        self._log_drafter_metrics()  # the head's training round before this batch
         old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
         if old is None or sampled is None:
             return
@@ -129,11 +127,20 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         if ratio is not None:
             m["speculative/is_ess"].append(effective_sample_size(ratio[valid]))
 
+    def _log_drafter_metrics(self) -> None:
+        """The head's last training round's metrics into TRL's training log (``speculative/drafter_*``),
+        flushed with the next log: the next step's, or, after the last step, the final one."""
+        m = self._metrics["train"]
+        for key, value in self.rollouts.drafter_metrics.items():
+            m[f"speculative/{key}"].append(value)
+        self.rollouts.drafter_metrics = {}
+
     # -------------------------------------------------------------- the trained head in checkpoints
     def _save_checkpoint(self, model, trial) -> None:
         """TRL's checkpoint, plus the trained head's state (``drafter_training.pt``) when the
         head trains with the policy (its round after this step first, where one is due)."""
         self.rollouts.train_drafter(int(self.state.global_step))
+        self._log_drafter_metrics()
         super()._save_checkpoint(model, trial)
         drafter = self.rollouts.drafter
         if drafter is not None:

@@ -71,3 +71,18 @@ def test_shipped_trl_config_validates():
     cfg = load_trl_config("configs/trl.yaml")
     assert cfg.rollout.verifier.name == "mars" and cfg.correction.mode == "token_tis"
     assert cfg.settings().drafter is not None and cfg.rollout.spec.mode == "chain"
+
+
+def test_the_heads_training_rounds_reach_the_metrics_and_the_summary(tmp_path, tiny_policy_dir, tiny_head_dir):
+    from scripts.train_trl import main
+
+    out = tmp_path / "out"
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, out, run={"steps": 2},
+                   rollout={"drafter_training": {"every": 1, "updates": 1, "batch_size": 4}})
+    assert main(["--config", str(path)]) == 0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2]
+    assert "drafter_est_tau" not in rows[0]  # no round before the first generation
+    for key in ("drafter_est_tau", "drafter_est_tau_initial", "drafter_loss", "drafter_s", "drafter_features_s"):
+        assert key in rows[1], key
+    assert rows[1]["drafter_est_tau"] >= 1 and "head tau" in (out / "summary.md").read_text()
