@@ -15,17 +15,22 @@ Ray actor class built from it. A shard's result is the backend's ``RolloutBatch`
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
+import shutil
+import tempfile
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 from rollout.backend import WorkerSpec, build_backend
 from rollout.outputs import RolloutBatch
 
-__all__ = ["RolloutWorker", "Shard", "ShardResult", "WorkerSpec", "remote_actor_class"]
+__all__ = ["RolloutWorker", "Shard", "ShardResult", "WorkerSpec", "read_head_files", "remote_actor_class"]
 
 
 @dataclass(frozen=True)
@@ -57,10 +62,16 @@ class ShardResult:
 class RolloutWorker:
     """Holds one backend (the policy copy and its EAGLE-3 head); generates shards."""
 
-    def __init__(self, spec: WorkerSpec):
+    def __init__(self, spec: WorkerSpec, head_files: Mapping[str, bytes] | None = None):
+        """``head_files``: the head's folder as files (:func:`read_head_files`), drafted with
+        instead of ``spec.drafter_path`` (which then need not exist on this node)."""
         torch.set_num_threads(spec.threads)
         self.spec = spec
-        self.backend = build_backend(spec)
+        if head_files is None:
+            self.backend = build_backend(spec)
+            return
+        with _head_folder(head_files) as folder:
+            self.backend = build_backend(dataclasses.replace(spec, drafter_path=folder))
 
     @property
     def version(self) -> int:
@@ -71,7 +82,16 @@ class RolloutWorker:
         return self.backend.set_weights(state_dict, version)
 
     def load_drafter(self, path: str) -> None:
+        """Re-load the EAGLE-3 head from a folder this process can read."""
         self.backend.load_drafter(path)
+
+    def load_drafter_files(self, files: Mapping[str, bytes]) -> None:
+        """Re-load the EAGLE-3 head shipped as its folder's files (:func:`read_head_files`): they
+        are written to a folder of this process's own, loaded, and removed. So an actor on a node
+        that cannot see the driver's folder (a run's ``<out_dir>/drafter`` on the trainer's disk)
+        drafts with the same head."""
+        with _head_folder(files) as folder:
+            self.backend.load_drafter(folder)
 
     def generate(self, shard: Shard) -> ShardResult:
         batch = self.backend.generate([list(p) for p in shard.prompts], sampling=self.spec.sampling,
@@ -90,6 +110,31 @@ class RolloutWorker:
 
     def ping(self) -> tuple[int, float]:
         return os.getpid(), time.time()
+
+
+def read_head_files(path: str | Path) -> dict[str, bytes]:
+    """The files of an EAGLE-3 head folder (its plain files; the folder holds no subfolders), to
+    ship to actors through Ray's object store (:meth:`RolloutWorker.load_drafter_files`)."""
+    folder = Path(path)
+    if not folder.is_dir():
+        raise FileNotFoundError(f"no EAGLE-3 head folder at {folder}")
+    files = {f.name: f.read_bytes() for f in sorted(folder.iterdir()) if f.is_file()}
+    if "config.json" not in files:
+        raise FileNotFoundError(f"no EAGLE-3 head at {folder} (no config.json)")
+    return files
+
+
+@contextlib.contextmanager
+def _head_folder(files: Mapping[str, bytes]):
+    """A folder of this process's own holding ``files`` while the block runs (a backend reads the
+    head's weights into memory as it loads it), removed after."""
+    folder = Path(tempfile.mkdtemp(prefix="honest-rollouts-head-"))
+    try:
+        for name, data in files.items():
+            (folder / Path(name).name).write_bytes(data)
+        yield str(folder)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def remote_actor_class(num_cpus: float, num_gpus: float = 0.0):

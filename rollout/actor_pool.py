@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.actor import Shard, ShardResult, WorkerSpec, remote_actor_class
+from rollout.actor import Shard, ShardResult, WorkerSpec, read_head_files, remote_actor_class
 from rollout.outputs import RolloutBatch
 
 log = logging.getLogger(__name__)
@@ -39,9 +39,11 @@ class RolloutPool:
         self.max_restarts = max_restarts
         self.timeout_s = timeout_s
         self._cls = remote_actor_class(num_cpus_per_actor, num_gpus_per_actor)
-        self.actors = [self._cls.remote(spec) for _ in range(num_actors)]
+        # the head the actors draft with, as its folder's files in the object store: read here,
+        # so actors on other nodes need neither the spec's folder nor a later load_drafter's
+        self._drafter_ref = ray.put(read_head_files(spec.drafter_path)) if spec.drafter_path else None
+        self.actors = [self._cls.remote(spec, self._drafter_ref) for _ in range(num_actors)]
         self._weights_ref = None
-        self._drafter_path: str | None = None
         self.version = 0
         self.stats = PoolStats()
         ray.get([a.ping.remote() for a in self.actors])  # surface load errors now
@@ -96,9 +98,11 @@ class RolloutPool:
                 why = f"(replacement) died while loading ({type(err).__name__})"
 
     def load_drafter(self, path: str) -> None:
-        """Every actor re-loads its EAGLE-3 head from ``path`` (replacements load it too)."""
-        self._drafter_path = path
-        self._ray.get([a.load_drafter.remote(path) for a in self.actors])
+        """Every actor re-loads its EAGLE-3 head from the folder ``path`` on this machine: its
+        files go through the object store (one copy; ``read_head_files``), so actors on other
+        nodes need no shared storage; replacements start with them."""
+        self._drafter_ref = self._ray.put(read_head_files(path))
+        self._ray.get([a.load_drafter_files.remote(self._drafter_ref) for a in self.actors])
 
     def _restart(self, index: int) -> None:
         """A fresh actor in slot ``index`` holding the current weights and version."""
@@ -107,14 +111,12 @@ class RolloutPool:
             self._ray.kill(self.actors[index], no_restart=True)
         except Exception:  # already gone
             pass
-        actor = self._cls.remote(self.spec)
+        actor = self._cls.remote(self.spec, self._drafter_ref)  # with the current head
         try:
             if self._weights_ref is not None:
                 got = self._ray.get(actor.set_weights.remote(self._weights_ref, self.version), timeout=self.timeout_s)
                 if got != self.version:
                     raise RuntimeError(f"replacement actor {index} holds version {got}, expected {self.version}")
-            if self._drafter_path is not None:
-                self._ray.get(actor.load_drafter.remote(self._drafter_path), timeout=self.timeout_s)
         except BaseException:
             try:
                 self._ray.kill(actor, no_restart=True)  # a failed replacement is not left running

@@ -81,9 +81,9 @@ def fake_pool(n: int, faults: dict, max_restarts: int = 2) -> RolloutPool:
     pool = RolloutPool.__new__(RolloutPool)
     made = iter(range(100))
     pool._ray, pool.spec, pool.max_restarts, pool.timeout_s = FakeRay(), None, max_restarts, 5.0
-    pool._cls = types.SimpleNamespace(remote=lambda spec: FakeActor(faults, next(made)))
+    pool._cls = types.SimpleNamespace(remote=lambda spec, head=None: FakeActor(faults, next(made)))
     pool.actors = [pool._cls.remote(None) for _ in range(n)]
-    pool._weights_ref, pool._drafter_path, pool.version = None, None, 0
+    pool._weights_ref, pool._drafter_ref, pool.version = None, None, 0
     from rollout.actor_pool import PoolStats
 
     pool.stats = PoolStats()

@@ -22,7 +22,8 @@ step:
    it (seeded by (run seed, step), so a resumed run draws the same batches);
 4. **ship**: writes the head, rounded to ``export_dtype``, to ``<out_dir>/drafter/`` (written
    beside and renamed in) and every rollout actor re-loads it (``RolloutPool.load_drafter``:
-   the hf and vLLM backends, replacement actors included).
+   the hf and vLLM backends, replacement actors included; the files go through Ray's object
+   store, so actors on other nodes need no shared storage).
 
 The head's fp32 weights, its optimizer and the window are saved with each checkpoint
 (``drafter_training.pt``), so a resumed run continues the same head.

@@ -255,3 +255,48 @@ def test_grpo_run_trains_ships_and_resumes_the_head(tmp_path, tiny_policy_dir, t
     final_resumed = torch.load(tmp_path / "part" / "checkpoints" / "step_000002" / "drafter_training.pt")["head"]
     for name, v in final_full.items():
         assert torch.equal(v, final_resumed[name]), name
+
+
+def test_the_pool_ships_the_head_files_so_actors_need_no_shared_folder(target, tiny_policy_dir, tiny_head_dir,
+                                                                      tmp_path, local_ray):
+    """``RolloutPool.load_drafter`` reads the folder on the driver's machine and ships its files
+    through the object store: an actor (on another node, in a cluster) never opens the driver's
+    path. Here the folder is deleted once the pool has read it, and a replacement actor started
+    after that still drafts with the shipped head, not the spec's."""
+    import shutil
+
+    from rollout.actor import read_head_files
+    from rollout.actor_pool import RolloutPool
+    from rollout.backend import WorkerSpec
+    from rollout.eagle3 import save_eagle3
+    from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+
+    head = load_eagle3(tiny_head_dir, target)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.mul_(0.5)
+    folder = tmp_path / "trained"
+    save_eagle3(head, folder)
+    want = load_eagle3(folder, target).state_dict()
+    spec = WorkerSpec(target=TargetConfig(path=str(tiny_policy_dir)), drafter_path=str(tiny_head_dir),
+                      sampling=SamplingParams(temperature=1.0, max_new_tokens=4),
+                      spec=SpecConfig(mode="chain", num_draft_tokens=2), verifier=VerifierConfig("lossless"), threads=1)
+    pool = RolloutPool(spec, 1, num_cpus_per_actor=1)
+    try:
+        before = local_ray.get(pool.actors[0].head_weights.remote())
+        assert any(not torch.equal(before[k], v) for k, v in want.items())  # the spec's head, another one
+        pool.load_drafter(str(folder))
+        shutil.rmtree(folder)  # gone, as the trainer's folder is for an actor on another node
+        pool._restart(0)  # a replacement starts after that
+        held = local_ray.get(pool.actors[0].head_weights.remote())
+        for name, v in want.items():
+            assert torch.equal(held[name], v), name
+        batch, _ = pool.generate(["0/0/0"], [[5, 6, 7]], seed=1)
+        assert len(batch) == 1 and batch.completion_lengths[0] > 0
+    finally:
+        pool.shutdown()
+    with pytest.raises(FileNotFoundError, match="no EAGLE-3 head folder"):
+        read_head_files(folder)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FileNotFoundError, match="no config.json"):
+        read_head_files(tmp_path / "empty")
