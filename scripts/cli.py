@@ -14,6 +14,16 @@ def head_folder(text: str) -> str:
     return text
 
 
+def checkpoint_folder(text: str) -> str:
+    """A training checkpoint folder (``runs/NAME/checkpoints/step_N``: ``state.json`` and
+    ``policy.safetensors``)."""
+    missing = [f for f in ("state.json", "policy.safetensors") if not (Path(text) / f).is_file()]
+    if missing:
+        raise argparse.ArgumentTypeError(f"no training checkpoint at {text!r} (no {' or '.join(missing)}; "
+                                         "expected a folder like runs/NAME/checkpoints/step_000004)")
+    return text
+
+
 def positive_ints(text: str, what: str = "values") -> list[int]:
     """A comma list of integers >= 1 (``what`` names them in the refusal)."""
     try:

@@ -23,6 +23,16 @@ and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chai
 law's test on sampled chains, ``VerifierConfig.test``; default lossless); the trivial drafter
 stays lossless. ``--drafter-weights int8`` rounds the head to int8 weights first (the hf backend's
 ``drafter_weights: int8``, ``rollout.quantize``): its tau next to the stored head's in another run.
+
+``--policy runs/NAME/checkpoints/step_N`` measures on a training checkpoint's policy instead of
+the embedded model as shipped, and ``--baseline-head DIR`` measures a second head on the same
+prompts and seeds (``<set>/T=<t>/baseline``; its drafts use the same calls' seeds, so the two
+heads' tau differ by the heads and by where their completions part): e.g. the head trained with
+the policy (``drafter_training``, the checkpoint's ``drafter/`` folder) against the shipped one,
+on that policy::
+
+    python -m scripts.measure_acceptance --policy runs/grpo_drafter/checkpoints/step_000020 \
+        --head runs/grpo_drafter/checkpoints/step_000020/drafter --baseline-head rollout/heads/smollm2-135m-eagle3
 """
 
 from __future__ import annotations
@@ -30,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from pathlib import Path
 from types import SimpleNamespace
 
 import torch
@@ -44,8 +55,9 @@ from rollout.outputs import GenerationResult, tau_with_error
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, tree_spec
 from rollout.quantize import DRAFTER_WEIGHTS, quantize_int8_
 from rollout.timing import step_costs
-from scripts.cli import head_folder
+from scripts.cli import checkpoint_folder, head_folder
 from trainers.drift.study import parse_verifier
+from trainers.grpo.checkpoint import read_policy
 from trainers.tasks.general import heldout_prompts
 
 
@@ -162,6 +174,11 @@ def main(argv: list[str] | None = None) -> dict:
                          "(test=law: rejection towards the rule's law on sampled chains)")
     ap.add_argument("--drafter-weights", default="stored", choices=DRAFTER_WEIGHTS,
                     help="int8: round the head's linear layers to int8 weights first (rollout.quantize)")
+    ap.add_argument("--policy", default=None, type=checkpoint_folder, metavar="CHECKPOINT",
+                    help="measure on a training checkpoint's policy (runs/NAME/checkpoints/step_N; default: the "
+                         "embedded model as shipped)")
+    ap.add_argument("--baseline-head", default=None, type=head_folder, metavar="DIR",
+                    help="a second head measured on the same prompts and seeds (reported as 'baseline')")
     args = ap.parse_args(argv)
     for flag, value, least in (("--n-arith", args.n_arith, 0), ("--n-general", args.n_general, 0), ("--k", args.k, 1),
                                ("--seeds", args.seeds, 1), ("--max-new-tokens", args.max_new_tokens, 1)):
@@ -184,15 +201,22 @@ def main(argv: list[str] | None = None) -> dict:
     except (ValueError, ConfigError) as err:
         ap.error(f"--verifier: {err}")
     target, tok = load_embedded_target()
-    head = load_eagle3(args.head, target)
+    if args.policy:
+        target.model.load_state_dict(read_policy(Path(args.policy))[0])
+    heads = {"eagle3": load_eagle3(args.head, target)}
+    if args.baseline_head:
+        heads["baseline"] = load_eagle3(args.baseline_head, target)
     if args.drafter_weights == "int8":
-        quantize_int8_(head)
+        for h in heads.values():
+            quantize_int8_(h)
+    head = heads["eagle3"]
     sets = held_out_prompts(tok, args.n_arith, args.n_general)
     report: dict[str, object] = {"k": args.k, "head": args.head, "verifier": args.verifier,
-                                 "drafter_weights": args.drafter_weights}
+                                 "drafter_weights": args.drafter_weights, "policy": args.policy,
+                                 "baseline_head": args.baseline_head}
     for kind, prompts in sets.items():
         for temperature in temperatures:
-            for name, h in (("eagle3", head), ("trivial", None)):
+            for name, h in (*heads.items(), ("trivial", None)):
                 if name == "trivial" and args.no_trivial:
                     continue
                 key = f"{kind}/T={temperature:g}/{name}"
@@ -200,6 +224,10 @@ def main(argv: list[str] | None = None) -> dict:
                                             temperature=temperature, max_new_tokens=args.max_new_tokens,
                                             verifier=verifier)
                 print(key, report[key], flush=True)
+            if "baseline" in heads:
+                a, b = report[f"{kind}/T={temperature:g}/eagle3"], report[f"{kind}/T={temperature:g}/baseline"]
+                print(f"{kind}/T={temperature:g}: head tau {a['tau']:.3f} +- {a['tau_se']:.3f} against the baseline's "
+                      f"{b['tau']:.3f} +- {b['tau_se']:.3f} ({a['tau'] / b['tau'] - 1:+.1%})", flush=True)
     if args.tree:
         report.update(measure_trees(target, head, sets, args.tree, max_new_tokens=args.max_new_tokens,
                                     seed=args.seed, seeds=args.seeds, verifier=verifier, temperatures=temperatures))

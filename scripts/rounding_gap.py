@@ -27,6 +27,7 @@ import torch  # noqa: E402
 from rollout.engine import Engine, available_cores  # noqa: E402
 from rollout.models import WEIGHT_ROUNDINGS, TargetModel, load_embedded_target, round_weights_  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
+from scripts.cli import checkpoint_folder  # noqa: E402
 from trainers.drift.stats import effective_sample_size, sequence_ess  # noqa: E402
 from trainers.grpo.checkpoint import read_policy  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
@@ -77,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--seed", type=int, default=3)
     ap.add_argument("--rounding", default="bfloat16", choices=WEIGHT_ROUNDINGS[1:],
                     help="stochastic (bfloat16, the hf backend's default rounding) or nearest")
-    ap.add_argument("--policy", default=None, metavar="CHECKPOINT",
+    ap.add_argument("--policy", default=None, type=checkpoint_folder, metavar="CHECKPOINT",
                     help="the policy of a training checkpoint folder (runs/NAME/checkpoints/step_N; default: the "
                          "embedded model as shipped)")
     args = ap.parse_args(argv)

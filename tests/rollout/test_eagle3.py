@@ -338,3 +338,43 @@ def test_logit_scale_round_trips_and_scales_the_draft_distribution(tmp_path):
     assert torch.equal(run(loaded, target)[0].logits, scaled.logits)
     with pytest.raises(Exception, match="logit_scale"):
         dataclasses.replace(head.cfg, logit_scale=0.0)
+
+
+def test_measure_acceptance_on_a_checkpoints_policy_against_a_baseline_head(monkeypatch, capsys, tmp_path):
+    """``--policy`` measures on a training checkpoint's weights, ``--baseline-head`` a second head
+    on the same prompts and seeds; a folder that is not a checkpoint is refused naming the flag."""
+    import json
+
+    from safetensors.torch import save_file
+
+    import scripts.measure_acceptance as ma
+
+    target = tiny_target()
+    trained, _ = make_head(target, vd=V)
+    baseline, _ = make_head(target, vd=V)
+    with torch.no_grad():
+        for p in baseline.parameters():
+            p.mul_(0.0)  # drafts nothing the target agrees with, beyond chance
+    ckpt = tmp_path / "step_000003"
+    ckpt.mkdir()
+    policy = {k: v.detach().clone() * 1.5 for k, v in target.model.state_dict().items()}
+    save_file(policy, str(ckpt / "policy.safetensors"))
+    (ckpt / "state.json").write_text(json.dumps({"step": 3}))
+    for name in ("trained", "baseline"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text("{}")
+    monkeypatch.setattr(ma, "load_embedded_target", lambda: (target, _ByteTokenizer()))
+    monkeypatch.setattr(ma, "load_eagle3", lambda path, t: trained if path.endswith("trained") else baseline)
+    report = ma.main(["--n-arith", "3", "--n-general", "0", "--temperatures", "1", "--no-trivial", "--k", "3",
+                      "--max-new-tokens", "8", "--policy", str(ckpt), "--head", str(tmp_path / "trained"),
+                      "--baseline-head", str(tmp_path / "baseline")])
+    for name, v in target.model.state_dict().items():  # measured on the checkpoint's weights
+        assert torch.equal(v, policy[name]), name
+    a, b = report["arithmetic/T=1/eagle3"], report["arithmetic/T=1/baseline"]
+    assert a["rows"] == b["rows"] == 3 and a["tau"] != b["tau"]
+    assert report["policy"] == str(ckpt) and report["baseline_head"] == str(tmp_path / "baseline")
+    assert f"head tau {a['tau']:.3f}" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        ma.main(["--policy", str(tmp_path / "trained")])
+    err = capsys.readouterr().err
+    assert "--policy" in err and "no training checkpoint" in err and "policy.safetensors" in err
