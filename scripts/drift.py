@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--speed-basis", dest="speed_basis", choices=("wall", "cpu"),
                     help="speedups from wall time or from CPU time of the generate calls")
     ap.add_argument("--no-baselines", dest="baselines", action="store_false", default=None)
-    ap.add_argument("--out", help="output directory")
+    ap.add_argument("--out", "--out-dir", dest="out", help="output directory (--out-dir as in scripts.train)")
     ap.add_argument("--no-plots", action="store_true")
     ap.add_argument("--no-progress", action="store_true")
     ap.add_argument("--from-run", metavar="RUN_DIR", help="plot a training run's rollouts.jsonl instead")

@@ -274,6 +274,12 @@ def test_cli_quick_on_a_saved_tiny_model(tiny_policy_dir, tiny_head_dir, tmp_pat
     assert main(["--quick", "--modes", "beam"]) == 2
 
 
+def test_cli_takes_out_dir_as_scripts_train_does():
+    from scripts.drift import parse_args
+
+    assert parse_args(["--out-dir", "x"]).out == parse_args(["--out", "x"]).out == "x"
+
+
 # ----------------------------------------------------------------------------- embedded model
 @pytest.mark.slow
 def test_lossless_accuracy_matches_plain_sampling_on_the_embedded_model(tmp_path):
