@@ -48,6 +48,7 @@ def plot_speed_accuracy(configs: dict[str, dict], path: Path, basis: str = "wall
     speed = "cpu_speedup_vs_autoregressive" if basis == "cpu" else "speedup_vs_autoregressive"
     fig, ax = plt.subplots(figsize=(10, 5))
     colours = _colours(len(configs))
+    stars = 0  # baselines labelled so far: each label one line higher, so stars close together stay legible
     for i, (key, r) in enumerate(configs.items()):
         acc, x = r["accuracy"], r[speed]
         if acc["mean"] is None or x is None:
@@ -56,7 +57,8 @@ def plot_speed_accuracy(configs: dict[str, dict], path: Path, basis: str = "wall
         base = configs.get(r["baseline"]) if r["baseline"] else None
         if r["kind"] == "baseline":
             ax.errorbar([x], [acc["mean"]], yerr=err, fmt="*", ms=14, color="black", capsize=3)
-            ax.annotate(key, (x, acc["mean"]), fontsize=7, xytext=(4, -10), textcoords="offset points")
+            ax.annotate(key, (x, acc["mean"]), fontsize=7, xytext=(4, 4 + 9 * stars), textcoords="offset points")
+            stars += 1
             continue
         marker = "o" if r["mode"] == "chain" else "^"
         c = colours[i]
