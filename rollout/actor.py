@@ -81,10 +81,6 @@ class RolloutWorker:
         """Load new policy weights in place; returns the version now held."""
         return self.backend.set_weights(state_dict, version)
 
-    def load_drafter(self, path: str) -> None:
-        """Re-load the EAGLE-3 head from a folder this process can read."""
-        self.backend.load_drafter(path)
-
     def load_drafter_files(self, files: Mapping[str, bytes]) -> None:
         """Re-load the EAGLE-3 head shipped as its folder's files (:func:`read_head_files`): they
         are written to a folder of this process's own, loaded, and removed. So an actor on a node

@@ -147,7 +147,6 @@ class VLLMBackend:
             head_cfg = check_head(drafter_path, self.target_cfg, target.aux_layer_ids)
             head_dir = prepare_head(drafter_path, head_cfg)
         spec_cfg = speculative_config(spec, head_dir, self.options["max_num_seqs"])
-        self.drafter_path = drafter_path
         self.pad_id = int(self.target_cfg.get("pad_token_id") or 0)
         self.llm = self._build(target, spec_cfg, seed, threads, device)
         self.record = False  # when True, the plug-in keeps every verified group (tests, debugging)
@@ -268,4 +267,3 @@ class VLLMBackend:
 
         check_head(path, self.target_cfg, self.aux_layer_ids)
         self.llm.collective_rpc(load_drafter_worker, args=(read_head_weights(path),))
-        self.drafter_path = path
