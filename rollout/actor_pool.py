@@ -1,12 +1,12 @@
 """The driver's side of the rollout actors: weight broadcast, sharding, failure recovery.
 
 A step's requests are split into one contiguous shard per live actor. When an actor dies
-mid-shard or mid-broadcast (killed, crashed, out of memory, its node gone: see
-``is_actor_death``) or does not answer within ``timeout_s`` (hung), the pool starts a
-replacement, gives it the current weights and version, and re-runs the lost shard there
-with the shard's own seed, so the step's rollouts are the same as without the failure. Results are keyed by request id:
-the pool checks that every request comes back exactly once and from the current policy
-version before returning them in request order.
+mid-shard or mid-broadcast (of weights or of the EAGLE-3 head; killed, crashed, out of memory,
+its node gone: see ``is_actor_death``) or does not answer within ``timeout_s`` (hung), the pool
+starts a replacement, gives it the current weights, version and head, and re-runs the lost
+shard there with the shard's own seed, so the step's rollouts are the same as without the
+failure. Results are keyed by request id: the pool checks that every request comes back
+exactly once and from the current policy version before returning them in request order.
 """
 
 from __future__ import annotations
@@ -39,10 +39,12 @@ class RolloutPool:
         self.max_restarts = max_restarts
         self.timeout_s = timeout_s
         self._cls = remote_actor_class(num_cpus_per_actor, num_gpus_per_actor)
-        # the head the actors draft with, as its folder's files in the object store: read here,
-        # so actors on other nodes need neither the spec's folder nor a later load_drafter's
+        # the head the actors draft with, as its folder's files in the object store: read (and
+        # checked, naming the folder) here, so actors on other nodes need neither the spec's
+        # folder nor a later load_drafter's; the origin is named in the actors' load errors
         self._drafter_ref = ray.put(read_head_files(spec.drafter_path)) if spec.drafter_path else None
-        self.actors = [self._cls.remote(spec, self._drafter_ref) for _ in range(num_actors)]
+        self._drafter_origin = str(spec.drafter_path) if spec.drafter_path else None
+        self.actors = [self._cls.remote(spec, self._drafter_ref, self._drafter_origin) for _ in range(num_actors)]
         self._weights_ref = None
         self.version = 0
         self.stats = PoolStats()
@@ -56,27 +58,35 @@ class RolloutPool:
         self.version = version
         pending = {a.set_weights.remote(self._weights_ref, version): i for i, a in enumerate(self.actors)}
         self._weights_dispatched()
-        deaths = 0
-        while pending:
-            done = wait_one(self._ray, list(pending), self.timeout_s)
-            if done is None:  # every actor still pending is hung
-                for index in pending.values():
-                    deaths = self._replace(index, deaths, f"did not finish set_weights in {self.timeout_s:g} s")
-                pending.clear()
-                continue
-            index = pending.pop(done)
-            try:
-                got = self._ray.get(done)
-            except Exception as err:
-                if not is_actor_death(self._ray, err):
-                    raise
-                deaths = self._replace(index, deaths, f"died during set_weights ({type(err).__name__})")
-                continue
+        for index, got in self._wait_all(pending, "set_weights").items():
             if got != version:
                 raise RuntimeError(f"actor {index} holds version {got}, expected {version}")
 
     def _weights_dispatched(self) -> None:
         """Called once set_weights calls are submitted (a seam for failure-injection tests)."""
+
+    def _wait_all(self, pending: dict, what: str) -> dict:
+        """Wait for one ``what`` call per actor (``pending``: its ref -> the actor's index). An
+        actor that dies or does not answer within ``timeout_s`` is replaced and its call not
+        repeated: a replacement starts with the current weights, version and head. An error
+        raised by the actor's own code is raised. Returns index -> result for the actors that
+        answered."""
+        results, deaths = {}, 0
+        while pending:
+            done = wait_one(self._ray, list(pending), self.timeout_s)
+            if done is None:  # every actor still pending is hung
+                for index in pending.values():
+                    deaths = self._replace(index, deaths, f"did not finish {what} in {self.timeout_s:g} s")
+                pending.clear()
+                continue
+            index = pending.pop(done)
+            try:
+                results[index] = self._ray.get(done)
+            except Exception as err:
+                if not is_actor_death(self._ray, err):
+                    raise
+                deaths = self._replace(index, deaths, f"died during {what} ({type(err).__name__})")
+        return results
 
     def _replace(self, index: int, deaths: int, why: str) -> int:
         """Count one actor death within the current call and replace the actor (a replacement
@@ -99,19 +109,29 @@ class RolloutPool:
 
     def load_drafter(self, path: str) -> None:
         """Every actor re-loads its EAGLE-3 head from the folder ``path`` on this machine: its
-        files go through the object store (one copy; ``read_head_files``), so actors on other
-        nodes need no shared storage; replacements start with them."""
-        self._drafter_ref = self._ray.put(read_head_files(path))
-        self._ray.get([a.load_drafter_files.remote(self._drafter_ref) for a in self.actors])
+        files go through the object store (one copy; ``read_head_files``, which first refuses a
+        folder that cannot be a head, naming ``path``), so actors on other nodes need no shared
+        storage; replacements start with them. An actor that dies or hangs meanwhile is
+        replaced, as in ``set_weights``. An error in an actor's own load (a head for another
+        target, named by ``path``) is raised, and later replacements keep the previous head."""
+        files = read_head_files(path)
+        previous = self._drafter_ref, self._drafter_origin
+        self._drafter_ref, self._drafter_origin = self._ray.put(files), str(path)
+        try:
+            self._wait_all({a.load_drafter_files.remote(self._drafter_ref, self._drafter_origin): i
+                            for i, a in enumerate(self.actors)}, "load_drafter")
+        except BaseException:
+            self._drafter_ref, self._drafter_origin = previous
+            raise
 
     def _restart(self, index: int) -> None:
-        """A fresh actor in slot ``index`` holding the current weights and version."""
+        """A fresh actor in slot ``index`` holding the current weights, version and head."""
         self.stats.restarts += 1
         try:
             self._ray.kill(self.actors[index], no_restart=True)
         except Exception:  # already gone
             pass
-        actor = self._cls.remote(self.spec, self._drafter_ref)  # with the current head
+        actor = self._cls.remote(self.spec, self._drafter_ref, self._drafter_origin)  # with the current head
         try:
             if self._weights_ref is not None:
                 got = self._ray.get(actor.set_weights.remote(self._weights_ref, self.version), timeout=self.timeout_s)

@@ -30,6 +30,18 @@ class ConfigError(ValueError):
             text += f" (allowed: {', '.join(map(str, allowed))})"
         super().__init__(text)
 
+    def __reduce__(self):  # rebuilt from its message and fields (the default would call __init__(text))
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
+
+def _rebuild_error(cls: type, args: tuple, state: dict) -> Exception:
+    """An exception of ``cls`` with ``args`` and attributes ``state``, without its ``__init__``:
+    how a ConfigError crosses a pickle (Ray's errors from an actor)."""
+    err = cls.__new__(cls)
+    err.args = args
+    err.__dict__.update(state)
+    return err
+
 
 class ConfigFileError(ConfigError):
     """A config file is missing, not YAML or not a mapping; the message names the file."""

@@ -306,6 +306,20 @@ def routed(*modules: nn.Module | None):
             mod.__dict__.pop("forward", None)
 
 
+def release(*modules: nn.Module) -> int:
+    """Drop the packed copies :func:`routed` keeps for ``modules``' weights (their bytes again,
+    in fp32: a second copy of a model), for a caller that routes a model now and then and would
+    rather pack it again than hold it; returns the buffers dropped. The next ``routed`` packs them."""
+    dropped = 0
+    for mod in (m for module in modules for m in module.modules()):
+        for table, owner in ((_merged_buffers, mod), (_buffers, getattr(mod, "weight", None))):
+            if isinstance(owner, (nn.Module, torch.Tensor)) and owner in table:
+                del table[owner]
+                weight_check.stamps.pop(owner, None)
+                dropped += 1
+    return dropped
+
+
 def panels_of(module: nn.Module) -> torch.Tensor | None:
     """The packed panels ``routed`` made for a fused module's merged layers, or for a linear
     layer's weight (None: none this block)."""

@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> int:
     from trainers.trl.config import load_trl_config
 
     try:
-        trl_cfg = load_trl_config(args.config, {"run": {"generation": "trl"}})
+        trl_cfg = load_trl_config(args.config, {"run": {"generation": "trl"},  # TRL's generation: no head to train
+                                                "rollout": {"drafter_training": {"every": 0}}})
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -21,6 +21,7 @@ completion's first token comes from vLLM's plain sampler (a bonus token, P = p).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import time
@@ -32,7 +33,7 @@ import torch
 from rollout.config import ConfigError
 from rollout.outputs import Completion, RolloutBatch, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
-from rollout.vllm.head import check_head, prepare_head
+from rollout.vllm.head import check_head, prepared_head
 from rollout.vllm.verify import decode_rank
 
 DEFAULTS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "max_model_len": 2048,
@@ -142,13 +143,13 @@ class VLLMBackend:
         self.model_dir = target_folder(target)
         self.target_cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
         self.aux_layer_ids = target.aux_layer_ids
-        head_dir = None
-        if spec.mode != "off" and drafter_path is not None:
-            head_cfg = check_head(drafter_path, self.target_cfg, target.aux_layer_ids)
-            head_dir = prepare_head(drafter_path, head_cfg)
-        spec_cfg = speculative_config(spec, head_dir, self.options["max_num_seqs"])
         self.pad_id = int(self.target_cfg.get("pad_token_id") or 0)
-        self.llm = self._build(target, spec_cfg, seed, threads, device)
+        head = contextlib.nullcontext(None)
+        if spec.mode != "off" and drafter_path is not None:
+            head = prepared_head(drafter_path, check_head(drafter_path, self.target_cfg, target.aux_layer_ids))
+        with head as head_dir:  # vLLM reads the head's folder only while the engine is built
+            spec_cfg = speculative_config(spec, head_dir, self.options["max_num_seqs"])
+            self.llm = self._build(target, spec_cfg, seed, threads, device)
         self.record = False  # when True, the plug-in keeps every verified group (tests, debugging)
 
     @classmethod

@@ -12,7 +12,10 @@ V1 model runner), checked against our own reader (``rollout.eagle3_io``):
   calibrated scale as ``draft_logit_scale``, which vLLM ignores. Without it vLLM's q is
   softmax(z / T) where ours is softmax(s z / T): still a valid draft (the verifier stays
   exact), but not the draft we calibrated. :func:`prepare_head` writes a folder whose config
-  also carries ``logit_scale`` (the weights are linked, not copied).
+  also carries ``logit_scale`` (the weights are linked, not copied); the backend holds it only
+  while the engine is built (:func:`prepared_head`): vLLM reads the draft folder (config and
+  weights) there and never after (its ``reload_weights`` would, but we push head weights
+  through ``collective_rpc``, ``rollout.vllm.weights``).
 
 :func:`check_head` refuses a head built for another target (vocabulary, hidden size, aux
 layers outside the target) with a message naming the setting.
@@ -20,8 +23,10 @@ layers outside the target) with a message naming the setting.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -68,17 +73,42 @@ def check_head(head_path: str | Path, target_cfg: dict, aux_layer_ids: tuple[int
     return cfg
 
 
+def _scale_to_carry(cfg: dict) -> float | None:
+    """Our ``draft_logit_scale`` where vLLM would not read it (no ``logit_scale`` equal to it)."""
+    scale = cfg.get("draft_logit_scale")
+    return None if scale in (None, 1, 1.0) or cfg.get("logit_scale") == scale else float(scale)
+
+
 def prepare_head(head_path: str | Path, cfg: dict, out_root: str | Path | None = None) -> str:
     """A folder vLLM can load with our calibrated draft temperature: ``head_path`` itself when
-    there is no ``draft_logit_scale`` to carry over, else a new folder with the config plus
-    ``logit_scale`` and links to the weights."""
-    scale = cfg.get("draft_logit_scale")
-    if scale in (None, 1, 1.0) or cfg.get("logit_scale") == scale:
+    there is no ``draft_logit_scale`` to carry over, else a new folder (the caller removes it)
+    with the config plus ``logit_scale`` and links to the weights in ``head_path``."""
+    scale = _scale_to_carry(cfg)
+    if scale is None:
         return str(head_path)
     src = Path(head_path).resolve()
     out = Path(tempfile.mkdtemp(prefix="eagle3-vllm-", dir=out_root))
-    (out / "config.json").write_text(json.dumps({**cfg, "logit_scale": float(scale)}, indent=2))
-    for f in WEIGHT_FILES:
-        if (src / f).is_file():
-            os.symlink(src / f, out / f)
+    try:
+        (out / "config.json").write_text(json.dumps({**cfg, "logit_scale": scale}, indent=2))
+        for f in WEIGHT_FILES:
+            if (src / f).is_file():
+                os.symlink(src / f, out / f)
+    except BaseException:
+        shutil.rmtree(out, ignore_errors=True)
+        raise
     return str(out)
+
+
+@contextlib.contextmanager
+def prepared_head(head_path: str | Path, cfg: dict):
+    """:func:`prepare_head`'s folder while the block runs (an engine build), removed after; its
+    links point into ``head_path``, which must outlive the block (an actor's copy of a shipped
+    head is removed once the backend is built)."""
+    if _scale_to_carry(cfg) is None:
+        yield str(head_path)
+        return
+    out = prepare_head(head_path, cfg)
+    try:
+        yield out
+    finally:
+        shutil.rmtree(out, ignore_errors=True)

@@ -1,16 +1,20 @@
 """The pool's failure handling on a scripted stand-in for Ray (no Ray processes): which errors
-count as an actor death, replacements in set_weights and generate for every death kind
-(Ray's out-of-memory kill, a lost node, a crashed worker), a hung actor after the timeout,
+count as an actor death, replacements in set_weights, generate and load_drafter for every death
+kind (Ray's out-of-memory kill, a lost node, a crashed worker), a hung actor after the timeout,
 and a bug in the actor's own code re-raised instead of retried."""
 
 from __future__ import annotations
 
+import json
 import types
+from pathlib import Path
 
 import pytest
 import ray
+import torch
+from safetensors.torch import save_file
 
-from rollout.actor import Shard, ShardResult
+from rollout.actor import Shard, ShardResult, read_head_files
 from rollout.actor_pool import RolloutPool, is_actor_death
 from rollout.outputs import Completion, RolloutBatch, Timings
 
@@ -26,9 +30,10 @@ class Ref:
 class FakeActor:
     """Answers calls from a script: ``faults[(method, call number)] = exception or HANG``."""
 
-    def __init__(self, pool_faults: dict, name: int):
+    def __init__(self, pool_faults: dict, name: int, head=None, origin=None):
         self.faults, self.name, self.version, self.calls = pool_faults, name, 0, {}
-        for method in ("set_weights", "generate", "ping"):
+        self.head, self.origin = head, origin  # the head files it drafts with, and their folder
+        for method in ("set_weights", "generate", "ping", "load_drafter_files"):
             setattr(self, method, types.SimpleNamespace(remote=self._caller(method)))
 
     def _caller(self, method):
@@ -40,6 +45,9 @@ class FakeActor:
             if method == "set_weights":
                 self.version = args[1]
                 return Ref(self.version)
+            if method == "load_drafter_files":
+                self.head, self.origin = args
+                return Ref(None)
             if method == "generate":
                 shard: Shard = args[0]
                 rows = [Completion(list(p), [ord(ch) for ch in r], [0.0] * len(r), [0.0] * len(r), [2] * len(r),
@@ -81,13 +89,24 @@ def fake_pool(n: int, faults: dict, max_restarts: int = 2) -> RolloutPool:
     pool = RolloutPool.__new__(RolloutPool)
     made = iter(range(100))
     pool._ray, pool.spec, pool.max_restarts, pool.timeout_s = FakeRay(), None, max_restarts, 5.0
-    pool._cls = types.SimpleNamespace(remote=lambda spec, head=None: FakeActor(faults, next(made)))
+    pool._cls = types.SimpleNamespace(remote=lambda spec, head=None, origin=None:
+                                      FakeActor(faults, next(made), head, origin))
     pool.actors = [pool._cls.remote(None) for _ in range(n)]
-    pool._weights_ref, pool._drafter_ref, pool.version = None, None, 0
+    pool._weights_ref, pool._drafter_ref, pool._drafter_origin, pool.version = None, None, None, 0
     from rollout.actor_pool import PoolStats
 
     pool.stats = PoolStats()
     return pool
+
+
+def write_head(folder: Path, **config) -> Path:
+    """A folder that passes the driver's head checks (``check_head_folder``): a config with the
+    layer fields and safetensors weights with ``fc.weight``; ``config`` changes fields."""
+    folder.mkdir(parents=True)
+    cfg = {"hidden_size": 8, "intermediate_size": 16, "num_attention_heads": 2, "vocab_size": 32, **config}
+    (folder / "config.json").write_text(json.dumps(cfg))
+    save_file({"fc.weight": torch.zeros(8, 24)}, str(folder / "model.safetensors"))
+    return folder
 
 
 DEATHS = {
@@ -147,3 +166,31 @@ def test_an_error_in_the_actors_own_code_is_raised_not_retried():
     with pytest.raises(EX.RayTaskError):
         pool.generate(["a", "b"], [[1], [2]], seed=0)
     assert pool.stats.restarts == 0
+
+
+@pytest.mark.parametrize("kind", list(DEATHS))
+def test_load_drafter_replaces_a_dead_or_hung_actor_with_one_holding_the_new_head(kind, tmp_path, caplog):
+    pool = fake_pool(2, {(1, "load_drafter_files", 2): DEATHS[kind]})
+    pool.set_weights({}, 4)
+    pool.load_drafter(str(write_head(tmp_path / "first")))
+    trained = write_head(tmp_path / "trained", hidden_size=4)
+    pool.load_drafter(str(trained))  # actor 1 dies (or hangs) here
+    assert pool.stats.restarts == 1 and pool._ray.killed == [1]
+    assert [a.name for a in pool.actors] == [0, 2] and [a.version for a in pool.actors] == [4, 4]
+    for a in pool.actors:  # the replacement (2) was built with the new head, not the first
+        assert a.head == read_head_files(trained) and a.origin == str(trained)
+    if DEATHS[kind] is HANG:
+        assert "did not finish load_drafter in 5 s" in caplog.text
+
+
+def test_an_error_in_an_actors_head_load_is_raised_not_retried(tmp_path):
+    """A head the actor's backend refuses (for another target) is the caller's error, and later
+    replacements start with the head loaded before, not the refused one."""
+    bug = EX.RayTaskError("load_drafter_files", "ValueError: head for another target", ValueError("another"))
+    pool = fake_pool(2, {(1, "load_drafter_files", 2): bug})
+    first = write_head(tmp_path / "first")
+    pool.load_drafter(str(first))
+    with pytest.raises(EX.RayTaskError, match="another target"):
+        pool.load_drafter(str(write_head(tmp_path / "other", vocab_size=64)))
+    assert pool.stats.restarts == 0 and pool._ray.killed == []
+    assert pool._drafter_ref == read_head_files(first) and pool._drafter_origin == str(first)

@@ -150,6 +150,29 @@ def test_drafter_reload_changes_acceptance(backend, prompt, tmp_path):
     assert worse < 1.1 < min(good, again)
 
 
+def test_no_head_folder_outlives_the_engine_build_or_a_shipped_load(backend, prompt, tmp_path, monkeypatch):
+    """The engine was built from a folder of links carrying our draft temperature
+    (``prepared_head``), removed once the build returned: the generations here and in the rest of
+    the module show that vLLM does not read it after. A head shipped as files
+    (``RolloutWorker.load_drafter_files``) loads from a copy that is removed too."""
+    import tempfile
+    from pathlib import Path
+
+    from rollout.actor import RolloutWorker, read_head_files
+
+    draft = Path(backend.llm.llm_engine.vllm_config.speculative_config.draft_model_config.model)
+    assert draft.name.startswith("eagle3-vllm-") and not draft.exists()
+    own = tmp_path / "tmp"
+    own.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(own))
+    worker = RolloutWorker.__new__(RolloutWorker)  # an actor around this module's engine
+    worker.backend = backend
+    worker.load_drafter_files(read_head_files(HEAD), str(HEAD))
+    assert list(own.iterdir()) == []
+    sampling = SamplingParams(temperature=1.0, max_new_tokens=32)
+    assert backend.generate([prompt] * 4, sampling=sampling, spec=SPEC, verifier=VerifierConfig(), seed=1).tau > 1.1
+
+
 def test_lossless_first_three_positions_follow_the_target(backend, hf, prompt):
     model, _ = hf
     check_lossless_law(backend, model, prompt, SPEC, N_SAMPLES, seed=11)

@@ -1,11 +1,13 @@
 """The vllm backend's checks and output decoding, without vLLM: refusals name the setting,
-the head folder prepared for vLLM carries our draft temperature, and vLLM's flat log-prob
-channel decodes into behaviour / target log-probs, kinds, relaxed flags and rounds."""
+the head folder prepared for vLLM carries our draft temperature and is removed once the engine
+is built, and vLLM's flat log-prob channel decodes into behaviour / target log-probs, kinds,
+relaxed flags and rounds."""
 
 from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -14,7 +16,7 @@ import pytest
 from rollout.config import ConfigError
 from rollout.params import SpecConfig
 from rollout.vllm.backend import DEFAULTS, VLLMBackend, decode_completion, speculative_config
-from rollout.vllm.head import check_head, prepare_head
+from rollout.vllm.head import check_head, prepare_head, prepared_head
 from rollout.vllm.verify import configure, encode_rank
 
 import torch
@@ -81,6 +83,62 @@ def test_prepare_head_carries_our_draft_temperature(tmp_path):
     assert (out / "model.safetensors").resolve() == (HEAD / "model.safetensors").resolve()
     plain = _head_copy(tmp_path, draft_logit_scale=None)
     assert prepare_head(plain, check_head(plain, TARGET_CFG)) == str(plain)
+
+
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch) -> Path:
+    """The temporary folder this process's mkdtemp uses (so no other process's folders count)."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder
+
+
+def test_the_prepared_head_is_removed_after_the_block(tmp_path, own_tmp):
+    cfg = check_head(HEAD, TARGET_CFG)
+    with prepared_head(HEAD, cfg) as folder:
+        assert Path(folder).parent == own_tmp
+        assert json.loads((Path(folder) / "config.json").read_text())["logit_scale"] == cfg["draft_logit_scale"]
+        assert (Path(folder) / "model.safetensors").resolve() == (HEAD / "model.safetensors").resolve()
+    assert list(own_tmp.iterdir()) == []
+    with pytest.raises(RuntimeError, match="engine failed"):
+        with prepared_head(HEAD, cfg):
+            raise RuntimeError("engine failed")
+    assert list(own_tmp.iterdir()) == []
+    plain = _head_copy(tmp_path, draft_logit_scale=None)
+    with prepared_head(plain, check_head(plain, TARGET_CFG)) as folder:
+        assert folder == str(plain)
+    assert (plain / "model.safetensors").is_file()  # the head's own folder is not removed
+
+
+@pytest.mark.parametrize("fails", [False, True])
+def test_the_backend_holds_the_prepared_head_only_while_the_engine_is_built(tmp_path, own_tmp, monkeypatch, fails):
+    """vLLM reads the draft folder while the engine is built (its config, then the weights
+    through the links), not after: the folder is there for ``_build`` and gone once it returns
+    or fails, so no folder of links outlives an actor's copy of a shipped head."""
+    target_dir = tmp_path / "target"
+    target_dir.mkdir()
+    (target_dir / "config.json").write_text(json.dumps(TARGET_CFG))
+    target = SimpleNamespace(path=str(target_dir), aux_layer_ids=(2, 15, 27), dtype="float32")
+    head = _head_copy(tmp_path)
+    seen = {}
+
+    def build(self, target, spec_cfg, seed, threads, device):
+        folder = Path(spec_cfg["model"])
+        seen["config"] = json.loads((folder / "config.json").read_text())
+        seen["weights"] = (folder / "model.safetensors").read_bytes() == (head / "model.safetensors").read_bytes()
+        if fails:
+            raise RuntimeError("engine failed")
+        return "engine"
+
+    monkeypatch.setattr(VLLMBackend, "_build", build)
+    if fails:
+        with pytest.raises(RuntimeError, match="engine failed"):
+            VLLMBackend(target, str(head), SpecConfig(mode="chain"))
+    else:
+        assert VLLMBackend(target, str(head), SpecConfig(mode="chain")).llm == "engine"
+    assert seen["config"]["logit_scale"] == 1.2 and seen["weights"]
+    assert list(own_tmp.iterdir()) == []
 
 
 def test_unknown_rule_and_options_are_refused():

@@ -117,10 +117,28 @@ def read_policy(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
     return weights, state
 
 
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, what: str) -> list[str]:
+    """``optimizer.load_state_dict(state)`` keeping the optimizer's own settings (lr, betas,
+    weight_decay, ...: what the config built it with), not the saved ones, which torch's load
+    would restore; so a resume with a changed setting (a lower lr after a divergence) uses it.
+    Returns the changed settings as "name saved -> now", logged as a warning naming ``what``."""
+    mine = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    optimizer.load_state_dict(state)
+    changed = []
+    for group, settings in zip(optimizer.param_groups, mine):
+        for k, v in settings.items():
+            if group.get(k) != v:
+                changed.append(f"{what}.{k} {group.get(k)!r} -> {v!r}")
+            group[k] = v
+    if changed:
+        log.warning("resumed with changed optimizer settings (the config's apply): %s", "; ".join(sorted(set(changed))))
+    return changed
+
+
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
     weights, state = read_policy(path)
     model.load_state_dict(weights)
-    optimizer.load_state_dict(torch.load(path / "optimizer.pt", weights_only=False))
+    load_optimizer_state(optimizer, torch.load(path / "optimizer.pt", weights_only=False), "optim")
     random.setstate(_decode_py_rng(state["python_rng"]))
     torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
     return state

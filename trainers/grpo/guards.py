@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from rollout.config import _rebuild_error
 
 class NonFiniteError(RuntimeError):
     """A loss, gradient norm or weight of a training step is NaN or infinite."""
@@ -28,6 +29,9 @@ class NonFiniteError(RuntimeError):
         else:
             super().__init__(f"step {step}: {quantity} is not finite ({detail}); stopped before the weight "
                              "broadcast and before any checkpoint (the last checkpoint is the last good policy)")
+
+    def __reduce__(self):  # crosses a pickle whole (the default would call __init__ with the message alone)
+        return _rebuild_error, (type(self), self.args, self.__dict__)
 
 
 def check_loss_and_grad(step: int, loss: float, grad_norm: float | torch.Tensor) -> None:

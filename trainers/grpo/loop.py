@@ -95,12 +95,19 @@ class GRPOTrainer:
         r = self.cfg.rollout
         sampling = dataclasses.replace(r.sampling, stop_token_ids=self.stop_ids)
         drafter = self.cfg.model.drafter_path()
+        trained = ckpt is not None and (ckpt / f"{STATE_FILE}.pt").is_file()  # the head as trained so far
         if self.cfg.drafter_training.enabled:
             self.drafter = OnlineDrafter(self.cfg.drafter_training, drafter, self.policy_target, self.out_dir,
                                          self.cfg.run.seed)
-            if ckpt is not None and (ckpt / f"{STATE_FILE}.pt").is_file():  # the head as trained so far
+            if trained:
                 self.drafter.load_state_dict(torch.load(ckpt / f"{STATE_FILE}.pt", weights_only=False))
                 drafter = self.drafter.export()
+            elif ckpt is not None:
+                print(f"note: {ckpt.name} holds no trained head ({STATE_FILE}.pt): drafter_training starts "
+                      f"again from {drafter}", flush=True)
+        elif trained:
+            print(f"note: {ckpt.name} holds the head trained so far ({ckpt / 'drafter'}); with "
+                  f"drafter_training.every 0 the actors draft with model.drafter ({drafter}) instead", flush=True)
         spec = WorkerSpec(target=self.cfg.model.target, drafter_path=str(drafter) if drafter else None,
                           sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor,
                           device="cuda" if r.num_gpus_per_actor > 0 else "cpu", backend=r.backend,
@@ -222,8 +229,9 @@ class GRPOTrainer:
             for step in range(self.start_step, steps):
                 m = self.step(step)
                 self.logger.log(step + 1, m)
-                head = (f"  head tau {m['drafter_est_tau']:.2f} loss {m['drafter_loss']:.3f} {m['drafter_s']:.1f}s"
-                        if "drafter_est_tau" in m else "")
+                head = "".join(f"  head {label} {m[k]:{fmt}}" for k, label, fmt in (
+                    ("drafter_est_tau", "tau", ".2f"), ("drafter_loss", "loss", ".3f"), ("drafter_s", "s", ".1f"))
+                    if k in m)
                 print(f"step {step + 1}/{steps}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
                       f"tau {m['tau']:.2f}  tok/s {m['rollout_tokens_per_s']:.1f}  relaxed {m['relaxed_frac']:.2f}  "
                       f"KL {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s{head}", flush=True)

@@ -28,7 +28,8 @@ step:
 The head's fp32 weights, its optimizer and the window are saved with each checkpoint
 (``drafter_training.pt``), so a resumed run continues the same head.
 
-Cost: the feature forward is one forward of the policy over the batch (no backward), each
+Cost: the feature forward is one forward of the policy over the batch (no backward; on the CPU
+kernels, whose packed copy of the policy is dropped after it), each
 score one unrolled forward of the head, and each update a TTT forward and backward of the
 one-layer head; ``drafter_features_s`` and ``drafter_s`` log them (on ``make run``'s 32 rows on
 2 cores, 1.7-2.6 s and 6.8-9.1 s a round). A non-finite head loss stops the run
@@ -44,12 +45,13 @@ from pathlib import Path
 import torch
 
 from rollout import native_linear
-from rollout.config import ConfigError, check_int, check_number
+from rollout.config import ConfigError, check_int, check_number, is_number
 from rollout.eagle3 import Eagle3Head, load_eagle3, save_eagle3
 from rollout.models import TargetModel
 from rollout.outputs import RolloutBatch
 from trainers.drafter.data import DrafterData, collate, make_record, records_to_data
 from trainers.drafter.ttt import estimated_tau, summed_acceptance, ttt_loss
+from trainers.grpo.checkpoint import load_optimizer_state
 from trainers.grpo.guards import NonFiniteError
 from trainers.grpo.policy import cache_kwarg
 
@@ -95,7 +97,7 @@ class OnlineDrafterConfig:
             check_int(name, getattr(self, name))
         check_number("lr", self.lr, 0, low_open=True, finite=True)
         if not isinstance(self.betas, tuple) or len(self.betas) != 2 or not all(
-                isinstance(b, (int, float)) and 0 <= b < 1 for b in self.betas):
+                is_number(b) and 0 <= b < 1 for b in self.betas):
             raise ConfigError("betas", f"must be two numbers in [0, 1), got {self.betas!r}")
         check_number("weight_decay", self.weight_decay, 0, finite=True)
         check_number("grad_clip", self.grad_clip, 0, low_open=True, finite=True)
@@ -139,6 +141,7 @@ def rollout_records(target: TargetModel, sequences: list[list[int]], prompt_lens
                 part = rows[start: start + batch]
                 completions = [sequences[i][len(prompt):] for i in part]
                 records.update(zip(part, _group_records(target, list(prompt), completions)))
+    native_linear.release(target.model)  # not a second copy of the policy between rounds
     return records_to_data([records[i] for i in range(len(sequences))], list(prompt_lens),
                            ["rollout"] * len(sequences))
 
@@ -185,11 +188,14 @@ def _group_records(target: TargetModel, prompt: list[int], completions: list[lis
     return out
 
 
-def teacher_forced_tau(head: Eagle3Head, data: DrafterData, steps: int, batch: int) -> tuple[float, float]:
+def teacher_forced_tau(head: Eagle3Head, data: DrafterData, steps: int, batch: int) -> tuple[float, float] | None:
     """The chain tau the head's teacher-forced acceptance on ``data`` implies, at T = 1 (its
-    logit scale) and at T = 0 (``trainers.drafter.ttt.estimated_tau``)."""
+    logit scale) and at T = 0 (``trainers.drafter.ttt.estimated_tau``); None when ``data`` has
+    no position to score (every completion empty)."""
     sums = summed_acceptance(head, data, list(range(len(data))), steps, (head.cfg.logit_scale,), batch,
                              next(head.parameters()).device)
+    if not (sums["count"] > 0).any():
+        return None
     n = sums["count"].clamp(min=1)
     return estimated_tau(sums["acc_t1"][0] / n), estimated_tau(sums["acc_t0"] / n)
 
@@ -199,6 +205,7 @@ class OnlineDrafter:
 
     def __init__(self, cfg: OnlineDrafterConfig, head_path: Path, target: TargetModel, out_dir: Path, seed: int):
         self.cfg, self.target, self.seed = cfg, target, seed
+        self.head_path = Path(head_path)  # the configured head: shipped as it is until the first round
         self.export_path = Path(out_dir) / "drafter"
         self.head = load_eagle3(head_path, target).to(target.device)
         self.head.train()
@@ -233,10 +240,13 @@ class OnlineDrafter:
         finally:
             model.train(training)
         t_features = time.perf_counter() - t0
-        tau_t1, tau_t0 = teacher_forced_tau(self.head, fresh, c.ttt_steps, c.batch_size)
-        scores = {"drafter_est_tau": tau_t1, "drafter_est_tau_t0": tau_t0}
-        if self.initial is not None:
-            scores["drafter_est_tau_initial"] = teacher_forced_tau(self.initial, fresh, c.ttt_steps, c.batch_size)[0]
+        scores: dict[str, float] = {}  # none when every completion is empty: nothing to score
+        taus = teacher_forced_tau(self.head, fresh, c.ttt_steps, c.batch_size)
+        if taus is not None:
+            scores = {"drafter_est_tau": taus[0], "drafter_est_tau_t0": taus[1]}
+            if self.initial is not None:
+                scores["drafter_est_tau_initial"] = teacher_forced_tau(self.initial, fresh, c.ttt_steps,
+                                                                       c.batch_size)[0]
         self.window = (self.window + [_sample(fresh, i) for i in range(len(fresh))])[-c.buffer:]
         data = DrafterData.concat(self.window)
         gen = torch.Generator().manual_seed(self.seed * 1_000_003 + step)
@@ -244,7 +254,10 @@ class OnlineDrafter:
         losses = []
         for _ in range(c.updates):
             idx = torch.randperm(len(data), generator=gen)[: c.batch_size].tolist()
-            loss, _ = ttt_loss(self.head, collate(data, idx, device), c.ttt_steps, c.step_weight, c.objective,
+            batch = collate(data, idx, device)
+            if not batch.lossable.any():  # no position to learn from: no step (AdamW's momentum would still move)
+                continue
+            loss, _ = ttt_loss(self.head, batch, c.ttt_steps, c.step_weight, c.objective,
                                ce_weight=c.ce_weight, scale=self.head.cfg.logit_scale)
             if not torch.isfinite(loss):  # stops the run (exit 3) before a broken head ships or is saved
                 raise NonFiniteError(step + 1, "drafter loss", f"update {len(losses) + 1} of the head's round: "
@@ -257,20 +270,29 @@ class OnlineDrafter:
             losses.append(float(loss.detach()))
         self.rounds += 1
         self.export()
-        return scores | {"drafter_loss": sum(losses) / len(losses), "drafter_features_s": t_features,
-                         "drafter_s": time.perf_counter() - t0}
+        loss = {"drafter_loss": sum(losses) / len(losses)} if losses else {}
+        return scores | loss | {"drafter_updates": float(len(losses)), "drafter_features_s": t_features,
+                                "drafter_s": time.perf_counter() - t0}
 
     def export(self) -> Path:
         """Write the head in ``export_dtype`` to ``export_path`` (into a sibling folder, then
         renamed over the old one, so a reader never sees half a head), unless that folder already
-        holds the head as it is (written since the last update or state load)."""
+        holds the head as it is (written since the last update or state load). Before the first
+        round the head is the configured one: its folder is copied as it is (a head stored in
+        fp32 or fp16 is not rounded, so a checkpoint taken then resumes with the head the actors had)."""
         import shutil
 
         if self._exported and self.export_path.is_dir():
             return self.export_path
+        if self.rounds == 0 and self.export_path.resolve() == self.head_path.resolve():
+            self._exported = True
+            return self.export_path
         tmp = self.export_path.with_name(self.export_path.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        save_eagle3(_rounded(self.head, EXPORT_DTYPES[self.cfg.export_dtype]), tmp)
+        if self.rounds == 0:
+            shutil.copytree(self.head_path, tmp)
+        else:
+            save_eagle3(_rounded(self.head, EXPORT_DTYPES[self.cfg.export_dtype]), tmp)
         old = self.export_path.with_name(self.export_path.name + ".old")
         shutil.rmtree(old, ignore_errors=True)
         if self.export_path.exists():
@@ -286,19 +308,23 @@ class OnlineDrafter:
                 "window": [w.__dict__ for w in self.window]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s head, window and optimizer state; the optimizer keeps the
+        config's lr, betas and weight_decay (a changed one is logged)."""
         self.head.load_state_dict(state["head"])
-        self.optimizer.load_state_dict(state["optimizer"])
+        load_optimizer_state(self.optimizer, state["optimizer"], "drafter_training")
         self.rounds = int(state["rounds"])
         self.window = [DrafterData(**w) for w in state["window"]]
         self._exported = False
 
 
 def _sample(data: DrafterData, i: int) -> DrafterData:
-    """Sample ``i`` of ``data`` on its own."""
+    """Sample ``i`` of ``data`` on its own (copies: a view would keep, and a checkpoint save, the
+    whole round's tensors behind it)."""
     lo, hi = int(data.offsets[i]), int(data.offsets[i + 1])
-    return DrafterData(tokens=data.tokens[lo:hi], features=data.features[lo:hi], final=data.final[lo:hi],
-                       argmax=data.argmax[lo:hi], lse=data.lse[lo:hi], offsets=torch.tensor([0, hi - lo]),
-                       prompt_lens=data.prompt_lens[i: i + 1], kinds=[data.kinds[i]])
+    return DrafterData(tokens=data.tokens[lo:hi].clone(), features=data.features[lo:hi].clone(),
+                       final=data.final[lo:hi].clone(), argmax=data.argmax[lo:hi].clone(),
+                       lse=data.lse[lo:hi].clone(), offsets=torch.tensor([0, hi - lo]),
+                       prompt_lens=data.prompt_lens[i: i + 1].clone(), kinds=[data.kinds[i]])
 
 
 def _rounded(head: Eagle3Head, dtype: torch.dtype) -> Eagle3Head:

@@ -64,6 +64,10 @@ class TRLConfig:
             from trainers.trl.trainer import trl_correction
 
             trl_correction(self.correction)  # geo_mis has no TRL equivalent
+        elif self.rollout.drafter_training.enabled:
+            raise ConfigError("rollout.drafter_training.every", "trains the head our rollouts draft with; "
+                              "run.generation 'trl' uses TRL's own generation, which has no head: set it to 0",
+                              allowed=[0])
         if self.model.drafter is None and self.rollout.spec.mode != "off":
             raise ConfigError("rollout.spec.mode", "speculation needs a drafter (model.drafter is null)",
                               allowed=["off"])

@@ -21,13 +21,14 @@ functions. :class:`SpeculativeRollouts` is such a callable:
   repetition penalty) are refused.
 - **the draft head follows the policy** by training with it (``drafter_training.every: n``,
   ``trainers.grpo.online_drafter``: after every n-th optimizer step the head is trained on the
-  last generation's sequences under the updated policy, written to ``<output_dir>/drafter/``
-  and re-loaded by the backend or every actor; its state is saved with TRL's checkpoints and
-  restored on resume) or by re-loading: with ``drafter_reload_every: n`` the head is re-read
-  from its folder every n optimizer steps (a drafter trainer elsewhere may rewrite it). A head
-  that stays fixed while the policy drifts keeps every output exact (the verifier corrects for
-  any draft), but its acceptance tau falls as the policy moves away from the one it was trained
-  on, so rollouts slow down; tau is logged every step (``speculative/tau``) to show it.
+  last training generation's sequences (not an evaluation's) under the updated policy, written
+  to ``<output_dir>/drafter/`` and re-loaded by the backend or every actor; its state is saved
+  with TRL's checkpoints and restored on resume) or by re-loading: with
+  ``drafter_reload_every: n`` the head is re-read from its folder every n optimizer steps (a
+  drafter trainer elsewhere may rewrite it). A head that stays fixed while the policy drifts
+  keeps every output exact (the verifier corrects for any draft), but its acceptance tau falls
+  as the policy moves away from the one it was trained on, so rollouts slow down; tau is
+  logged every step (``speculative/tau``) to show it.
 """
 
 from __future__ import annotations
@@ -161,9 +162,10 @@ class SpeculativeRollouts:
         self.backend: RolloutBackend | None = None
         self.pool = None
         self.sampling: SamplingParams | None = None
-        self.last_batch: RolloutBatch | None = None
+        self.last_batch: RolloutBatch | None = None  # the last generation's (an evaluation's too)
+        self.train_batch: RolloutBatch | None = None  # the last training generation's: the head trains on it
         self.last_seconds = 0.0
-        self._calls = 0
+        self._calls = 0  # generations so far: the next one's seed (kept in checkpoints, ``state_dict``)
         self._pushed_step = -1
         self._loaded_step = 0
         self.drafter: OnlineDrafter | None = None  # the head trained with the policy (drafter_training)
@@ -231,14 +233,14 @@ class SpeculativeRollouts:
 
     def train_drafter(self, step: int) -> None:
         """Where a round is due at optimizer step ``step`` (``drafter_training.every`` steps after
-        the last, and a generation to train on): the head trained on the last generation's
+        the last, and a generation to train on): the head trained on the last training generation's
         sequences under the policy as it is now (``OnlineDrafter.train_on_batch``); every backend
         then drafts with it. Called before each generation, and before a checkpoint is written
         (so that it holds the head the next generation drafts with)."""
-        if self.drafter is None or self.last_batch is None or step < self._trained_step + \
+        if self.drafter is None or self.train_batch is None or step < self._trained_step + \
                 self.settings.drafter_training.every:
             return
-        self.drafter_metrics = self.drafter.train_on_batch(step - 1, self.last_batch)
+        self.drafter_metrics = self.drafter.train_on_batch(step - 1, self.train_batch)
         self._trained_step = step
         self._load_drafter(str(self.drafter.export_path))
 
@@ -246,6 +248,15 @@ class SpeculativeRollouts:
     def trained_step(self) -> int:
         """The optimizer step of the head's last training round (0: none yet)."""
         return self._trained_step
+
+    def state_dict(self) -> dict:
+        """What a checkpoint keeps of the rollouts (beside the trained head's state): the number of
+        generations so far, from which the next one's seed follows."""
+        return {"generations": self._calls}
+
+    def load_state_dict(self, state: dict) -> None:
+        """The rollouts' state from a checkpoint (``state_dict``): a resumed run continues the seeds."""
+        self._calls = int(state["generations"])
 
     def restore_drafter(self, state: dict) -> None:
         """The trained head's state from a checkpoint (``OnlineDrafter.state_dict`` plus
@@ -281,6 +292,8 @@ class SpeculativeRollouts:
         batch = self.generate(prompt_ids)
         self.last_seconds = time.perf_counter() - t0
         self.last_batch = batch
+        if trainer.model.training:  # TRL's own test; an evaluation's generation is not trained on
+            self.train_batch = batch
         relaxed = (batch.relaxed & batch.completion_mask).sum(1) / batch.completion_mask.sum(1).clamp(min=1)
         return {
             "prompt_ids": batch.prompt_lists(),

@@ -4,7 +4,9 @@
 correction); ``generation: trl`` trains the same job with TRL's own generation (the
 baseline). Both time the generation the same way (around TRL's ``_generate``), so their
 rollout tokens/s compare. Each logged step goes to ``metrics.jsonl`` under our metric
-names, so the summary table and the plots are those of ``make run``.
+names, so the summary table and the plots are those of ``make run``; the head's training
+round after step s goes into row s there, as ``make run`` writes it (TRL logs it with the
+next step, or in its final log after the last step).
 """
 
 from __future__ import annotations
@@ -52,22 +54,43 @@ class TimedGeneration:
 
 
 class StepLog(TrainerCallback):
-    """Writes each logged step to metrics.jsonl (our names) and prints a progress line."""
+    """Writes each logged step to metrics.jsonl (our names) and prints a progress line.
+
+    TRL logs the head's training round (``drafter_*``) with the log after it: the next step's,
+    or after the last step its final log (``train_runtime``, no ``loss``). Its metrics go into
+    the previous logged step's row, so each row is written when the next log comes (``close``
+    writes the last one)."""
 
     def __init__(self, logger: MetricsLogger, steps: int):
         self.logger, self.steps = logger, steps
+        self.held: tuple[int, dict] | None = None  # the last step's row, open for its round's metrics
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not logs or "loss" not in logs:
+        if not logs:
             return
         row = {ours: float(logs[theirs]) for ours, theirs in METRIC_NAMES.items() if logs.get(theirs) is not None}
-        self.logger.log(state.global_step, row)
+        head = {k: row.pop(k) for k in list(row) if k.startswith("drafter_")}
+        if self.held is not None:
+            self.held[1].update(head)
+        if "loss" not in logs:  # an evaluation's log, or TRL's final one
+            return
+        self.close()
+        self.held = (state.global_step, row)
         line = f"step {state.global_step}/{self.steps}  reward {row.get('reward_mean', 0):.3f}  " \
                f"acc {row.get('accuracy', 0):.2f}  gen tok/s {row.get('rollout_tokens_per_s', 0):.1f}"
         if "tau" in row:
             line += f"  tau {row['tau']:.2f}  relaxed {row.get('relaxed_frac', 0):.2f}  " \
                     f"KL {row.get('kl_k3', 0):.2e}  ESS {row.get('is_ess', 1):.3f}"
         print(line + f"  {row.get('step_s', 0):.1f}s", flush=True)
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.close()
+
+    def close(self) -> None:
+        """Writes the held row (at the next step's log, at the end, or when a run stops)."""
+        if self.held is not None:
+            self.logger.log(*self.held)
+            self.held = None
 
 
 def build_dataset(cfg: TRLConfig):
@@ -130,10 +153,12 @@ def run(cfg: TRLConfig) -> list[dict]:
     out = Path(cfg.run.out_dir)
     logger = MetricsLogger(out)
     (out / "metrics.jsonl").write_text("")  # a TRL run starts over (TRL's own checkpoints resume)
-    trainer = build_trainer(cfg, callbacks=[StepLog(logger, cfg.run.steps)])
+    step_log = StepLog(logger, cfg.run.steps)
+    trainer = build_trainer(cfg, callbacks=[step_log])
     try:
         trainer.train()
     finally:
+        step_log.close()
         logger.close()
         rollouts = getattr(trainer, "rollouts", None)
         if rollouts is not None:

@@ -26,13 +26,17 @@ and ``speculative/is_ess`` (normalised effective sample size of TRL's weights); 
 training alongside (``RolloutSettings.drafter_training``) also its round's
 ``speculative/drafter_est_tau``, ``speculative/drafter_est_tau_initial``,
 ``speculative/drafter_loss`` and ``speculative/drafter_s``, and its state goes into each
-checkpoint (``drafter_training.pt``) and back on resume.
+checkpoint (``drafter_training.pt``) and back on resume. Each checkpoint also holds the
+rollouts' own state (``speculative_rollouts.json``: the generation count, so a resumed run's
+seeds continue); both files are written, each atomically, before TRL's, so a checkpoint TRL
+completed holds them.
 """
 
 from __future__ import annotations
 
+import json
 import os
-from typing import Any
+from typing import Any, BinaryIO, Callable
 
 import torch
 from trl import GRPOTrainer
@@ -43,6 +47,7 @@ from trainers.grpo.correction import CorrectionConfig
 from trainers.grpo.online_drafter import STATE_FILE
 from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts
 
+ROLLOUTS_STATE = "speculative_rollouts.json"  # SpeculativeRollouts.state_dict in each checkpoint
 CORRECTION_TO_TRL = {"token_tis": "token_truncate", "token_mis": "token_mask",
                      "seq_tis": "sequence_truncate", "seq_mis": "sequence_mask"}
 
@@ -135,26 +140,49 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
             m[f"speculative/{key}"].append(value)
         self.rollouts.drafter_metrics = {}
 
-    # -------------------------------------------------------------- the trained head in checkpoints
+    # -------------------------------------------------------------- our state in checkpoints
     def _save_checkpoint(self, model, trial) -> None:
-        """TRL's checkpoint, plus the trained head's state (``drafter_training.pt``) when the
-        head trains with the policy (its round after this step first, where one is due)."""
+        """TRL's checkpoint, preceded by the rollouts' state (``speculative_rollouts.json``) and,
+        when the head trains with the policy, the head's (``drafter_training.pt``; its round after
+        this step first, where one is due)."""
         self.rollouts.train_drafter(int(self.state.global_step))
         self._log_drafter_metrics()
-        super()._save_checkpoint(model, trial)
-        drafter = self.rollouts.drafter
-        if drafter is not None:
+        if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            state = drafter.state_dict() | {"trained_step": self.rollouts.trained_step}
-            torch.save(state, os.path.join(folder, f"{STATE_FILE}.pt"))
+            os.makedirs(folder, exist_ok=True)
+            state = json.dumps(self.rollouts.state_dict()).encode()
+            _write_atomic(os.path.join(folder, ROLLOUTS_STATE), lambda f: f.write(state))
+            drafter = self.rollouts.drafter
+            if drafter is not None:
+                head = drafter.state_dict() | {"trained_step": self.rollouts.trained_step}
+                _write_atomic(os.path.join(folder, f"{STATE_FILE}.pt"), lambda f: torch.save(head, f))
+        super()._save_checkpoint(model, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """TRL's resume, plus the trained head's state where the checkpoint holds it (the backend
-        or every actor then drafts with it)."""
+        """TRL's resume, plus the rollouts' state and the trained head's (the backend or every
+        actor then drafts with it); a checkpoint without them, or a trained head this run does not
+        use, is reported."""
         super()._load_from_checkpoint(resume_from_checkpoint, model)
+        name = os.path.basename(os.path.normpath(resume_from_checkpoint))
+        path = os.path.join(resume_from_checkpoint, ROLLOUTS_STATE)
+        if os.path.isfile(path):
+            with open(path) as f:
+                self.rollouts.load_state_dict(json.load(f))
+        else:
+            print(f"warning: {name} holds no {ROLLOUTS_STATE}: the generation seeds start again from the "
+                  "run's first", flush=True)
         path = os.path.join(resume_from_checkpoint, f"{STATE_FILE}.pt")
-        if self.rollouts.drafter is not None and os.path.isfile(path):
+        drafter, settings = self.rollouts.drafter, self.rollouts.settings
+        if drafter is not None and os.path.isfile(path):
             self.rollouts.restore_drafter(torch.load(path, weights_only=False))
+        elif drafter is not None:
+            print(f"warning: {name} holds no trained head ({STATE_FILE}.pt): drafter_training starts again "
+                  f"from the configured head ({drafter.head_path})", flush=True)
+        elif os.path.isfile(path):
+            use = ("and spec.mode 'off' it is not used" if settings.spec.mode == "off" else
+                   f"the rollouts draft with the configured head ({settings.drafter_path()}) instead")
+            print(f"note: {name} holds the head trained so far ({STATE_FILE}.pt); with drafter_training.every 0 "
+                  f"{use}", flush=True)
 
     def importance_ratios(self, output: dict[str, Any]) -> torch.Tensor | None:
         """TRL's importance-sampling ratios [B, T] of one generation's output (None: off)."""
@@ -162,3 +190,14 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         if ratio is None:
             return None
         return ratio.expand_as(output["completion_mask"]) if ratio.shape[-1] == 1 else ratio
+
+
+def _write_atomic(path: str, write: Callable[[BinaryIO], Any]) -> None:
+    """``write(f)`` into a temporary file beside ``path``, fsynced and renamed to it: a kill
+    leaves the old file or the new one, never a torn one."""
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)

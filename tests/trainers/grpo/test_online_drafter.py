@@ -68,6 +68,20 @@ def test_records_match_the_engines_capture(target, shared, monkeypatch):
         rollout_records(target, [[1, 2, 3], [1] * 8], [2, 9], batch=2)
 
 
+def test_the_feature_pass_leaves_no_packed_copy_of_the_policy(target):
+    from rollout import native_linear
+
+    if not native_linear.available():
+        pytest.skip("the native kernel is unavailable here: nothing is packed")
+    seqs, plens, _ = _sequences(target, n=2, new=4, seed=9)
+    layers = [m for m in target.model.modules() if isinstance(m, torch.nn.Linear)]
+    with native_linear.routed(target.model):
+        assert any(native_linear.panels_of(m) is not None for m in target.model.modules())
+    rollout_records(target, seqs, plens, batch=2)
+    assert all(native_linear.panels_of(m) is None for m in target.model.modules()), "a packed copy stayed"
+    assert not any(m.weight in native_linear.weight_check.stamps for m in layers)
+
+
 def _drafter(target, head_dir, tmp_path, **cfg):
     return OnlineDrafter(OnlineDrafterConfig(**{"every": 1, "lr": 3e-3, "updates": 4, "batch_size": 4, **cfg}),
                          head_dir, target, tmp_path, seed=5)
@@ -149,20 +163,77 @@ def test_export_writes_the_head_only_when_it_changed(target, tiny_head_dir, tmp_
     monkeypatch.setattr(online_drafter, "save_eagle3", lambda head, path: (writes.append(path), real(head, path))[1])
     seqs, plens, _ = _sequences(target, n=4, new=8, seed=4)
     d = _drafter(target, tiny_head_dir, tmp_path)
-    assert d.export() == d.export() == d.export_path and len(writes) == 1  # the loaded head, once
+    assert d.export() == d.export() == d.export_path and not writes  # the configured head's folder, copied once
+    assert (d.export_path / "model.safetensors").read_bytes() == (tiny_head_dir / "model.safetensors").read_bytes()
     d.train_round(0, seqs, plens)
-    assert len(writes) == 2
+    assert len(writes) == 1
     d.export()  # a checkpoint right after the round: the folder already holds this head
-    assert len(writes) == 2
+    assert len(writes) == 1
     d.load_state_dict(copy.deepcopy(d.state_dict()))  # a resume: written again
     d.export()
-    assert len(writes) == 3
+    assert len(writes) == 2
     shutil.rmtree(d.export_path)  # the folder gone: written again
     d.export()
-    assert len(writes) == 4
+    assert len(writes) == 3
     exported = load_eagle3(d.export_path, target)
     for name, v in exported.state_dict().items():
         assert torch.equal(v, d.head.state_dict()[name].to(torch.bfloat16).to(v.dtype)), name
+
+
+def test_before_the_first_round_the_configured_head_ships_unrounded(target, tiny_head_dir, tmp_path):
+    """A checkpoint taken before any round holds the head the actors have, not a bf16 copy of it."""
+    head = load_eagle3(tiny_head_dir, target)
+    assert any(not torch.equal(v, v.to(torch.bfloat16).to(v.dtype)) for v in head.state_dict().values())
+    d = _drafter(target, tiny_head_dir, tmp_path)
+    shipped = load_eagle3(d.export(), target).state_dict()
+    for name, v in head.state_dict().items():
+        assert torch.equal(shipped[name], v), name
+
+
+def test_a_resume_keeps_the_configs_optimizer_settings(target, tiny_head_dir, tmp_path, caplog):
+    """A resumed round uses the lr the config now gives (say, lowered after a divergence), not the saved one."""
+    seqs, plens, _ = _sequences(target, n=4, new=8, seed=6)
+    a = _drafter(target, tiny_head_dir, tmp_path / "a", lr=3e-3)
+    a.train_round(0, seqs, plens)
+    b = _drafter(target, tiny_head_dir, tmp_path / "b", lr=1e-6, betas=(0.8, 0.9))
+    with caplog.at_level("WARNING"):
+        b.load_state_dict(copy.deepcopy(a.state_dict()))
+    group = b.optimizer.param_groups[0]
+    assert group["lr"] == 1e-6 and group["betas"] == (0.8, 0.9)
+    assert "drafter_training.lr 0.003 -> 1e-06" in caplog.text and "drafter_training.betas" in caplog.text
+    assert b.optimizer.state_dict()["state"]  # the moments came back
+    before = {k: v.clone() for k, v in b.head.state_dict().items() if v.is_floating_point()}
+    b.train_round(1, seqs, plens)
+    moved = max(float((b.head.state_dict()[k] - v).abs().max()) for k, v in before.items())
+    assert 0 < moved < 1e-4  # lr 1e-6 steps (lr 3e-3 moves the weights by ~1e-2)
+
+
+def test_the_window_keeps_copies_not_the_whole_round(target, tiny_head_dir, tmp_path):
+    seqs, plens, _ = _sequences(target, n=6, new=8, seed=7)
+    d = _drafter(target, tiny_head_dir, tmp_path, buffer=2)
+    d.train_round(0, seqs, plens)
+    assert len(d.window) == 2
+    for w in d.window:
+        for name in ("tokens", "features", "final", "argmax", "lse"):
+            t = getattr(w, name)
+            assert t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+
+
+def test_a_round_with_nothing_to_predict_does_not_move_the_head(target, tiny_head_dir, tmp_path):
+    seqs, plens, _ = _sequences(target, n=4, new=8, seed=8)
+    d = _drafter(target, tiny_head_dir, tmp_path, buffer=16)
+    d.train_round(0, seqs, plens)
+    m = d.train_round(1, [s[:p] for s, p in zip(seqs, plens)], plens)  # every completion empty
+    assert m["drafter_updates"] > 0 and "drafter_loss" in m  # the window still holds round 0's samples
+    assert "drafter_est_tau" not in m  # nothing fresh to score
+    d = _drafter(target, tiny_head_dir, tmp_path / "b", buffer=4)
+    d.train_round(0, seqs, plens)
+    before = {k: v.clone() for k, v in d.head.state_dict().items()}
+    d.window = []
+    m = d.train_round(1, [s[:p] for s, p in zip(seqs, plens)], plens)
+    assert m["drafter_updates"] == 0.0 and "drafter_loss" not in m and "drafter_est_tau" not in m
+    for name, v in d.head.state_dict().items():
+        assert torch.equal(v, before[name]), name
 
 
 def test_state_round_trip_continues_the_same_head(target, tiny_head_dir, tmp_path):
@@ -195,7 +266,7 @@ def test_a_non_finite_head_loss_stops_before_the_head_ships(target, tiny_head_di
 @pytest.mark.parametrize("values, field", [
     ({"every": -1}, "every"), ({"objective": "block"}, "objective"), ({"objective": "ce"}, "ce_weight"),
     ({"export_dtype": "int8"}, "export_dtype"), ({"lr": 0}, "lr"), ({"buffer": 0}, "buffer"),
-    ({"betas": [0.9]}, "betas"), ({"score_initial": "yes"}, "score_initial"),
+    ({"betas": [0.9]}, "betas"), ({"betas": [False, 0.9]}, "betas"), ({"score_initial": "yes"}, "score_initial"),
 ])
 def test_bad_settings_name_the_field(values, field):
     with pytest.raises(ConfigError) as err:
@@ -215,7 +286,8 @@ def _length_reward(text, answer, cfg=None) -> float:
     return float(len(text) % 3)  # uneven rewards: a policy gradient that is not 0
 
 
-def test_grpo_run_trains_ships_and_resumes_the_head(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray, monkeypatch):
+def test_grpo_run_trains_ships_and_resumes_the_head(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray, monkeypatch,
+                                                    capsys):
     from trainers.grpo.loop import GRPOTrainer
 
     monkeypatch.setattr("trainers.grpo.loop.answer_reward", _length_reward)
@@ -255,6 +327,21 @@ def test_grpo_run_trains_ships_and_resumes_the_head(tmp_path, tiny_policy_dir, t
     final_resumed = torch.load(tmp_path / "part" / "checkpoints" / "step_000002" / "drafter_training.pt")["head"]
     for name, v in final_full.items():
         assert torch.equal(v, final_resumed[name]), name
+    # resumed with the head's training off: the actors draft with model.drafter, and the run says so
+    path = write_config(tmp_path / "off.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "part", run={"steps": 3},
+                        rollout=settings["rollout"])
+    off = GRPOTrainer(load_train_config(path))
+    capsys.readouterr()
+    off.start()
+    try:
+        out = capsys.readouterr().out
+        assert "step_000002 holds the head trained so far" in out and "drafter_training.every 0" in out, out
+        held = off.pool._ray.get(off.pool.actors[0].head_weights.remote())
+        for name, v in held.items():
+            assert torch.equal(v, initial[name]), name
+    finally:
+        off.pool.shutdown()
+        off.logger.close()
 
 
 def test_the_pool_ships_the_head_files_so_actors_need_no_shared_folder(target, tiny_policy_dir, tiny_head_dir,

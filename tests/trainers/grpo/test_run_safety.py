@@ -302,3 +302,21 @@ def test_resume_restores_policy_optimizer_rng_and_version(tmp_path, tiny_policy_
     _policy_step(resumed)
     for name, value in resumed.policy.state_dict().items():
         torch.testing.assert_close(value, after_two[name], rtol=0, atol=1e-7, msg=name)
+
+
+def test_a_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_path, caplog):
+    """run_dir lets the optimizer's settings change on resume: the config's lr applies (torch's
+    load_state_dict alone would bring back the saved one), the moments are the saved ones."""
+    model, opt = _model_and_opt()
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    save_checkpoint(tmp_path, 1, model, opt, {"version": 1}, None)
+    fresh = _model_and_opt(seed=9)[0]
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-7, weight_decay=0.5)
+    with caplog.at_level("WARNING"):
+        load_checkpoint(tmp_path / "checkpoints" / "step_000001", fresh, fresh_opt)
+    group = fresh_opt.param_groups[0]
+    assert group["lr"] == 1e-7 and group["weight_decay"] == 0.5
+    assert "optim.lr" in caplog.text and "optim.weight_decay" in caplog.text
+    for a, b in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values()):
+        assert torch.equal(a["exp_avg"], b["exp_avg"])

@@ -49,6 +49,20 @@ def test_bad_config_exits_2_naming_the_field(tmp_path, tiny_policy_dir, tiny_hea
     assert not (tmp_path / "out").exists()  # refused before anything ran
 
 
+@pytest.mark.parametrize("argv", [[], ["--generation", "trl"]])
+def test_head_training_with_trls_own_generation_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir, capsys, argv):
+    """TRL's own generation drafts with no head: training one there would silently do nothing."""
+    from scripts.train_trl import main
+
+    run = {"generation": "ours" if argv else "trl"}
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out", run=run,
+                   rollout={"drafter_training": {"every": 1}})
+    assert main(["--config", str(path), *argv]) == 2
+    err = capsys.readouterr().err
+    assert "config field 'rollout.drafter_training.every'" in err and "(allowed: 0)" in err
+    assert not (tmp_path / "out").exists()
+
+
 def test_one_step_leaves_the_run_outputs(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
     from scripts.train_trl import main
 
@@ -73,16 +87,25 @@ def test_shipped_trl_config_validates():
     assert cfg.settings().drafter is not None and cfg.rollout.spec.mode == "chain"
 
 
-def test_the_heads_training_rounds_reach_the_metrics_and_the_summary(tmp_path, tiny_policy_dir, tiny_head_dir):
+def test_the_heads_training_rounds_reach_the_metrics_and_the_summary(tmp_path, tiny_policy_dir, tiny_head_dir,
+                                                                      monkeypatch):
+    """Row s holds the round after step s, as make run writes it: TRL logs it with the next step,
+    and the last step's (trained at the final checkpoint) only in its final log, which has no loss."""
     from scripts.train_trl import main
+    from trainers.grpo.online_drafter import OnlineDrafter
 
+    rounds = {}
+    original = OnlineDrafter.train_on_batch
+    monkeypatch.setattr(OnlineDrafter, "train_on_batch",
+                        lambda self, step, batch: rounds.setdefault(step + 1, original(self, step, batch)))
     out = tmp_path / "out"
     path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, out, run={"steps": 2},
-                   rollout={"drafter_training": {"every": 1, "updates": 1, "batch_size": 4}})
+                   rollout={"drafter_training": {"every": 1, "updates": 1, "batch_size": 4}},
+                   trl={"save_strategy": "steps", "save_steps": 2})
     assert main(["--config", str(path)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in rows] == [1, 2]
-    assert "drafter_est_tau" not in rows[0]  # no round before the first generation
-    for key in ("drafter_est_tau", "drafter_est_tau_initial", "drafter_loss", "drafter_s", "drafter_features_s"):
-        assert key in rows[1], key
+    assert [r["step"] for r in rows] == [1, 2] and sorted(rounds) == [1, 2]  # one row per step
+    for row in rows:
+        for key in ("drafter_est_tau", "drafter_est_tau_initial", "drafter_loss", "drafter_s", "drafter_features_s"):
+            assert row[key] == pytest.approx(rounds[row["step"]][key]), (row["step"], key)
     assert rows[1]["drafter_est_tau"] >= 1 and "head tau" in (out / "summary.md").read_text()

@@ -40,7 +40,7 @@ class Recording:
 
 
 def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, correction=None, steps=2,
-             placement="local", reload_every=0, spec=None, drafter_training=None, **args):
+             placement="local", reload_every=0, spec=None, drafter_training=None, eval_prompts=None, **args):
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -65,6 +65,7 @@ def _trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, c
                                threads_per_actor=1, threads=2)
     return Trainer(model=model, reward_funcs=_reward, args=GRPOConfig(**kw),
                    train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]), processing_class=tok,
+                   eval_dataset=Dataset.from_list([{"prompt": p} for p in eval_prompts]) if eval_prompts else None,
                    rollouts=settings, correction=correction or CorrectionConfig(mode="token_tis", cap=2.0))
 
 
@@ -222,6 +223,111 @@ def test_draft_head_trains_with_the_policy_and_resumes(tmp_path, tiny_policy_dir
     for name, v in resumed.rollouts.drafter.head.state_dict().items():
         assert torch.equal(v, saved["head"][name]), name
     assert loads[-1] == str(tmp_path / "r" / "out" / "drafter")  # the restored head is the one drafting
+
+
+def test_an_evaluation_is_not_the_heads_training_batch(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
+    """With num_iterations 2 one generation serves steps 1 and 2, and the evaluation after step 1
+    generates in between: the round after step 2 still trains on the training generation."""
+    from trainers.grpo.online_drafter import OnlineDrafter
+    from trainers.trl.rollouts import SpeculativeRollouts
+
+    generations, trained = [], []
+    call, train_on_batch = SpeculativeRollouts.__call__, OnlineDrafter.train_on_batch
+
+    def generating(self, prompts, trainer):
+        out = call(self, prompts, trainer)
+        generations.append((trainer.model.training, self.last_batch))
+        return out
+
+    monkeypatch.setattr(SpeculativeRollouts, "__call__", generating)
+    monkeypatch.setattr(OnlineDrafter, "train_on_batch",
+                        lambda self, step, batch: (trained.append(batch), train_on_batch(self, step, batch))[1])
+    evals = [[{"role": "user", "content": f"Name {i + 2} colours."}] for i in range(2)]
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=2, eval_prompts=evals,
+                       drafter_training={"every": 1, "updates": 1, "batch_size": 4}, num_iterations=2,
+                       eval_strategy="steps", eval_steps=1, per_device_eval_batch_size=4)
+    trainer.train()
+    modes = [training for training, _ in generations]
+    assert modes[:2] == [True, False] and True not in modes[1:], modes  # one training generation, then evaluations
+    assert len(trained) == 2 and all(b is generations[0][1] for b in trained)
+    assert trainer.rollouts.last_batch is generations[-1][1]  # the metrics still describe the evaluation's
+
+
+def test_generation_seeds_continue_after_a_resume(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
+    """The rollouts' generation count is checkpointed (without a trained head too): a resumed run
+    draws the seeds the uninterrupted one drew, not its first steps' again."""
+    import json
+
+    from rollout.backend import HFBackend
+
+    seeds = []
+    original = HFBackend.generate
+    monkeypatch.setattr(HFBackend, "generate",
+                        lambda self, *a, **kw: (seeds.append(kw["seed"]), original(self, *a, **kw))[1])
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=3, save_strategy="steps", save_steps=2)
+    trainer.train()
+    uninterrupted, seeds[:] = list(seeds), []
+    assert len(set(uninterrupted)) == 3
+    ckpt = tmp_path / "out" / "checkpoint-2"
+    assert json.loads((ckpt / "speculative_rollouts.json").read_text()) == {"generations": 2}
+    resumed = _trainer(tmp_path / "r", tiny_policy_dir, tiny_head_dir, steps=3)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    assert seeds == uninterrupted[2:]
+
+
+def test_a_resume_reports_a_trained_head_it_lacks_or_does_not_use(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    online = {"every": 1, "updates": 1, "batch_size": 4}
+    _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=1, drafter_training=online, save_strategy="steps",
+             save_steps=1).train()
+    ckpt = tmp_path / "out" / "checkpoint-1"
+    capsys.readouterr()
+    _trainer(tmp_path / "a", tiny_policy_dir, tiny_head_dir, steps=1).train(resume_from_checkpoint=str(ckpt))
+    out = capsys.readouterr().out
+    assert ("note: checkpoint-1 holds the head trained so far (drafter_training.pt); with drafter_training.every 0 "
+            f"the rollouts draft with the configured head ({tiny_head_dir}) instead") in out, out
+    assert "warning" not in out
+    (ckpt / "drafter_training.pt").unlink()
+    (ckpt / "speculative_rollouts.json").unlink()
+    resumed = _trainer(tmp_path / "b", tiny_policy_dir, tiny_head_dir, steps=1, drafter_training=online)
+    resumed.train(resume_from_checkpoint=str(ckpt))
+    out = capsys.readouterr().out
+    assert ("warning: checkpoint-1 holds no trained head (drafter_training.pt): drafter_training starts again from "
+            f"the configured head ({tiny_head_dir})") in out, out
+    assert "warning: checkpoint-1 holds no speculative_rollouts.json: the generation seeds start again" in out
+    assert resumed.rollouts.trained_step == 0 and "note" not in out
+
+
+def test_our_checkpoint_state_is_written_whole_and_before_trls(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
+    """A kill inside TRL's checkpoint leaves ours complete; a failed write keeps the previous file."""
+    from trl import GRPOTrainer
+
+    class Killed(Exception):
+        pass
+
+    def killed(self, model, trial):
+        raise Killed
+
+    monkeypatch.setattr(GRPOTrainer, "_save_checkpoint", killed)
+    trainer = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=1, save_strategy="steps", save_steps=1,
+                       drafter_training={"every": 1, "updates": 1, "batch_size": 4})
+    with pytest.raises(Killed):
+        trainer.train()
+    ckpt = tmp_path / "out" / "checkpoint-1"
+    assert sorted(p.name for p in ckpt.iterdir()) == ["drafter_training.pt", "speculative_rollouts.json"]
+    saved = torch.load(ckpt / "drafter_training.pt", weights_only=False)
+    assert saved["trained_step"] == 1
+
+    def torn(obj, f, *args, **kwargs):
+        with open(f, "wb") if isinstance(f, (str, os.PathLike)) else f as out:
+            out.write(b"torn")
+        raise OSError("disk full")
+
+    monkeypatch.setattr(torch, "save", torn)
+    with pytest.raises(OSError, match="disk full"):
+        trainer._save_checkpoint(trainer.model, None)
+    monkeypatch.undo()
+    again = torch.load(ckpt / "drafter_training.pt", weights_only=False)  # the previous file, whole
+    assert again["trained_step"] == 1 and again["rounds"] == saved["rounds"]
 
 
 def test_head_training_and_reloading_are_exclusive():
