@@ -23,7 +23,9 @@ law`` rejection towards its law, ``block`` as a block). Greedy chains and top-k 
 over deterministic candidates (``verify_candidates`` node by node); sampled trees the walk over
 sampled candidates (``rollout.sampled_tree``; with ``block``, ``walk_block``). Randomness: one
 ``torch.Generator`` seeded per call drives the drafts and the verifier, so a call is
-deterministic given its seed (and the batch composition).
+deterministic given its seed (and the batch composition), except under ``spec.max_batch: auto``,
+whose per-round choice of drafting follows measured wall-clock costs (the law of each token is
+the same either way; which draws it takes is not).
 """
 
 from __future__ import annotations

@@ -82,8 +82,11 @@ def speculative_config(spec: SpecConfig, head_dir: str | None, max_num_seqs: int
     return cfg
 
 
-def decode_completion(prompt: list[int], out) -> Completion:
-    """One vLLM CompletionOutput (flat log-probs, >= 1 columns) as our Completion."""
+def decode_completion(prompt: list[int], out, greedy: bool = False) -> Completion:
+    """One vLLM CompletionOutput (flat log-probs, >= 1 columns) as our Completion. ``greedy``
+    (T = 0): a token of vLLM's plain sampler is its argmax, P = p = one-hot, so it records 0 as
+    behaviour and target log-prob, as the hf engine and our verifier do (vLLM's column holds
+    log softmax of the raw logits there)."""
     ids = list(out.token_ids)
     lp = out.logprobs
     if lp is None or len(lp.start_indices) != len(ids):
@@ -97,7 +100,9 @@ def decode_completion(prompt: list[int], out) -> Completion:
         code = decode_rank(lp.ranks[s])
         beh.append(float(lp.logprobs[s]))
         if code is None:  # vLLM's plain sampler: a bonus token, P = p
-            tgt.append(float(lp.logprobs[s]))
+            if greedy:
+                beh[-1] = 0.0
+            tgt.append(beh[-1])
             kinds.append(BONUS)
             relaxed.append(False)
         else:
@@ -235,7 +240,8 @@ class VLLMBackend:
         start = time.perf_counter()
         self.configure(verifier, seed, self.record)
         outs = self.generate_raw(prompts, sampling, seed)
-        completions = [decode_completion(p, o.outputs[0]) for p, o in zip(prompts, outs)]
+        completions = [decode_completion(p, o.outputs[0], greedy=sampling.temperature == 0)
+                       for p, o in zip(prompts, outs)]
         t = Timings(total_s=time.perf_counter() - start)
         for c in completions:
             rounds = c.step_emitted[1:]  # the first token came from the prefill
@@ -250,13 +256,23 @@ class VLLMBackend:
     def set_weights(self, state_dict: Mapping[str, torch.Tensor] | None, version: int) -> int:
         """Load new policy weights into every worker (``collective_rpc`` + the model's
         ``load_weights``, Hugging Face names), then drop the prefix cache (its KV came from the
-        old weights). None: only the version moves (nothing shares vLLM's parameters)."""
-        if state_dict is not None:
-            from rollout.vllm.weights import load_policy_worker
+        old weights). The dict must hold every weight of the target's checkpoint (and
+        ``lm_head.weight`` when the embedding is tied): vLLM's reload only logs a missing one and
+        keeps serving its old value (on the CPU a tied lm_head keeps its old packed copy), so a
+        partial dict is refused here. None is refused too: nothing shares vLLM's parameters."""
+        if state_dict is None:
+            raise ValueError("the vllm backend holds its own copy of the policy: set_weights needs its state dict "
+                             "(None only moves the version of a backend that shares the trainer's parameters)")
+        from rollout.vllm.weights import expected_weight_names, load_policy_worker
 
-            tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
-            self.llm.collective_rpc(load_policy_worker, args=(tensors,))
-            self.llm.reset_prefix_cache()
+        missing = sorted(expected_weight_names(self.model_dir, self.target_cfg) - set(state_dict))
+        if missing:
+            raise ValueError(f"set_weights: the state dict lacks {len(missing)} of the target's weights "
+                             f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); vLLM would keep "
+                             "serving their old values")
+        tensors = {k: v.detach().to("cpu").contiguous() for k, v in state_dict.items()}
+        self.llm.collective_rpc(load_policy_worker, args=(tensors,))
+        self.llm.reset_prefix_cache()
         self._version = int(version)
         return self._version
 

@@ -62,7 +62,11 @@ def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_m
         t = temperature.clamp(min=1e-5)
         q = torch.cat([torch.softmax(draft_logits[int(i), :k].float() / t[r], -1)
                        for r, (i, k) in enumerate(zip(idx_mapping.tolist(), ks)) if k])
-    drafts = verify_draft_sampled[~is_first].clamp(min=0)  # a -1 placeholder draft is never accepted by p
+    drafts = verify_draft_sampled[~is_first]
+    if bool((drafts < 0).any()):  # vLLM's own kernel rejects these; our walk would treat them as a token
+        raise RuntimeError("vLLM passed placeholder drafts (-1: a request still in a remote prefill, or a draft "
+                           "a grammar refused); the plug-in does not support prefill/decode disaggregation or "
+                           "structured outputs")
     out = verify_flat(STATE.rule, ks, logits.float(), rows[~is_last], last, drafts, q, temperature,
                              _states(self.sampler, "top_k", idx_mapping), _states(self.sampler, "top_p", idx_mapping),
                              generator_for(dev), STATE.record, STATE.test)

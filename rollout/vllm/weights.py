@@ -22,6 +22,28 @@ def _runner(worker):
     return runner
 
 
+def expected_weight_names(model_dir: str | Path, config: dict) -> set[str]:
+    """The weight names of the target's checkpoint in ``model_dir`` (safetensors headers, one
+    file or an index), plus ``lm_head.weight`` when ``config`` ties it to the embedding: what a
+    policy update must send (vLLM's reload leaves any other name as it was)."""
+    import json
+
+    folder = Path(model_dir)
+    index = folder / "model.safetensors.index.json"
+    if index.is_file():
+        names = set(json.loads(index.read_text())["weight_map"])
+    else:
+        from safetensors import safe_open
+
+        names = set()
+        for f in sorted(folder.glob("*.safetensors")):
+            with safe_open(str(f), "pt") as handle:
+                names.update(handle.keys())
+    if config.get("tie_word_embeddings", False):
+        names.add("lm_head.weight")
+    return names
+
+
 def load_policy_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
     """``collective_rpc``: reload the policy's weights in place (vLLM's layerwise reload: the
     CPU kernels repack weights after loading, so a bare ``load_weights`` cannot be used)."""

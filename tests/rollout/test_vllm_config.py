@@ -175,7 +175,40 @@ def test_decode_completion_reads_the_log_prob_channel():
     assert c.step_emitted == [1, 3, 1] and c.finish_reason == "stop"
 
 
+def test_decode_completion_at_t0_records_the_plain_samplers_tokens_as_certain():
+    """At T = 0 vLLM's plain sampler emits the argmax (P = p = one-hot: log-prob 0) but reports
+    log softmax of the raw logits; our verifier's tokens keep what it wrote (0 at T = 0)."""
+    out = _flat([5, 6, 7], [-0.5, -0.25, 0.0], [-9.0, -0.25, 0.0], [None, 0, None], [False, False, False])
+    c = decode_completion([1], out, greedy=True)
+    assert c.behaviour_logprobs == [0.0, -0.25, 0.0] and c.target_logprobs == [0.0, -0.25, 0.0]
+    assert decode_completion([1], out).behaviour_logprobs == [-0.5, -0.25, 0.0]  # T > 0: as vLLM reports
+
+
 def test_decode_completion_refuses_a_missing_channel():
     out = SimpleNamespace(token_ids=[1, 2], logprobs=None, finish_reason="length")
     with pytest.raises(RuntimeError, match="log-prob positions"):
         decode_completion([0], out)
+
+
+def test_set_weights_refuses_a_partial_state_dict_and_none(tiny_policy_dir):
+    """vLLM's reload only logs a weight it did not get and keeps serving the old one (a tied
+    lm_head keeps its old packed copy on the CPU): a dict without every checkpoint weight, or
+    without lm_head.weight where the embedding is tied, is refused before anything is sent."""
+    import json
+
+    from transformers import AutoModelForCausalLM
+
+    calls = []
+    be = VLLMBackend.__new__(VLLMBackend)
+    be.model_dir, be._version = str(tiny_policy_dir), 0
+    be.target_cfg = {**json.loads((tiny_policy_dir / "config.json").read_text()), "tie_word_embeddings": True}
+    be.llm = SimpleNamespace(collective_rpc=lambda fn, args: calls.append(args[0]), reset_prefix_cache=lambda: None)
+    full = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir)).state_dict()
+    assert "lm_head.weight" in full
+    assert be.set_weights(full, 3) == 3 and set(calls[0]) == set(full)
+    for drop in ("lm_head.weight", "model.layers.0.self_attn.k_proj.weight"):
+        with pytest.raises(ValueError, match=f"lacks 1 of the target's weights \\({drop}\\)"):
+            be.set_weights({k: v for k, v in full.items() if k != drop}, 4)
+    with pytest.raises(ValueError, match="needs its state dict"):
+        be.set_weights(None, 5)
+    assert len(calls) == 1 and be.version == 3

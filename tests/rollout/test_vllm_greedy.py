@@ -58,3 +58,16 @@ def test_lossy_behaviour_logprobs_equal_the_candidate_closed_form(backend, promp
     check_closed_form(verifier.rule(), records, batch)
     if name == "mars":
         assert batch.relaxed.any()
+
+
+def test_at_t0_every_token_records_log_prob_zero(backend, prompt):
+    """T = 0: each token is certain (P = p = one-hot), the first one from vLLM's plain sampler
+    included (vLLM reports log softmax of the raw logits there; the backend records 0)."""
+    from rollout.params import SamplingParams as SP
+
+    batch = backend.generate([prompt] * 2, sampling=SP(temperature=0.0, max_new_tokens=16), spec=SPEC,
+                             verifier=VerifierConfig("lossless", {}), seed=3)
+    mask = batch.completion_mask.bool()
+    assert mask.sum() >= 16
+    assert (batch.behaviour_logprobs[mask] == 0).all(), batch.behaviour_logprobs
+    assert (batch.target_logprobs[mask] == 0).all(), batch.target_logprobs

@@ -36,3 +36,14 @@ def test_a_group_of_identical_prompts_samples_apart_and_a_seed_repeats(backend, 
     assert len(set(first)) >= 6, first  # one seed for every row would make all 8 the same
     assert rows(3) == first
     assert rows(4) != first
+
+
+def test_at_t0_every_token_records_log_prob_zero(backend, prompt):
+    """T = 0: vLLM's sampler emits the argmax (P = p = one-hot) but reports log softmax of the raw
+    logits for it; the backend records 0, as the hf engine does."""
+    batch = backend.generate([prompt] * 2, sampling=SamplingParams(temperature=0.0, max_new_tokens=12),
+                             spec=SpecConfig(mode="off"), verifier=VerifierConfig(), seed=3)
+    mask = batch.completion_mask.bool()
+    assert mask.sum() >= 12 and batch.completion_lists()[0] == batch.completion_lists()[1]
+    assert (batch.behaviour_logprobs[mask] == 0).all(), batch.behaviour_logprobs
+    assert (batch.target_logprobs[mask] == 0).all(), batch.target_logprobs

@@ -46,3 +46,24 @@ def test_v2_verify_matches_verify_chain_per_request():
     assert num_sampled.tolist() == exp.num_emitted.tolist()
     lp = plugin_v2._LAST["out"]
     torch.testing.assert_close(lp["behaviour"], exp.behaviour_logprobs, atol=1e-5, rtol=0)
+
+
+def test_v2_refuses_placeholder_drafts():
+    """vLLM V2 marks a draft slot -1 (a request in a remote prefill, a grammar-refused draft); the
+    walk must not treat it as token 0 and verify the next row against the wrong context."""
+    import pytest
+
+    r = 2
+    idx_mapping = torch.tensor([0, 1])
+    logits = torch.randn(r * (K + 1), V)
+    draft_logits = torch.randn(2, K, V)
+    inputs = torch.tensor([4, 1, 2, 3, 4, 1, -1, -1])
+    cu = torch.arange(r + 1) * (K + 1)
+    self = SimpleNamespace(sampler=_sampler(torch.full((2,), 0.9)), num_speculative_steps=K)
+    verify.STATE.rule, verify.STATE.generator, verify.STATE.seed, verify.STATE.record = get_rule("lossless"), None, 3, None
+    try:
+        with pytest.raises(RuntimeError, match="placeholder drafts"):
+            plugin_v2._verify(self, logits, draft_logits, inputs, None, cu, idx_mapping, idx_mapping.numpy(), None,
+                              None, None, inputs)
+    finally:
+        verify.STATE.rule = None

@@ -26,6 +26,12 @@ Vocabulary:
 
 Everything is computed in log space (float64): sequence products of thousands of tokens
 neither overflow nor underflow before truncation or the bound test. Weights are detached.
+
+A token outside the trainer's support (logp_old = -inf: with ``top_p``/``top_k`` the trainer
+cuts the distribution with its own logits, and a token at the cut's edge that the rollout's
+slightly different logits kept can fall outside it) has pi_old(y) / P(y) = 0: weight 0 and
+masked in every mode (in the sequence modes its sequence's product is 0 too), left out of the
+drift statistics (KL(P || pi) is infinite there) and counted as ``is_outside_support_frac``.
 Support that P does not cover (pi(y) > 0 where P(y) = 0) cannot be corrected by any
 weight; it shows up only as missing mass (the drift study's uncovered mass, ``trainers.drift``).
 """
@@ -67,6 +73,8 @@ def _check(logp_old, behaviour_logp, mask):
     valid = mask.bool()
     for name, t in (("logp_old", logp_old), ("behaviour_logp", behaviour_logp)):
         bad = valid & ~torch.isfinite(t)
+        if name == "logp_old":
+            bad &= t != -math.inf  # outside the trainer's support: a weight of 0 (module doc)
         if bad.any():
             row, col = (int(i) for i in bad.nonzero()[0])
             raise ValueError(f"{name} is not finite at a valid token (row {row}, position {col})")
@@ -87,6 +95,7 @@ def importance_weights(logp_old: torch.Tensor, behaviour_logp: torch.Tensor, mas
     """
     _check(logp_old, behaviour_logp, mask)
     valid = mask.bool()  # [N, T]
+    inside = valid & (logp_old != -math.inf)  # outside: pi_old(y) = 0, so log r = -inf
     log_r = torch.where(valid, logp_old.detach().double() - behaviour_logp.detach().double(),
                         torch.zeros((), dtype=torch.float64))  # [N, T]
     log_cap = math.log(cfg.cap)
@@ -106,8 +115,10 @@ def importance_weights(logp_old: torch.Tensor, behaviour_logp: torch.Tensor, mas
             counts = valid.sum(dim=1, keepdim=True).clamp(min=1)  # [N, 1]
             geo_log_r = seq_log_r / counts  # [N, 1]
             log_w, keep = log_r.clamp(max=log_cap), valid & _in_bounds(geo_log_r, cfg)
+    keep = keep & inside
     # exp only where kept: a masked sequence's product may be huge, and is never used
     weights = torch.where(keep, torch.exp(torch.where(keep, log_w, 0.0)), 0.0)  # [N, T]
     stats = weight_stats(weights, keep, valid)
-    stats.update(drift_stats(log_r, valid))
+    stats.update(drift_stats(log_r, inside))
+    stats["is_outside_support_frac"] = float((valid & ~inside).sum()) / max(int(valid.sum()), 1)
     return weights.to(logp_old.dtype), keep, stats

@@ -103,7 +103,7 @@ class GRPOTrainer:
                 self.drafter.load_state_dict(torch.load(ckpt / f"{STATE_FILE}.pt", weights_only=False))
                 drafter = self.drafter.export()
             elif ckpt is not None:
-                print(f"note: {ckpt.name} holds no trained head ({STATE_FILE}.pt): drafter_training starts "
+                print(f"warning: {ckpt.name} holds no trained head ({STATE_FILE}.pt): drafter_training starts "
                       f"again from {drafter}", flush=True)
         elif trained:
             print(f"note: {ckpt.name} holds the head trained so far ({ckpt / 'drafter'}); with "
@@ -210,7 +210,8 @@ class GRPOTrainer:
         self.version += 1
         self.pool.set_weights(self.policy.state_dict(), self.version)
         weights, _, is_stats = importance_weights(logp_old, behaviour, mask, c.correction)
-        stale = ((logp_old - target_lp).abs() * mask).max().item() if mask.any() else 0.0
+        inside = mask.bool() & torch.isfinite(logp_old)  # (outside the trainer's top-p/top-k: is_outside_support_frac)
+        stale = (logp_old - target_lp).abs()[inside].max().item() if inside.any() else 0.0
         metrics = dict(is_stats, loss=loss_sum, grad_norm=float(grad_norm), clip_frac=clip_frac,
                        relaxed_frac=relaxed_fraction(relaxed, mask), rollout_vs_trainer_logp_max=stale)
         return metrics, _records(outs, behaviour, target_lp, logp_old, relaxed, weights)

@@ -118,23 +118,27 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
     Per token: max(-A r, -A clip(r, 1 - clip_low, 1 + clip_high)) * w + kl_coef * k3,
     with r = exp(logp_new - logp_old) and w = is_weights (detached; 1 when None).
     Shapes: logp_new, logp_old, mask, is_weights, ref_logp [N, T]; advantages [N].
+    A valid token with logp_old = -inf (outside the policy's top-p/top-k support,
+    ``trainers.grpo.correction``) has no ratio: its term is 0 (it stays in the denominator,
+    as a masked token does).
     """
     _check_inputs(logp_new, logp_old, advantages, mask, is_weights, ref_logp, aggregation)
     if clip_low < 0 or clip_low >= 1 or clip_high < 0:
         raise ValueError(f"need 0 <= clip_low < 1 and clip_high >= 0, got {clip_low}, {clip_high}")
     valid = mask.bool()  # [N, T]
-    log_ratio = torch.where(valid, logp_new - logp_old.detach(), 0.0)  # padding: no overflow, no NaN
+    scored = valid & (logp_old != float("-inf"))  # the tokens with a ratio
+    log_ratio = torch.where(scored, logp_new - logp_old.detach(), 0.0)  # padding: no overflow, no NaN
     ratio = torch.exp(log_ratio)  # [N, T]
     adv = advantages.detach().to(logp_new.dtype).unsqueeze(1)  # [N, 1]
     unclipped = -adv * ratio
     clipped = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
-    pg = torch.maximum(unclipped, clipped)  # [N, T]
+    pg = torch.where(scored, torch.maximum(unclipped, clipped), 0.0)  # [N, T]
     if is_weights is not None:
         pg = pg * is_weights.detach().to(pg.dtype)
     per_token = pg
     kl = None
     if ref_logp is not None and kl_coef > 0:
-        delta = torch.where(valid, ref_logp.detach() - logp_new, 0.0)
+        delta = torch.where(scored, ref_logp.detach() - logp_new, 0.0)
         kl = torch.exp(delta) - delta - 1.0  # [N, T], k3 >= 0
         per_token = per_token + kl_coef * kl
     loss = _aggregate(per_token, valid, aggregation)
@@ -143,10 +147,10 @@ def policy_loss(logp_new: torch.Tensor, logp_old: torch.Tensor, advantages: torc
         stats = {
             "loss": loss.item(),
             "pg_loss": _aggregate(pg, valid, aggregation).item(),
-            "clip_frac": ((clipped > unclipped) & valid).sum().item() / n,
-            "ratio_mean": ratio[valid].sum().item() / n,
-            "ratio_min": ratio[valid].min().item() if valid.any() else 1.0,
-            "ratio_max": ratio[valid].max().item() if valid.any() else 1.0,
+            "clip_frac": ((clipped > unclipped) & scored).sum().item() / n,
+            "ratio_mean": ratio[scored].sum().item() / max(int(scored.sum()), 1),
+            "ratio_min": ratio[scored].min().item() if scored.any() else 1.0,
+            "ratio_max": ratio[scored].max().item() if scored.any() else 1.0,
             "kl_ref": _aggregate(kl, valid, aggregation).item() if kl is not None else 0.0,
         }
     return loss, stats

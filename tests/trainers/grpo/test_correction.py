@@ -330,3 +330,59 @@ def test_relaxed_flags_on_padding_do_not_count():
     mask = torch.tensor([[1, 0, 0], [1, 1, 0]], dtype=torch.bool)
     assert relaxed_fraction(relaxed, mask) == pytest.approx(2 / 3)
     assert relaxed_fraction(~relaxed, mask) == pytest.approx(1 / 3)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_a_token_outside_the_trainers_support_gets_weight_zero(mode):
+    """logp_old = -inf (the trainer's top-p cut, from its own logits, left out a token the rollout
+    kept): pi_old(y) / P(y) = 0, never a crash, and the loss and its gradient stay finite."""
+    cfg = CorrectionConfig(mode=mode)
+    behaviour = torch.full((2, 3), -1.0)
+    old = torch.full((2, 3), -1.1)
+    old[1, 1] = -math.inf
+    mask = torch.ones(2, 3, dtype=torch.bool)
+    w, keep, stats = importance_weights(old, behaviour, mask, cfg)
+    assert w[1, 1] == 0 and not keep[1, 1]
+    if mode in ("seq_tis", "seq_mis"):  # the sequence's product is 0
+        assert not w[1].any()
+    else:
+        assert torch.equal(w[0], importance_weights(old[:1], behaviour[:1], mask[:1], cfg)[0][0])
+    assert stats["is_outside_support_frac"] == pytest.approx(1 / 6)
+    assert all(math.isfinite(v) for v in stats.values()), stats
+    new = old.clone().requires_grad_(True)
+    loss, pg = policy_loss(new, old, torch.tensor([1.0, -1.0]), mask, is_weights=w,
+                           ref_logp=torch.full((2, 3), -1.0), kl_coef=0.1)
+    loss.backward()
+    assert math.isfinite(loss.item()) and torch.isfinite(new.grad).all() and new.grad[1, 1] == 0
+    assert all(math.isfinite(v) for v in pg.values()), pg
+    nan = old.clone()
+    nan[0, 2] = math.nan
+    with pytest.raises(ValueError, match=r"logp_old .*row 0, position 2"):
+        importance_weights(nan, behaviour, mask, cfg)
+
+
+def test_the_trainers_top_p_logprob_of_a_cut_token_is_corrected_not_fatal():
+    """End to end on a real model: a token the trainer's top-p leaves out gets log pi = -inf from
+    ``completion_logprobs``, weight 0 here, and a finite loss and gradient."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trainers.grpo.policy import completion_logprobs
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=2, num_key_value_heads=1))
+    prompt = [[3, 4, 5]]
+    with torch.no_grad():
+        probs = torch.softmax(model(torch.tensor(prompt)).logits[0, -1], -1)
+    ranked = probs.argsort(descending=True)
+    with torch.no_grad():
+        after = int(model(torch.tensor([prompt[0] + [int(ranked[1])]])).logits[0, -1].argmax())
+    outs = [[int(ranked[1]), after]]  # the runner-up (outside a top-p that keeps the top token alone), a top token
+    logp, mask = completion_logprobs(model, prompt, outs, temperature=1.0, top_p=float(probs[ranked[0]]) * 0.999,
+                                     share_prompts=False)
+    assert logp[0, 0].item() == -math.inf and math.isfinite(logp[0, 1].item())
+    w, keep, stats = importance_weights(logp.detach(), torch.full_like(logp, -4.0), mask, CorrectionConfig())
+    loss, _ = policy_loss(logp, logp.detach(), torch.tensor([1.0]), mask, is_weights=w)
+    loss.backward()
+    assert math.isfinite(loss.item()) and w[0, 0] == 0 and stats["is_outside_support_frac"] == 0.5
+    assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
