@@ -52,10 +52,13 @@ vllm-venv: $(VLLM_VENV)/.installed
 
 # the real engine: one vLLM engine start per test module (tens of seconds each)
 test-vllm: $(VLLM_VENV)/.installed
-	VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VBIN)/python -m pytest -q -m vllm tests
+	VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VBIN)/python -m pytest -q -m "vllm and not slow" tests
 
+# the long tests; the vllm-marked ones among them in the vLLM venv when it has vLLM
 test-slow: $(VENV)/.installed
 	$(BIN)/python -m pytest -q -m slow tests
+	@if [ -x $(VBIN)/python ] && $(VBIN)/python -c 'import vllm' >/dev/null 2>&1; then \
+		VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VBIN)/python -m pytest -q -m "slow and vllm" tests; fi
 
 bench: $(VENV)/.installed
 	$(BIN)/python -m scripts.bench_verifiers

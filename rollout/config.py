@@ -125,6 +125,10 @@ def check_leaf(path: str, tp: Any, value: Any) -> None:
         if isinstance(value, bool) or not isinstance(value, int):
             raise ConfigError(path, f"must be an integer, got {_describe(value)}")
     elif tp is str:
+        if isinstance(value, bool):  # YAML 1.1: unquoted off/on/yes/no/true/false are booleans
+            word = "off" if value is False else "on"
+            raise ConfigError(path, f"must be a string, got {_describe(value)} (YAML reads an unquoted {word}, "
+                              f"yes, no, true or false as a boolean: quote it, e.g. '{word}')")
         if not isinstance(value, str):
             raise ConfigError(path, f"must be a string, got {_describe(value)}")
     elif tp is bool:

@@ -76,6 +76,15 @@ def _plan(head) -> tuple | None:
     return plan
 
 
+def _fits_cache(plan: tuple, keys: torch.Tensor, values: torch.Tensor, b: int, length: int) -> bool:
+    """Whether the draft cache's ``keys`` and ``values`` are contiguous float32 CPU buffers of one shape
+    ``[b, the head's kv heads, >= length, head size]`` (the kernels write and read both with the
+    keys' strides)."""
+    return (keys.dtype == values.dtype == torch.float32 and keys.device.type == values.device.type == "cpu"
+            and keys.is_contiguous() and values.is_contiguous() and keys.shape == values.shape and keys.dim() == 4
+            and keys.shape[0] == b and (keys.shape[1], keys.shape[3]) == plan[10:12] and length <= keys.shape[2])
+
+
 def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, mask: torch.Tensor,
          keys: torch.Tensor, values: torch.Tensor, slot0: int,
          logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor] | None:
@@ -99,8 +108,7 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
     if not (hidden.shape[:2] == (b, t) and hidden.shape[2] in (h, 3 * head.cfg.target_hidden_size)
             and hidden.dtype == torch.float32 and hidden.device.type == "cpu"
             and not torch.is_grad_enabled() and b * t <= native_linear.max_rows()
-            and keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
-            and keys.shape[0] == b and length <= keys.shape[2] and mask.shape == (b, t, length)
+            and _fits_cache(plan, keys, values, b, length) and mask.shape == (b, t, length)
             and mask.dtype == torch.bool and mask.stride(-1) == 1
             and head.embed_tokens.weight.dtype == torch.float32):
         return None
@@ -110,9 +118,9 @@ def step(head, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tens
     hidden = (head.fc(hidden) if hidden.shape[2] != h else hidden).contiguous()
     cos, sin = (x.contiguous() for x in head.rotary.tables(positions))  # [B, T, d], as the forward's
     slots = (slot0 + torch.arange(t)).expand(b, t).contiguous()
-    out = torch.empty(b, t, h)
-    scores = torch.empty(b, t, vocab) if logits else None
-    scratch = torch.empty(lib.hr_draft_layer_scratch(b * t, h, n_q, n_kv, d, inter))
+    out = torch.empty(b, t, h, dtype=torch.float32)  # (float32 whatever the default dtype: the kernel writes floats)
+    scores = torch.empty(b, t, vocab, dtype=torch.float32) if logits else None
+    scratch = torch.empty(lib.hr_draft_layer_scratch(b * t, h, n_q, n_kv, d, inter), dtype=torch.float32)
     ks, ms = keys.stride(), mask.stride()
     status = lib.hr_draft_layer(emb.data_ptr(), hidden.data_ptr(), out.data_ptr(), b, t, h, w_in, w_hid, w_post, eps,
                                 p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, cos.data_ptr(),
@@ -154,26 +162,26 @@ def chain(head, logits: torch.Tensor, hidden: torch.Tensor, k: int, temperature:
     table = head.embed_tokens.weight
     if not (k >= 1 and hidden.shape == (b, h) and hidden.dtype == logits.dtype == torch.float32
             and (greedy or (uniforms.shape == (k, b) and uniforms.dtype == torch.float64))
-            and draft_ids.shape == (vocab,) and draft_ids.dtype == torch.int64
+            and draft_ids.shape == (vocab,) and draft_ids.dtype == torch.int64 and draft_ids.device.type == "cpu"
             and committed.shape == (b, slot0) and committed.dtype == torch.bool
             and positions.shape == (k - 1, b) and logits.device.type == hidden.device.type == "cpu"
             and not torch.is_grad_enabled() and b <= native_linear.max_rows()
-            and keys.dtype == torch.float32 and keys.is_contiguous() and values.is_contiguous()
-            and keys.shape[0] == b and length <= keys.shape[2]
+            and _fits_cache(plan, keys, values, b, length)
             and table.dtype == torch.float32 and table.is_contiguous() and vocab == plan[15]):
         return None
     (w_in, w_hid, w_post, eps, p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, w_norm, p_lm, _,
      logit_scale, _) = plan
-    out = torch.empty(b, k, vocab)
+    out = torch.empty(b, k, vocab, dtype=torch.float32)
     out[:, 0] = logits
     ids = torch.empty(b, k, dtype=torch.int64)
     hid = hidden.clone(memory_format=torch.contiguous_format)  # written in place by the call
     mask = torch.cat([committed, torch.ones(b, k, dtype=torch.bool)], 1).contiguous()  # [B, slot0 + k]
     cos, sin = (x.contiguous() for x in head.rotary.tables(positions))  # [k - 1, B, d]
     u = None if greedy else uniforms.contiguous()
-    scratch = torch.empty(lib.hr_draft_chain_scratch(b, h, n_q, n_kv, d, inter, vocab))
+    id_map = draft_ids.contiguous()  # (read as [Vd] contiguous)
+    scratch = torch.empty(lib.hr_draft_chain_scratch(b, h, n_q, n_kv, d, inter, vocab), dtype=torch.float32)
     ks = keys.stride()
-    status = lib.hr_draft_chain(table.data_ptr(), draft_ids.data_ptr(), hid.data_ptr(), out.data_ptr(),
+    status = lib.hr_draft_chain(table.data_ptr(), id_map.data_ptr(), hid.data_ptr(), out.data_ptr(),
                                 ids.data_ptr(), None if greedy else u.data_ptr(),
                                 0.0 if greedy else float(temperature), b, k, h, w_in, w_hid, w_post, eps,
                                 p_qkv, p_o, p_gu, p_down, compact, n_q, n_kv, d, inter, cos.data_ptr(),

@@ -9,10 +9,11 @@ forwards: the same bits (tests compare them with ``torch.equal``), without ~40 o
 layer. On an Intel Xeon (2 cores) a batch-1 SmolLM2-135M forward went from 36.5 to 26.0 ms, a
 4-token block from 40.8 to 29.6, batch 16 from 64.3 to 46.3 ms (one process, interleaved).
 
-Where a forward does not fit (``enabled`` off, no native library or native norms, another cache,
-attention implementation or layer class, a sliding window, head sizes other than 16/32/64/128,
-weights not packed by the current ``native_linear.routed`` block, too many rows), :func:`run`
-returns None and the loop runs the layers from Python.
+Where a forward does not fit (``enabled`` off, no native library or native norms, another cache
+(or one not float32, or prepared for other rows or tokens), a mask not ``[B or 1, 1, T or 1, L]``,
+another attention implementation or layer class, a sliding window, head sizes other than
+16/32/64/128, weights not packed by the current ``native_linear.routed`` block, too many rows),
+:func:`run` returns None and the loop runs the layers from Python.
 """
 
 from __future__ import annotations
@@ -42,22 +43,23 @@ def run(base: nn.Module, layers, hidden: torch.Tensor, position_embeddings, mask
 
 def _plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tensor) -> list[tuple] | None:
     """Per layer, the constant arguments of ``hr_decoder_layer`` (norm weights, packed panels, sizes),
-    or None where a forward does not fit it: it needs the engine's cache, the attention kernel's
-    conditions (plain softmax attention, no sliding window, head size 16-128, a bool mask over
-    the cache's visible slots), the native norms and every layer's weights packed by this
-    ``routed`` block."""
+    or None where a forward does not fit it: it needs the engine's cache (float32, prepared for
+    this forward's rows and tokens), the attention kernel's conditions (plain softmax attention,
+    no sliding window, head size 16-128, a bool mask ``[B or 1, 1, T or 1, L]`` over the cache's
+    visible slots), the native norms and every layer's weights packed by this ``routed`` block."""
     lib = native_lib._lib
     config = base.config
-    rows = hidden.shape[0] * hidden.shape[1]
+    b, t = hidden.shape[:2]
     if not (lib is not None and fused_layers.native_norm and isinstance(cache, RowKVCache) and cache._index is not None
             and config._attn_implementation in fused_layers.PLAIN_ATTENTION
             and getattr(config, "sliding_window", None) is None
-            and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and rows <= native_linear.max_rows()
-            and mask.shape[-1] == cache._kv_len and mask.stride(-1) == 1):
+            and hidden.dtype == torch.float32 and hidden.device.type == "cpu" and 0 < b * t <= native_linear.max_rows()
+            and mask.dtype == torch.bool and mask.dim() == 4 and mask.shape[0] in (1, b) and mask.shape[1] == 1
+            and mask.shape[2] in (1, t) and mask.shape[3] == cache._kv_len and mask.stride(-1) == 1):
         return None
     cached = _plans.get(base)
     if cached is not None and cached[0] == native_linear.epoch:
-        return cached[1]
+        return cached[1] if _fits_cache(cached[1], cache, b, t) else None
     plan = []
     for layer in layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -75,8 +77,25 @@ def _plan(base: nn.Module, layers, cache, mask: torch.Tensor, hidden: torch.Tens
         plan.append((attn.layer_idx, norms[0].weight.data_ptr(), norms[1].weight.data_ptr(), eps[0],
                      *(p.data_ptr() for p in panels), compact, n_q, n_kv, d, mlp.gate_proj.out_features,
                      float(attn.scaling), panels))
+    if len({p[10:12] for p in plan}) != 1:  # one cache shape holds every layer's keys and values
+        return None
     _plans[base] = (native_linear.epoch, plan)
-    return plan
+    return plan if _fits_cache(plan, cache, b, t) else None
+
+
+def _fits_cache(plan: list[tuple], cache: RowKVCache, b: int, t: int) -> bool:
+    """Whether the kernels may write ``cache`` as float32 ``[rows, kv heads, slots, head size]`` buffers
+    (keys and values alike, their strides the keys') at the slots ``prepare`` set for ``b`` rows
+    of ``t`` tokens. The first planned layer's buffers stand for every layer's (a ``RowKVCache``
+    allocates and slices them alike). Anything else runs the Python layers, which raise where
+    torch does (a bf16 cache, say), not write past the buffers."""
+    k, v = cache.keys[plan[0][0]], cache.values[plan[0][0]]
+    rows, index = cache._rows, cache._index
+    return (k.dtype == v.dtype == torch.float32 and k.device.type == v.device.type == "cpu"
+            and k.shape == v.shape and k.stride() == v.stride() and k.stride(-1) == 1
+            and (k.shape[1], k.shape[3]) == plan[0][10:12] and cache._kv_len <= k.shape[2]
+            and rows.step in (None, 1) and (rows.start or 0) + b <= k.shape[0]
+            and index.dtype == torch.int64 and index.shape[0] == b and index.shape[2] == t)
 
 
 def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask: torch.Tensor, cache,
@@ -87,11 +106,13 @@ def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask:
     lib = native_lib._lib
     b, t, h = hidden.shape
     hidden = hidden.contiguous()
+    rows, length = cache._rows, cache._kv_len
+    mask = mask.expand(b, 1, t, length)  # a broadcast batch or query dimension: stride 0, as the kernels read it
     cos, sin = (x.to(torch.float32).expand(b, t, -1).contiguous() for x in position_embeddings)
     slots = cache._index[:, 0, :, 0].contiguous()  # [B, T]: each token's cache slot
-    rows, length = cache._rows, cache._kv_len
     first = plan[0]
-    scratch = torch.empty(lib.hr_decoder_layer_scratch(b * t, h, first[9], first[10], first[11], first[12]))
+    scratch = torch.empty(lib.hr_decoder_layer_scratch(b * t, h, first[9], first[10], first[11], first[12]),
+                          dtype=torch.float32)  # float32 whatever the default dtype (the kernels write floats)
     ms = mask.stride()
     if stack and len({(p[3], *p[9:14]) for p in plan}) == 1:  # the layers share eps, sizes and scale
         kept = sorted({i for i in keep if i < len(plan)})
@@ -102,7 +123,7 @@ def _run(base: nn.Module, plan, hidden: torch.Tensor, position_embeddings, mask:
         table = torch.tensor([(*p[1:3], *p[4:9], cache.keys[p[0]].data_ptr() + skip,
                                cache.values[p[0]].data_ptr() + skip, where.get(i, -1)) for i, p in enumerate(plan)],
                              dtype=torch.int64)
-        out = torch.empty(len(kept), b, t, h)
+        out = torch.empty(len(kept), b, t, h, dtype=torch.float32)
         ks = cache.keys[first[0]].stride()
         status = lib.hr_decoder_stack(hidden.data_ptr(), b, t, h, len(plan), table.data_ptr(), first[3], first[9],
                                       first[10], first[11], first[12], cos.data_ptr(), sin.data_ptr(), ks[0], ks[1],

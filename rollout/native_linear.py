@@ -114,13 +114,14 @@ def amx_available() -> bool:
 
 def _packable(weight: torch.Tensor) -> bool:
     return (weight.device.type == "cpu" and weight.dtype == torch.float32 and weight.dim() == 2
-            and weight.is_contiguous())
+            and weight.is_contiguous() and weight.numel() > 0)  # (an empty weight: nothing to pack, F.linear)
 
 
 def _fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     return (_packable(weight) and x.device.type == "cpu" and x.dtype == torch.float32
             and x.shape[-1] == weight.shape[1]
-            and (bias is None or (bias.dtype == torch.float32 and bias.is_contiguous()))
+            and (bias is None or (bias.dtype == torch.float32 and bias.device.type == "cpu"
+                                  and bias.shape == (weight.shape[0],) and bias.is_contiguous()))
             and 0 < x.numel() // max(1, weight.shape[1]) <= max_rows()
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad)))
 
@@ -194,8 +195,8 @@ def pack_merged(weights: list[torch.Tensor], out: torch.Tensor | None = None) ->
     lib = native_lib.required()
     if not all(_packable(w) for w in weights) or len({w.shape[1] for w in weights}) != 1:
         got = [(tuple(w.shape), str(w.dtype), w.device.type, w.is_contiguous()) for w in weights]
-        raise ValueError("pack needs contiguous 2-D float32 CPU weights of one input size; got (shape, dtype, "
-                         f"device, contiguous) {got}")
+        raise ValueError("pack needs non-empty contiguous 2-D float32 CPU weights of one input size; got (shape, "
+                         f"dtype, device, contiguous) {got}")
     k = weights[0].shape[1]
     sizes = [lib.hr_linear_packed_size(w.shape[0], k) for w in weights]
     starts = [sum(sizes[:i]) for i in range(len(sizes))]

@@ -197,7 +197,8 @@ def walk(rule, tree: Tree, target_logits: torch.Tensor, *, temperature: float, t
     dev = target_logits.device
     out = WalkResult(tokens=torch.full((b, w), -1, dtype=torch.long, device=dev),
                      num_emitted=torch.zeros(b, dtype=torch.long, device=dev),
-                     behaviour_logprobs=torch.zeros(b, w, device=dev), target_logprobs=torch.zeros(b, w, device=dev),
+                     behaviour_logprobs=torch.zeros(b, w, dtype=torch.float32, device=dev),
+                     target_logprobs=torch.zeros(b, w, dtype=torch.float32, device=dev),
                      kinds=torch.full((b, w), int(TokenKind.PAD), dtype=torch.long, device=dev),
                      relaxed=torch.zeros(b, w, dtype=torch.bool, device=dev),
                      path=torch.zeros(b, w, dtype=torch.long, device=dev))

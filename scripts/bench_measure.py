@@ -3,7 +3,7 @@ point; its docstring defines the columns): per batch size, every configuration r
 (``scripts.bench_rows``) on every batch of prompts, interleaved, the engines' step costs timed on
 each batch after its runs, and the rows assembled from the sums. A *call* is one generate of one
 row on one batch of prompts; a row's *totals* are its calls' figures summed (tokens, seconds,
-emitted tokens, row rounds, the engine's timings); *step costs* are T(n), T_draft and T_chain(K)
+emitted and kept tokens, row rounds, the engine's timings); *step costs* are T(n), T_draft and T_chain(K)
 (``rollout.timing.step_costs``), keyed by the block size n, ``draft`` and ``chainK``.
 """
 
@@ -61,7 +61,7 @@ def run_hf(model, group: list[list[int]], sampling: SamplingParams, pad_id: int,
     for row in out[:, width:].tolist():
         stops = [j for j, t in enumerate(row) if t in sampling.stop_token_ids]
         tokens += stops[0] + 1 if stops else len(row)
-    return {"tokens": tokens, "seconds": seconds, "emitted": tokens, "row_rounds": tokens}
+    return {"tokens": tokens, "seconds": seconds, "emitted": tokens, "kept": tokens, "row_rounds": tokens}
 
 
 def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, seed: int,
@@ -70,7 +70,10 @@ def run_ours(engine: Engine, group: list[list[int]], sampling, spec, verifier, s
     with contextlib.nullcontext() if backend is None else native.forced(backend == "native"):
         result = engine.generate(group, sampling, spec, verifier, seed=seed)
     t = result.timings
-    return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "row_rounds": t.row_rounds,
+    # kept: the tokens the rounds added to the completions (each row's first token is the prefill's);
+    # emitted also counts those of a row's last round past its stop token or token limit
+    kept = sum(max(0, len(c.completion_ids) - 1) for c in result.completions)
+    return {"tokens": t.tokens, "seconds": t.total_s, "emitted": t.emitted, "kept": kept, "row_rounds": t.row_rounds,
             "draft_s": t.draft_s, "verify_s": t.verify_s, "other_s": t.other_s, "setup_s": t.setup_s,
             "draft_forwards": t.draft_forwards, "draft_rounds": t.rounds - t.plain_rounds,
             "step_emitted": [c.step_emitted for c in result.completions]}  # each row's tokens per round
@@ -96,14 +99,18 @@ def run_order(n: int, i: int, order: str) -> list[int]:
     return [*range(start, n), *range(start)]
 
 
-def bound(spec: SpecConfig | None, tau: float, costs: dict, steps: float | None = None,
+def bound(spec: SpecConfig | None, tau: float, costs: dict, batch: int, steps: float | None = None,
           base: float | None = None) -> float | None:
-    """tau x T(1) / (T(n) + drafting) (see ``scripts/bench_rollout.py``'s docstring); None without
-    one. Drafting: ``steps`` x T_draft, or T_draft + T_chain(K) for a chain whose one-call cost was
-    measured. ``steps``: the head steps a drafting round ran on average (a sampled tree's shape
-    is re-planned during a call); None: the config's own (K, or the depth). ``base``: the T(1) of
-    the autoregressive mode the speedup is over, when ``costs`` are another engine's."""
-    if spec is None or not spec.speculative or spec.auto or "draft" not in costs:
+    """tau x T(1) / (T(n) + drafting) (see ``scripts/bench_rollout.py``'s docstring: an upper bound
+    at batch 1, the cost model's estimate above it); None without one, or for a config that does
+    not draft in every round of a call of ``batch`` rows (``max_batch``: auto, or below ``batch``:
+    its plain rounds would enter tau while every round is charged the drafting). tau: the tokens
+    kept per row per round. Drafting: ``steps`` x T_draft, or T_draft + T_chain(K) for a chain
+    whose one-call cost was measured. ``steps``: the head steps a drafting round ran on average
+    (a sampled tree's shape is re-planned during a call); None: the config's own (K, or the
+    depth). ``base``: the T(1) of the autoregressive mode the speedup is over, when ``costs`` are
+    another engine's."""
+    if spec is None or not spec.speculative or spec.auto or not spec.drafts_at(batch) or "draft" not in costs:
         return None
     n, fixed = (spec.num_draft_tokens + 1, spec.num_draft_tokens) if spec.mode == "chain" else \
         (spec.total_tokens + 1, spec.depth)
@@ -204,7 +211,9 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
     rows = []
     for (mode, vname, spec, _, backend), tot, mine_calls in zip(configs, totals, calls):
         row = {"batch": size, "mode": mode, "verifier": vname} | tot
-        row["tau"] = row.pop("emitted") / max(1, row.pop("row_rounds"))
+        row_rounds = max(1, row.pop("row_rounds"))
+        row["tau"] = row.pop("emitted") / row_rounds  # the acceptance: tokens emitted per row per round
+        row["tau_kept"] = row.pop("kept") / row_rounds  # the bound's: tokens kept (cut after a stop or the limit)
         # tau's standard error, each row of each call one unit (None: HF rows, or fewer than 2 rows)
         se = tau_with_error(row.pop("step_emitted"))[1] if "step_emitted" in row else math.nan
         row["tau_se"] = None if math.isnan(se) else se
@@ -225,8 +234,8 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
         # a row on another engine has a bound from that engine's own step costs, if they were measured
         own = costs_of.get(id(backend)) if isinstance(backend, Engine) else costs  # --torch-linear's: not timed
         row["step_costs_ms"] = {str(k): v * 1000 for k, v in (own or {}).items()}
-        row["bound"] = bound(spec, row["tau"], own, steps, costs.get(1)) if own and backend not in SWITCHES \
-            else None
+        row["bound"] = bound(spec, row["tau_kept"], own, min(size, len(prompts)), steps, costs.get(1)) \
+            if own and backend not in SWITCHES else None
         row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
         mine = decode.get((mode, vname))
         row["decode_tokens_per_s"] = mine

@@ -28,7 +28,9 @@ Target: the embedded SmolLM2-135M-Instruct; drafter: the shipped EAGLE-3 head (o
 ``--head``). Prompts: held-out arithmetic word problems with the chat template. For each
 batch size the prompts are split into batches of that size and generated one batch after
 the other; tokens/s = completion tokens / wall time (completions stop at EOS or the token
-limit). tau = mean tokens emitted per row per target forward. Speedups are over our
+limit). tau = mean tokens emitted per row per target forward (the acceptance; ``tau_kept`` in the
+JSON: the tokens the completions kept, without a row's last-round tokens past its stop token or
+token limit, which tokens/s does not count either). Speedups are over our
 autoregressive mode ("off") and over HF generate at the same batch size. All
 configurations run on each batch of prompts before the next batch (interleaved), so a
 change of machine load hits them alike; batch i of prompts runs them in an order rotated by
@@ -50,18 +52,25 @@ Bound: for each batch size the script also times the engine's own steps: a targe
 over 1 and over n block tokens per row, T(1) and T(n), and one draft step, T_draft, each
 the median of ``--cost-reps`` interleaved repetitions on every batch of prompts, taken
 right after that batch's configurations ran (so the costs are sampled across the run, as
-the throughput is, not in one moment before it). A speculative
-configuration with the measured tau can then at best run at
-``bound = tau x T(1) / (T(n) + steps x T_draft)`` times our autoregressive mode (chain:
-n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft levels
-counted as single-token steps, so its bound is optimistic; a sampled tree: the head steps its
-drafting rounds ran on average, as its shape is re-planned during a call). A chain whose drafts
+the throughput is, not in one moment before it). The cost model then puts a speculative
+configuration at ``bound = tau_kept x T(1) / (T(n) + steps x T_draft)`` times our autoregressive
+mode (chain: n = K + 1, steps = K; tree: n = total_tokens + 1, steps = depth, a tree's draft
+levels counted as single-token steps, so its bound is optimistic; a sampled tree: the head steps
+its drafting rounds ran on average, as its shape is re-planned during a call). A chain whose drafts
 the engine makes in one C++ call (``hr_draft_chain``: sampled and greedy chains with the native
 kernels) has ``K x T_draft`` replaced by ``T_draft + T_chain(K)``: the root step, then that call
 timed as the engine runs it (its K draws and K - 1 steps; greedy-drafted rows at T > 0 take the
-sampled chain's time, a little more than their argmax draws cost). ``of bound`` = achieved
-speedup / bound shows how far the engine (verifier, bookkeeping, Python) is from its own
-cost model. Rows whose draft length varies per round (``max_batch: auto``) have no bound.
+sampled chain's time, a little more than their argmax draws cost). At batch 1 this is an upper
+bound: every round costs at least its forward and its drafting. Above batch 1 it is the cost
+model's estimate, not a bound, and a row can exceed it with no noise at all: tau is per row, but the
+step costs are timed with every row of the batch live, while a call's rows drop out as they
+finish, and its later rounds, over fewer rows, cost less next to a plain step than the full
+batch's T(n) / T(1) the estimate charges (on this CPU that ratio grows with the rows: verify rows
+are compute-bound in fp32 from batch ~8). ``of bound`` = achieved speedup / bound shows how far
+the engine (verifier, bookkeeping, Python) is from its own cost model (above batch 1, as ``call
+bd`` and ``dec bd``, against the estimate). Rows that do not draft in every round have no bound:
+``max_batch: auto``, and a numeric ``max_batch`` below the batch size (its plain rounds over more
+rows would enter tau while the bound charged every round the drafting).
 ``paired vs AR``: the median (and range) over the batches of prompts of a row's tokens/s against
 the autoregressive mode's on the same prompts, run next to it (``--passes N`` runs over the
 prompts N times with other seeds: more pairs, against this machine's noise; rows that decode
@@ -79,7 +88,8 @@ verifier that shortens completions drifts (MARS on tree candidates runs near gre
 which lowers its whole-call ``of bound`` but not ``dec bd``. ``call bd`` puts the setup back:
 the speedup the row's calls would reach with their own setup and tokens if their decoding ran
 exactly at the bound (``tokens / (setup + tokens / (bound x AR's decoding rate))`` over AR's
-whole-call rate), the ceiling for the whole-call speedup this head and this setup allow.
+whole-call rate), the ceiling for the whole-call speedup this head and this setup allow (at
+batch 1; above it an estimate, as the bound).
 ``+-se``: tau's standard error (``tau_se`` in the JSON), each row of each call one unit, as a
 round's acceptance depends on its row (``rollout.outputs.tau_with_error``). Two heads or rules
 whose tau differ by less than about twice the larger one are not told apart by this run: at 32

@@ -47,6 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     from rollout.models import resolve_device
     from trainers.grpo.run_dir import resume_point
     from trainers.grpo.config import load_train_config
+    from trainers.grpo.preflight import check_local_ray_fits
 
     tune_malloc()  # the driver computes the GRPO loss over vocabulary-sized logits
 
@@ -60,6 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         ckpt = resume_point(cfg)  # a resume that does not belong to this config is refused here
         check_job_out_dir(cfg.run.out_dir)
         resolve_device(cfg.run.device, "run.device")  # the trainer runs in this process: 'cuda' needs a GPU here
+        if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:
+            check_local_ray_fits(cfg)  # the local Ray started below
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -3,8 +3,14 @@
     python -m scripts.train_trl --config configs/trl.yaml [--steps N] [--out-dir DIR]
         [--generation ours|trl] [--verifier NAME] [--spec-mode off|chain|tree]
 
-The config is validated before any model loads; a bad field exits with status 2 and a
-message naming it. ``--generation trl`` trains the same job with TRL's own generation;
+The config is validated before any model loads (the ``trl`` arguments by building TRL's
+``GRPOConfig`` from them, the task file and the head as ``scripts.train`` checks them); a bad
+field exits with status 2 and a message naming it, and nothing in ``run.out_dir`` is touched.
+A run then first moves an earlier run's outputs in ``run.out_dir`` (metrics.jsonl, tb/,
+summary.md, plots/, TRL's checkpoint-N/, ...) to ``<out_dir>/superseded/<time>/``.
+``rollout.placement: ray`` generates in our Ray actor pool, each actor loading
+``model.target`` (Ray as ``ray.init()`` finds it: ``RAY_ADDRESS``, a ``ray start`` cluster,
+else a new local one). ``--generation trl`` trains the same job with TRL's own generation;
 ``--verifier lossless`` / ``--spec-mode off`` give the other columns of a side-by-side run.
 ``--spec-mode tree`` drafts top-k trees, whose candidates are not sampled from q: with
 ``configs/trl.yaml``'s MARS ``test: law`` it is refused (say ``verifier.test: rule``, or

@@ -247,7 +247,8 @@ def walk_block_tree_native(z_target: Tensor, z_draft: Tensor, tokens: Tensor, ch
     toks, kids, deps = tokens.long().contiguous(), children.long().contiguous(), depths.long().contiguous()
     ub, us, uf = u_block.double().contiguous(), u_sibling.float().contiguous(), u_final.float().contiguous()
     out, emitted = torch.empty(b, w, dtype=torch.long), torch.empty(b, dtype=torch.long)
-    logp, kinds, path = torch.empty(b, w), torch.empty(b, w, dtype=torch.long), torch.empty(b, w, dtype=torch.long)
+    logp = torch.empty(b, w, dtype=torch.float32)
+    kinds, path = torch.empty(b, w, dtype=torch.long), torch.empty(b, w, dtype=torch.long)
     bad_rows = torch.zeros(b, dtype=torch.uint8)
     status = lib.hr_walk_block_tree(zt.data_ptr(), zd.data_ptr(), toks.data_ptr(), kids.data_ptr(), deps.data_ptr(),
                                     ub.data_ptr(), us.data_ptr(), uf.data_ptr(), b, n1, v, k, w, float(temperature),

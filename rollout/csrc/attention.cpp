@@ -16,7 +16,11 @@
 // finite values are read and multiplied by 0). Every sum runs in an order fixed by the key
 // index alone: a row's output does not depend on the other rows, on how far the cache is padded
 // (the batch's longest row) or on the thread count: batch-invariant and deterministic. It
-// differs from torch's attention by float32 rounding.
+// differs from torch's attention by float32 rounding. Non-finite inputs give what torch's
+// (CPU, 2.13) gives: a query with a NaN score (a NaN in it or in any key it reads, allowed or
+// not) or a +inf one among its allowed keys gets NaN outputs; a NaN or infinite value reaches
+// the sum (times 0 for a disallowed key: NaN); a query whose allowed scores are all -inf, or with
+// no allowed key, gets zeros.
 
 #include <ATen/Parallel.h>
 
@@ -73,8 +77,15 @@ inline void one_query(const float* qv, const float* kb, const float* vb, int64_t
     for (int c = 0; c < C; ++c) a0 = _mm512_fmadd_ps(q[c], _mm512_loadu_ps(kb + l * ks_l + 16 * c), a0);
     s[l] = _mm512_reduce_add_ps(a0);
   }
-  for (l = 0; l < L; ++l)
+  bool nan = false;
+  for (l = 0; l < L; ++l) {
+    nan |= std::isnan(s[l]);  // (a disallowed key's too, as torch's masked scores)
     if (allowed[l] && s[l] > top) top = s[l];
+  }
+  if (nan || top == INFINITY) {  // as torch: a NaN score, or inf - inf in the softmax
+    for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_set1_ps(NAN));
+    return;
+  }
   if (top == -INFINITY) {
     for (int c = 0; c < C; ++c) _mm512_storeu_ps(o + 16 * c, _mm512_setzero_ps());
     return;

@@ -139,8 +139,10 @@ void hr_linear_pack(const float* W, float* P, int64_t N, int64_t K) {
 // Pack W [N, K] into compact panels P (hr_linear_packed_size values of 16 bits) when every value
 // of W is a bfloat16 (see panels.h). Returns 0, or 1 when some value is not (then P
 // holds nothing usable; the first row is looked at before anything else, so a dense fp32 weight
-// is refused at once). With P null only that first row is tested (0: it is all bfloat16s).
+// is refused at once). With P null only that first row is tested (0: it is all bfloat16s). An
+// empty weight (N or K 0: no first row to look at) is refused.
 int64_t hr_linear_pack16(const float* W, uint16_t* P, int64_t N, int64_t K) {
+  if (N <= 0 || K <= 0) return 1;
   for (int64_t k = 0; k < K; ++k) {
     uint32_t bits;
     std::memcpy(&bits, W + k, sizeof bits);

@@ -62,16 +62,49 @@ def test_tau_se_is_the_rows_error_over_every_call(tiny, monkeypatch):
 
 
 def test_max_batch_values_make_separate_rows(tiny):
+    """One row per max_batch; a numeric max_batch below the batch size has no bound (its plain
+    rounds would enter tau while every round is charged the drafting), one at the batch size drafts
+    in every round and has one."""
     from rollout.params import SamplingParams
     from scripts.bench_rollout import measure, parse_args
 
     target, tok, engine = tiny
     args = parse_args(["--batch-sizes", "3", "--max-new-tokens", "5", "--modes", "chain", "--no-hf",
-                       "--verifiers", "mars", "--max-batch", "none,1"])
+                       "--verifiers", "mars", "--max-batch", "none,1,3", "--cost-reps", "1"])
     rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(3)],
                    SamplingParams(max_new_tokens=5))
-    assert [r["mode"] for r in rows] == ["off", "chain K=3 sampled", "chain K=3 sampled mb=1"]
+    by_mode = {r["mode"]: r for r in rows}
+    assert list(by_mode) == ["off", "chain K=3 sampled", "chain K=3 sampled mb=1", "chain K=3 sampled mb=3"]
     assert all(r["tokens"] == 15 for r in rows)
+    assert by_mode["chain K=3 sampled"]["bound"] > 0 and by_mode["chain K=3 sampled mb=3"]["bound"] > 0
+    below = by_mode["chain K=3 sampled mb=1"]
+    assert below["bound"] is None and below["of_bound"] is None and below["call_bound"] is None
+
+
+def test_the_bound_counts_the_tokens_kept_not_those_cut_after_a_stop_or_the_limit(tiny, monkeypatch):
+    """tau (the acceptance) counts every token the verifier emitted, a row's last round past its
+    stop token or token limit too; tau_kept, the bound's, only those the completions kept (each
+    row's tokens after the prefill's first one), as tokens/s counts them."""
+    from rollout.params import SamplingParams
+    from scripts.bench_rollout import measure, parse_args
+
+    target, tok, engine = tiny
+    calls = []
+    generate = engine.generate
+    monkeypatch.setattr(engine, "generate", lambda prompts, sampling, spec, *a, **kw: calls.append(
+        (spec.mode, generate(prompts, sampling, spec, *a, **kw))) or calls[-1][1])
+    args = parse_args(["--batch-sizes", "4", "--max-new-tokens", "7", "--modes", "chain", "--chain-k", "6",
+                       "--no-hf", "--verifiers", "overshoot", "--cost-reps", "1"])
+    rows = measure(args, target, tok, engine, [[1, 20 + i, 300 + i] for i in range(4)],
+                   SamplingParams(max_new_tokens=7))
+    chain = next(r for r in rows if r["mode"] != "off")
+    done = [c for mode, res in calls if mode == "chain" for c in res.completions]
+    rounds = sum(len(c.step_emitted) for c in done)
+    assert chain["tau"] == pytest.approx(sum(sum(c.step_emitted) for c in done) / rounds)
+    assert chain["tau_kept"] == pytest.approx(sum(len(c.completion_ids) - 1 for c in done) / rounds)
+    assert chain["tau_kept"] < chain["tau"]  # 6 tokens after the first, up to 7 a round: the last round is cut
+    costs = chain["step_costs_ms"]
+    assert chain["bound"] == pytest.approx(chain["tau_kept"] * costs["1"] / (costs["7"] + drafting(costs, 6)))
 
 
 def test_verifier_backends_run_side_by_side(tiny):
@@ -119,10 +152,10 @@ def test_bound_is_tau_times_measured_step_costs(tiny):
     assert all(v > 0 for v in costs.values())
     for k in (2, 3):
         r = by_mode[f"chain K={k} sampled"]
-        assert r["bound"] == pytest.approx(r["tau"] * costs["1"] / (costs[str(k + 1)] + drafting(costs, k)))
+        assert r["bound"] == pytest.approx(r["tau_kept"] * costs["1"] / (costs[str(k + 1)] + drafting(costs, k)))
         assert r["of_bound"] == pytest.approx(r["speedup_vs_ar"] / r["bound"])
     tree = by_mode["tree d=2 k=2 n=4"]
-    assert tree["bound"] == pytest.approx(tree["tau"] * costs["1"] / (costs["5"] + 2 * costs["draft"]))
+    assert tree["bound"] == pytest.approx(tree["tau_kept"] * costs["1"] / (costs["5"] + 2 * costs["draft"]))
     ar = by_mode["off"]
     for r in rows:  # the decoding alone: each call's time after its setup (packing, prefill)
         assert 0 < r["setup_s"] < r["seconds"]
@@ -291,7 +324,7 @@ def test_sampled_trees_run_rows_with_their_own_draft_steps(tiny):
     costs = row["step_costs_ms"]
     steps = draft_steps(sampled_shape(5, 4, 2))
     assert steps == 4 and row["tokens"] > 0
-    assert row["bound"] == pytest.approx(row["tau"] * costs["1"] / (costs["6"] + steps * costs["draft"]))
+    assert row["bound"] == pytest.approx(row["tau_kept"] * costs["1"] / (costs["6"] + steps * costs["draft"]))
 
 
 def test_output_folders_are_checked_before_the_run_and_the_columns_fit_the_labels(tmp_path, tiny, capsys):

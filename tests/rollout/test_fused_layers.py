@@ -231,6 +231,43 @@ def test_attention_kernel_matches_torch(d, b, t, length, hq, hkv):
 
 
 @needs_kernel
+@pytest.mark.parametrize("case", ["nan q", "nan k", "nan k masked", "nan v", "inf score", "-inf scores", "inf v"])
+def test_attention_kernel_shows_non_finite_inputs_as_torch_does(case):
+    """A NaN in a query, in a key (one its query may see, or a masked one: torch's scores carry it
+    too) or in a value, and an infinite score: NaN in the same outputs as torch's attention (the
+    kernel's maximum and softmax once skipped NaN and clamped inf, giving finite outputs or zeros);
+    scores all -inf give torch's zeros; the finite outputs to float32 rounding."""
+    g = torch.Generator().manual_seed(8)
+    b, t, length, hq, hkv, d = 3, 4, 20, 4, 2, 16
+    q = torch.randn(b, hq, t, d, generator=g)
+    k, v = torch.randn(b, hkv, length, d, generator=g), torch.randn(b, hkv, length, d, generator=g)
+    mask = _masks(b, t, length, g)["causal"]
+    seen = int(mask[0, 0, 1].nonzero()[-1])  # the last key query 1 of row 0 sees (query 0 does not)
+    nan, inf = float("nan"), float("inf")
+    if case == "nan q":
+        q[1, 2, 0, 3] = nan
+    elif case == "nan k":
+        k[0, 1, seen, 5] = nan
+    elif case == "nan k masked":
+        k[0, 1, length - 1, 5] = nan  # past every query's keys in row 0 but the last one's
+        mask[0, 0, -1, -1] = False
+    elif case == "nan v":
+        v[0, 1, seen, 5] = nan
+    elif case == "inf score":
+        q, k[2, 0, 0] = q.abs(), inf
+    elif case == "-inf scores":
+        q, k[2, 0] = q.abs(), -inf
+    else:
+        v[0, 1, seen] = inf
+    with torch.inference_mode():
+        ref = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=d ** -0.5, enable_gqa=True).transpose(1, 2)
+        got = native_ops.attend(q, k, v, mask, d ** -0.5)
+    assert bool(ref.isnan().any()) == (case != "-inf scores")
+    assert torch.equal(got.isnan(), ref.isnan())
+    torch.testing.assert_close(got.nan_to_num(), ref.nan_to_num(), rtol=1e-5, atol=2e-5)
+
+
+@needs_kernel
 def test_attention_kernel_is_batch_invariant():
     """A row's output does not depend on the other rows or on how far the keys are padded."""
     g = torch.Generator().manual_seed(5)

@@ -259,6 +259,67 @@ def test_native_layers_need_the_native_norm(native_layer_runs):
         assert len(native_layer_runs) == 2
 
 
+def _prefill(target, ids, mask, cache_dtype=torch.float32, prepare=None):
+    """A prefill of ``ids [B, T]`` into a fresh cache of ``cache_dtype`` (``prepare``: the
+    ``RowKVCache.prepare`` arguments, default ``(T,)``): its logits, or the exception it raised."""
+    cfg = target.config
+    b, t = ids.shape
+    cache = RowKVCache(cfg.num_hidden_layers, b, cfg.num_key_value_heads, cfg.head_dim, 32, cache_dtype, "cpu")
+    cache.prepare(*(prepare or (t,)))
+    try:
+        return target(ids, position_ids=torch.arange(t)[None].expand(b, t), attention_mask=mask, cache=cache).logits
+    except RuntimeError as e:
+        return e
+
+
+@pytest.mark.parametrize("shape", ["[1, 1, T, L]", "[B, 1, 1, L]", "[B, Hq, T, L]"])
+def test_native_layers_take_a_broadcast_mask_as_its_expanded_copy(shape, native_layer_runs):
+    """Two rows with a mask torch broadcasts: the layers' C++ calls read a size-1 batch or query
+    dimension as its expanded copy (they read one row's mask past its end, and row 1's logits were
+    off by 1.45); a per-head mask keeps the Python layers. Against torch's attention (the Python
+    layers over the same mask) to float32 rounding."""
+    target = tiny_target(seed=3)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    mask = {"[1, 1, T, L]": causal[None, None].clone(),
+            "[B, 1, 1, L]": torch.tensor([[True] * 6, [False] + [True] * 5])[:, None, None].clone(),
+            "[B, Hq, T, L]": causal.repeat(2, 4, 1, 1)}[shape]
+    with torch.inference_mode(), native_linear.routed(target):
+        native = _prefill(target, ids, mask)
+        runs = len(native_layer_runs)
+        full = _prefill(target, ids, mask.expand(2, -1, 6, 6).contiguous())
+        native_layers.enabled = False
+        python = _prefill(target, ids, mask)
+    if shape == "[B, Hq, T, L]":
+        assert runs == 0 and torch.equal(native, python)
+        return
+    assert runs == 1 and len(native_layer_runs) == 2
+    assert torch.equal(native, full)
+    torch.testing.assert_close(native, python, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["bf16 cache", "rows", "tokens"])
+def test_native_layers_refuse_a_cache_they_cannot_write(case, native_layer_runs):
+    """A bf16 cache under a float32 target, or one prepared for other rows or another token count
+    than the forward's: the Python layers run (torch raises on the bf16 cache) where the C++ calls
+    wrote float keys past the buffers (a heap-corruption abort) or at slots of other rows."""
+    target = tiny_target(seed=3)
+    ids = torch.randint(0, 64, (2, 6), generator=torch.Generator().manual_seed(1))
+    dtype = torch.bfloat16 if case == "bf16 cache" else torch.float32
+    prepare = {"bf16 cache": (6,), "rows": (6, slice(0, 1)), "tokens": (3,)}[case]
+    length = 3 if case == "tokens" else 6
+    mask = torch.ones(6, length, dtype=torch.bool).tril().expand(2, 1, 6, length)
+    with torch.inference_mode(), native_linear.routed(target):
+        native = _prefill(target, ids, mask, dtype, prepare)
+        native_layers.enabled = False
+        python = _prefill(target, ids, mask, dtype, prepare)
+    assert not native_layer_runs
+    if case == "bf16 cache":
+        assert isinstance(native, RuntimeError) and str(native) == str(python) and "dtype" in str(native)
+    else:
+        assert torch.equal(native, python)
+
+
 # -- every layer in one C++ call (hr_decoder_stack) --------------------------------------------
 @pytest.mark.parametrize("with_head", [True, False], ids=["features", "plain"])
 def test_one_stack_call_gives_the_bits_of_a_call_per_layer(with_head, monkeypatch):

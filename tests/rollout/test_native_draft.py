@@ -3,10 +3,15 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
 import pytest
 import torch
 
-from rollout import native_draft, native_linear
+from rollout import native_draft, native_layers, native_linear
 from rollout.engine import Engine
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.quantize import quantize_int8_
@@ -232,3 +237,113 @@ def test_step_costs_time_the_one_call_chain_only_where_it_runs(chain_calls, temp
     assert len(chain_calls) == 6 and all(chain_calls)  # a warm-up and two timed calls per length
     native_draft.chains = False
     assert set(step_costs(engine, [[1, 2, 3]], [1], 1, chains=(3,), temperature=temperature)) == {1, "draft"}
+
+
+# -- the kernels' float32 buffers whatever torch's default dtype ---------------------------------
+def _native_round(target, head) -> list[torch.Tensor]:
+    """Through ``ModelRunner`` inside ``routed``: a prefill (the target's layers in C++, their
+    EAGLE-3 features kept), a draft root and a draft step (``hr_draft_layer``) and a sampled chain
+    (``hr_draft_chain``); every tensor they return."""
+    with torch.inference_mode(), native_linear.routed(target, head):
+        runner = ModelRunner(target, head)
+        logits = runner.start([[1, 2, 3, 4, 5], [6, 7], [8, 9, 10]], 40)
+        feats = runner._waiting_feats.clone()
+        runner.set_first_tokens(logits.argmax(-1))
+        root = runner.draft_root()
+        step = runner.draft_step(runner.draft_ids[root.logits.argmax(-1)][:, None], root.hidden[:, None], 1, None)
+        runner.drop_speculation()
+        uniforms = torch.rand(3, 3, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+        chain = runner.draft_chain(root.logits, root.hidden, 3, 1.0, uniforms)
+    return [logits, feats, root.logits, root.hidden, step.logits, step.hidden, *chain]
+
+
+_OTHER_DEFAULT = textwrap.dedent("""
+    import sys
+    import torch
+    from tests.models import copy_head, tiny_target
+    sys.path.insert(0, sys.argv[2])
+    from test_native_draft import _native_round
+    target = tiny_target(seed=3)
+    head = copy_head(target, noise=0.3)
+    first = _native_round(target, head)
+    torch.set_default_dtype(getattr(torch, sys.argv[1]))
+    again = _native_round(target, head)
+    print(all(a.dtype == b.dtype and torch.equal(a, b) for a, b in zip(first, again)))
+""")
+
+
+def test_the_native_round_is_the_same_under_a_float64_default_dtype(native_steps, chain_calls, monkeypatch):
+    """Under torch.set_default_dtype(torch.float64) (fp32 models built before), the C++ layers, draft
+    steps and chain give the bits they give under float32: their float buffers are float32 whatever
+    the default (they followed it once, so the features, hidden states and logits were the
+    kernels' floats read back as doubles)."""
+    layers = []
+    original = native_layers._run
+    monkeypatch.setattr(native_layers, "_run", lambda *a: layers.append(1) or original(*a))
+    target = tiny_target(seed=3)
+    head = copy_head(target, noise=0.3)
+    first = _native_round(target, head)
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        again = _native_round(target, head)
+    finally:
+        torch.set_default_dtype(saved)
+    assert len(layers) == 2 and native_steps == [True] * 4 and chain_calls == [True] * 2
+    for a, b in zip(first, again):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+
+
+def test_the_native_round_is_the_same_under_a_bfloat16_default_dtype():
+    """The same under a bfloat16 default, in a process of its own: there a scratch buffer that
+    followed the default dtype held half the bytes the kernels write (heap corruption, an abort)."""
+    root = Path(__file__).parents[2]
+    out = subprocess.run([sys.executable, "-c", _OTHER_DEFAULT, "bfloat16", str(Path(__file__).parent)],
+                         capture_output=True, text=True, cwd=root, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.stdout.split()[-1] == "True"
+
+
+def test_the_draft_kernels_refuse_a_cache_they_cannot_write():
+    """A draft step and a chain over value buffers of another dtype or shape than the keys', or
+    a cache of other kv heads than the head's, return None (the caller runs the head's forward):
+    the kernels write and read both with the keys' strides and sizes."""
+    target = tiny_target(seed=3)
+    head = _head(target, False)
+    cfg = head.cfg
+    b, t, vd = 2, 3, cfg.draft_vocab_size
+    keys = torch.zeros(b, cfg.num_key_value_heads, 8, cfg.head_dim)
+    g = torch.Generator().manual_seed(0)
+    tokens, hidden = torch.randint(0, 64, (b, t), generator=g), torch.randn(b, t, cfg.hidden_size, generator=g)
+    mask = torch.ones(b, t, t, dtype=torch.bool)
+    chain = (torch.randn(b, vd, generator=g), hidden[:, 0], t, 1.0, torch.rand(t, b, dtype=torch.float64),
+             head.target_ids, torch.zeros(b, 0, dtype=torch.bool), torch.arange(1, t)[:, None].expand(t - 1, b))
+    with torch.inference_mode(), native_linear.routed(target, head):
+        assert native_draft.step(head, tokens, hidden, torch.arange(t).expand(b, t), mask, keys, keys.clone(), 0)
+        assert native_draft.chain(head, *chain, keys, keys.clone(), 0)
+        for k, v in ((keys, keys.bfloat16()), (keys, keys[:, :1].clone()), (keys, keys[:1].clone()),
+                     (keys[:, :1].clone(), keys[:, :1].clone())):
+            assert native_draft.step(head, tokens, hidden, torch.arange(t).expand(b, t), mask, k, v, 0) is None
+            assert native_draft.chain(head, *chain, k, v, 0) is None
+
+
+def test_a_chain_takes_a_strided_draft_id_map_by_its_values():
+    """``draft_ids`` as a strided view: the chain gives the drafts and logits it gives with a
+    contiguous copy (the kernel once read the view's storage as ``[Vd]`` contiguous)."""
+    target = tiny_target(seed=3)
+    head = _head(target, False)
+    b, t, vd = 2, 3, head.cfg.draft_vocab_size
+    g = torch.Generator().manual_seed(0)
+    inputs = (torch.randn(b, vd, generator=g), torch.randn(b, head.cfg.hidden_size, generator=g), t, 1.0,
+              torch.rand(t, b, dtype=torch.float64, generator=g))
+    ids = head.target_ids
+    strided = torch.stack([ids, ids.flip(0)], 1)[:, 0]
+    assert strided.stride() == (2,) and torch.equal(strided, ids)
+    runs = []
+    with torch.inference_mode(), native_linear.routed(target, head):
+        for id_map in (ids, strided):
+            keys = torch.zeros(b, head.cfg.num_key_value_heads, 8, head.cfg.head_dim)
+            runs.append(native_draft.chain(head, *inputs, id_map, torch.zeros(b, 0, dtype=torch.bool),
+                                           torch.arange(1, t)[:, None].expand(t - 1, b), keys, keys.clone(), 0))
+    (ids_a, out_a), (ids_b, out_b) = runs
+    assert torch.equal(ids_a, ids_b) and torch.equal(out_a, out_b)

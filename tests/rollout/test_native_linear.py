@@ -101,6 +101,33 @@ def test_fallback_to_torch():
     assert wg.grad is not None and torch.equal(wg.grad, x[:1].expand(50, 40))
 
 
+@needs_kernel
+def test_a_bias_of_another_shape_goes_to_torch():
+    """A bias that is not ``[N]`` goes to ``F.linear``, which broadcasts it or raises (the kernel read
+    N floats from it: heap bytes past a short bias)."""
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(40, 8, generator=g), torch.randn(2, 8, generator=g)
+    for bias in (torch.randn(1, generator=g), torch.randn(1, 40, generator=g)):
+        assert torch.equal(native_linear.linear(x, w, bias), F.linear(x, w, bias))
+    with pytest.raises(RuntimeError, match="must match"):
+        native_linear.linear(x, w, torch.randn(3, generator=g))
+
+
+@needs_kernel
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors")  # (nn.Linear(64, 0)'s init)
+def test_a_weight_of_no_rows_goes_to_torch():
+    """A weight with no output rows (``nn.Linear(in, 0)``) is not packed (the bf16 pack looked at its
+    first row: a segmentation fault); its calls are F.linear's, in a call and inside ``routed``."""
+    x = torch.randn(2, 64)
+    assert native_linear.linear(x, torch.empty(0, 64)).shape == (2, 0)
+    assert native_lib._lib.hr_linear_pack16(torch.empty(0, 64).data_ptr(), None, 0, 64) == 1
+    model = nn.ModuleList([nn.Linear(64, 0), nn.Linear(64, 16)])
+    with torch.no_grad(), native_linear.routed(model):
+        out = [m(x) for m in model]
+    assert out[0].shape == (2, 0) and native_linear.panels_of(model[0]) is None
+    torch.testing.assert_close(out[1], model[1](x), rtol=1e-5, atol=1e-5)
+
+
 
 @needs_kernel
 def test_a_call_of_exactly_max_rows_rows_runs_on_the_kernel(monkeypatch):
@@ -326,6 +353,6 @@ def test_pack_loads_the_library_and_checks_its_weights(monkeypatch):
     monkeypatch.setattr(native_lib, "_tried", False)
     w = torch.randn(32, 24)
     assert native_linear.pack(w).numel() == native_lib._lib.hr_linear_packed_size(32, 24)
-    for bad in (w.double(), w.t(), torch.randn(24), [w, torch.randn(16, 8)]):
+    for bad in (w.double(), w.t(), torch.randn(24), [w, torch.randn(16, 8)], torch.empty(0, 24)):
         with pytest.raises(ValueError, match="contiguous 2-D float32 CPU weights of one input size"):
             native_linear.pack_merged(bad if isinstance(bad, list) else [bad])

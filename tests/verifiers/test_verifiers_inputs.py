@@ -346,3 +346,33 @@ def test_outputs_are_float32_under_a_float64_default_dtype(case):
         for name in ("behaviour_logprobs", "target_logprobs"):
             assert getattr(fast, name).dtype == getattr(slow, name).dtype == torch.float32
             torch.testing.assert_close(getattr(fast, name), getattr(slow, name), atol=1e-5, rtol=1e-5)
+
+
+def test_the_block_tree_walk_is_float32_under_a_float64_default_dtype():
+    """The block-tree walk under torch.set_default_dtype(torch.float64): the C++ walk returns float32
+    log-probs that agree with the PyTorch walk's (its output buffer once followed the default dtype,
+    so the kernel's floats were read back as doubles)."""
+    from rollout.sampled_tree import sampled_shape
+    from verifiers import native
+    from verifiers.block_tree import verify_block_tree
+
+    shape = sampled_shape(8, 5, 3)
+    children, depths = [list(c) for c in shape.children], list(shape.depths)
+    g = torch.Generator().manual_seed(0)
+    draft = torch.randn(6, shape.size, 12, generator=g) * 2
+    target = draft + torch.randn(6, shape.size, 12, generator=g) * 0.7
+    tokens = torch.randint(0, 12, (6, shape.size), generator=g)
+    runs = []
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        for use in (True, False):
+            with native.forced(use):
+                runs.append(verify_block_tree(target, draft, tokens, children, depths, temperature=1.0, top_k=None,
+                                              top_p=None, generator=torch.Generator().manual_seed(1)))
+    finally:
+        torch.set_default_dtype(saved)
+    (t1, e1, l1, k1, p1), (t2, e2, l2, k2, p2) = runs
+    assert torch.equal(t1, t2) and torch.equal(e1, e2) and torch.equal(k1, k2) and torch.equal(p1, p2)
+    assert l1.dtype == l2.dtype == torch.float32 and bool((e1 > 1).any())
+    torch.testing.assert_close(l1, l2, atol=2e-4, rtol=1e-5)

@@ -4,11 +4,12 @@ Study plots (from the report of ``trainers.drift.report``):
 - ``speed_vs_accuracy.png``: speedup over plain autoregressive sampling against accuracy
   (Wilson 95% bars); matched baselines are stars, each configuration is joined to its
   baseline by a dotted line.
-- ``drift_by_position.png``: mean TV(P, p) and KL(P || p) at each completion position.
+- ``drift_by_position.png``: mean TV(P, p) and KL(P || p) at each completion position (KL:
+  the mean of its finite values; a configuration with infinite KL has its share in the legend).
 - ``accuracy_gap_by_difficulty.png``: accuracy minus the matched baseline's, per
   difficulty (Newcombe 95% bars).
 Training-run plots (rows of ``trainers.drift.report.step_stats``): ``drift_over_steps.png``
-(KL, relaxed fraction, staleness) and ``is_weights_over_steps.png`` (weights and ESS).
+(KL as k1 and k3, relaxed fraction, staleness) and ``is_weights_over_steps.png`` (weights and ESS).
 """
 
 from __future__ import annotations
@@ -77,11 +78,13 @@ def plot_drift_positions(configs: dict[str, dict], path: Path) -> Path:
     plt = _plt()
     fig, axes = plt.subplots(1, 2, figsize=(12, 4.5))
     for (key, r), colour in zip(configs.items(), _colours(len(configs))):
+        inf = r["kl"].get("inf_frac") or 0.0  # the legend is the KL panel's: the share it leaves out
+        label = f"{key} (KL inf {inf:.2%})" if inf > 0 else key
         for ax, metric in zip(axes, ("tv", "kl")):
             ys = [math.nan if v is None else v for v in r["per_position"][metric]]
             if ys:
-                ax.plot(range(len(ys)), ys, LINESTYLE[r["mode"]], color=colour, lw=1, label=key)
-    for ax, title in zip(axes, ("mean TV(P, p)", "mean KL(P || p)")):
+                ax.plot(range(len(ys)), ys, LINESTYLE[r["mode"]], color=colour, lw=1, label=label)
+    for ax, title in zip(axes, ("mean TV(P, p)", "mean KL(P || p) over its finite values")):
         ax.set_xlabel("position in the completion")
         ax.set_title(title)
         ax.grid(alpha=0.3)
@@ -127,7 +130,8 @@ def plot_run_drift(rows: list[dict], out_dir: Path) -> list[Path]:
     plt = _plt()
     steps = [r["step"] for r in rows]
     panels = (("drift_over_steps.png", "drift over training steps",
-               (("kl_P_p_k3", "KL(P||p) k3 (rollout target)"), ("kl_P_pi_k3", "KL(P||pi) k3 (trainer policy)"),
+               (("kl_P_p_k1", "KL(P||p) k1 (rollout target)"), ("kl_P_p_k3", "KL(P||p) k3 (rollout target)"),
+                ("kl_P_pi_k1", "KL(P||pi) k1 (trainer policy)"), ("kl_P_pi_k3", "KL(P||pi) k3 (trainer policy)"),
                 ("relaxed_frac", "relaxed fraction"), ("stale_abs_mean", "mean |log pi - log p|"))),
               ("is_weights_over_steps.png", "importance weights over training steps",
                (("weight_min", "min w"), ("weight_mean", "mean w"), ("weight_max", "max w"),

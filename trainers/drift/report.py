@@ -13,11 +13,14 @@ gaps) are ``trainers.drift.stats``. Added here:
   completion: step, completion_ids, behaviour_logprobs = log P, target_logprobs =
   rollout-time log p, policy_logprobs = the trainer's log pi_old, relaxed, weights = the
   applied IS weights, reward, text) reduced per step to: rollout drift log p - log P
-  (KL(P || p) as k1 and k3), the same for the policy (log pi - log P: the trainer's
-  importance ratio), staleness mean |log pi - log p|, relaxed fraction, the applied weights
-  (min / mean / max, token ESS, masked fraction) and the sequence ESS of prod_t pi / P.
+  (KL(P || p) as k1 and k3, side by side: k3 is low by p's mass outside P's support, e.g.
+  where a lossy rule emits a tree node outright; ``trainers.drift.stats``), the same for the
+  policy (log pi - log P: the trainer's importance ratio), staleness mean |log pi - log p|,
+  relaxed fraction, the applied weights (min / mean / max, token ESS, masked fraction) and
+  the sequence ESS of prod_t pi / P.
 Non-finite numbers (e.g. KL = inf where P puts mass outside supp p) are written as null in
-JSON, with the fraction of infinite KL reported separately.
+JSON, with the fraction of infinite KL reported separately; the KL mean and p99 of ``drift.md``
+and the per-position KL plot are over the finite values, with that fraction next to them.
 """
 
 from __future__ import annotations
@@ -147,8 +150,10 @@ def markdown_table(report: dict) -> str:
     """One row per configuration: speed, drift, IS weights, accuracy and the gap to its baseline."""
     basis = report.get("config", {}).get("speed_basis", "wall")
     pre = "cpu_" if basis == "cpu" else ""
-    head = (f"| configuration | tau | tok/s | tok/CPU-s | x lossless ({basis}) | x AR ({basis}) | mean len (x baseline) | TV mean | TV p99 | KL mean | KL p99 | H(P) | H(p) "
-            "| relaxed | uncovered | seq log w mean | seq ESS | accuracy [95% CI] | vs matched baseline |")
+    # KL mean / p99 are over the finite values; "KL inf" is the share of tokens with KL = inf
+    head = (f"| configuration | tau | tok/s | tok/CPU-s | x lossless ({basis}) | x AR ({basis}) | mean len (x baseline) "
+            "| TV mean | TV p99 | KL mean (finite) | KL p99 (finite) | KL inf | H(P) | H(p) | relaxed | uncovered "
+            "| seq log w mean | seq ESS | accuracy [95% CI] | vs matched baseline |")
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for key, r in report["configurations"].items():
         lines.append("| " + " | ".join([
@@ -156,7 +161,8 @@ def markdown_table(report: dict) -> str:
             _f(r[f"{pre}speedup_vs_lossless"], ".2f"), _f(r[f"{pre}speedup_vs_autoregressive"], ".2f"),
             _f(r["mean_length"], ".1f") + (f" ({r['length_vs_baseline']:.2f}x)" if r["length_vs_baseline"] else ""),
             _f(r["tv"]["mean"], ".4f"), _f(r["tv"]["p99"], ".3f"),
-            _f(r["kl"]["mean"], ".4f"), _f(r["kl"]["p99"], ".3f"), _f(r["entropy_P"], ".2f"), _f(r["entropy_p"], ".2f"),
+            _f(r["kl"]["mean"], ".4f"), _f(r["kl"]["p99"], ".3f"), _f(r["kl"].get("inf_frac"), ".2%"),
+            _f(r["entropy_P"], ".2f"), _f(r["entropy_p"], ".2f"),
             _f(r["relaxed_frac"], ".3f"), _f(r["uncovered"]["mean"], ".4f"), _f(r["seq_log_ratio"]["mean"], ".2f"),
             _f(r["seq_ess"], ".3f"), _acc(r["accuracy"]),
             (f"{r['baseline']}: " + _gap(r["vs_baseline"])) if r["vs_baseline"] else "-",
@@ -244,8 +250,8 @@ def from_run(run_dir: str | Path, out_dir: str | Path) -> list[Path]:
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     (out / "run_drift.json").write_text(json.dumps(finite_json({"run": str(run_dir), "steps": rows}), indent=1))
-    keys = ("reward_mean", "relaxed_frac", "kl_P_p_k3", "kl_P_pi_k3", "weight_mean", "weight_ess", "seq_ess",
-            "masked_frac")
+    keys = ("reward_mean", "relaxed_frac", "kl_P_p_k1", "kl_P_p_k3", "kl_P_pi_k1", "kl_P_pi_k3", "weight_mean",
+            "weight_ess", "seq_ess", "masked_frac")
     lines = ["| step | " + " | ".join(keys) + " |", "|---" * (len(keys) + 1) + "|"]
     lines += [f"| {r['step']} | " + " | ".join(f"{r[k]:.4g}" for k in keys) + " |" for r in rows]
     (out / "run_drift.md").write_text("# Drift over training steps\n\n" + "\n".join(lines) + "\n")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config import ConfigError, check_int
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
 from verifiers import TruncationSampling
 
 SOURCES = ("tasks", "jsonl", "general")
@@ -162,6 +162,7 @@ class DriftConfig:
         object.__setattr__(self, "modes", tuple(dict.fromkeys(modes)))
         object.__setattr__(self, "verifiers", self._parsed_verifiers())
         self.sampling(None)  # validates temperature / top_k / top_p as ConfigErrors
+        self._check_tests()
 
     def _parsed_verifiers(self) -> tuple[str, ...]:
         specs = self.verifiers
@@ -180,6 +181,23 @@ class DriftConfig:
         if "lossless" not in labels:
             labels.insert(0, "lossless")
         return tuple(dict.fromkeys(labels))
+
+    def _check_tests(self) -> None:
+        """Refuse here, not mid-study, a verifier test the engine refuses in a mode it runs in
+        (``rollout.params.check_test``: ``test=block`` on top-k trees, ``law`` or ``block`` on
+        greedy chain drafts)."""
+        for mode in self.modes:
+            for label in self.verifiers:
+                v = parse_verifier(label)
+                if not runs_in(mode, v):
+                    continue
+                try:
+                    check_test(self.spec(mode), v, self.temperature)
+                except ConfigError as err:
+                    reason = str(err).split(": ", 1)[1].split(": use ")[0]  # the engine's why, without its fix
+                    fix = "chain.draft_sampling: sampled" if mode == "chain" else "tree.tree_candidates: sampled"
+                    raise ConfigError(f"verifiers[{label!r}].test", f"in mode {mode!r}: {reason}; set {fix} or "
+                                      f"leave {mode!r} out of modes", allowed=["rule"]) from None
 
     def sampling(self, eos: int | None) -> SamplingParams:
         return SamplingParams(temperature=self.temperature, top_k=self.top_k, top_p=self.top_p,
@@ -226,10 +244,17 @@ class RunSpec:
     secondary: str | None = None
 
 
+def runs_in(mode: str, v: VerifierConfig) -> bool:
+    """Whether verifier ``v`` has a run in speculative ``mode``: a ``test=law`` verifier in chain
+    mode only (a sampled tree always verifies towards the law: the rule's own run is that run; a
+    top-k tree has no q to do it with); every other one in every mode (a test the engine refuses
+    there is refused by ``DriftConfig``)."""
+    return mode == "chain" or v.test != "law"
+
+
 def plan_runs(cfg: DriftConfig) -> list[RunSpec]:
-    """Baselines first (plain, then truncation sets), then every verifier in every mode; a
-    ``test=law`` verifier in chain mode only (a sampled tree always verifies towards the law: the
-    rule's own run is that run; a top-k tree has no q to do it with)."""
+    """Baselines first (plain, then truncation sets), then every verifier in every mode it runs
+    in (:func:`runs_in`)."""
     parsed = [parse_verifier(s) for s in cfg.verifiers]
     runs: list[RunSpec] = []
     if cfg.baselines:
@@ -240,7 +265,7 @@ def plan_runs(cfg: DriftConfig) -> list[RunSpec]:
                 runs.append(RunSpec(key, "baseline", "off", TruncationSamplingConfig(v.name, dict(v.params))))
     keys = {r.key for r in runs}
     for mode in cfg.modes:
-        for v in (v for v in parsed if mode == "chain" or v.test != "law"):
+        for v in (v for v in parsed if runs_in(mode, v)):
             sec = secondary_baseline_key(v)
             runs.append(RunSpec(f"{verifier_label(v)}@{mode}", "verifier", mode, v,
                                 baseline_key(v) if cfg.baselines else None, sec if sec in keys else None))

@@ -8,6 +8,7 @@ the field (dotted path, e.g. ``rollout.verifier.name``) and the allowed values.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +49,7 @@ class RunConfig:
     def __post_init__(self) -> None:
         if not isinstance(self.out_dir, str) or not self.out_dir.strip():
             raise ConfigError("out_dir", f"must be a non-empty path string, got {self.out_dir!r}")
+        object.__setattr__(self, "out_dir", os.path.expanduser(self.out_dir))  # "~/runs/x": the home folder
         if Path(self.out_dir).exists() and not Path(self.out_dir).is_dir():
             raise ConfigError("out_dir", f"{self.out_dir!r} exists and is not a folder")
         check_int("steps", self.steps)
@@ -223,6 +225,11 @@ class TrainConfig:
             raise ConfigError("drafter_training.every", "trains the EAGLE-3 head the rollouts draft with; there is "
                               f"none (model.drafter {self.model.drafter!r}, rollout.spec.mode "
                               f"{self.rollout.spec.mode!r}): set it to 0", allowed=[0])
+        if self.model.target.dtype != "float32":
+            raise ConfigError("model.target.dtype", f"{self.model.target.dtype!r} would train the policy itself in "
+                              "that dtype, with no fp32 copy (a bf16 step of lr ~1e-5 mostly rounds to no change); "
+                              "train in float32 and round the rollout copies instead (rollout.backend_options: "
+                              "{weights: bfloat16})", allowed=["float32"])
         if self.rollout.sampling.temperature <= 0:
             raise ConfigError("rollout.sampling.temperature", "must be > 0 for training: the policy log-probs "
                               f"and importance weights need a sampling distribution, got {self.rollout.sampling.temperature}")

@@ -235,7 +235,7 @@ class GRPOTrainer:
                     if k in m)
                 print(f"step {step + 1}/{steps}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
                       f"tau {m['tau']:.2f}  tok/s {m['rollout_tokens_per_s']:.1f}  relaxed {m['relaxed_frac']:.2f}  "
-                      f"KL {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s{head}", flush=True)
+                      f"KL k1 {m['kl_k1']:.2e} k3 {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s{head}", flush=True)
                 every = self.cfg.run.checkpoint_every
                 if (every and (step + 1) % every == 0) or step + 1 == steps:
                     self.save(step + 1)

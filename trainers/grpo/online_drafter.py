@@ -67,7 +67,7 @@ class OnlineDrafterConfig:
     updates: head optimizer steps per round; batch_size: samples per head step; buffer: the
     most recent samples kept to train on; lr, betas, weight_decay, grad_clip: AdamW;
     objective: "tv" (one minus the expected T = 1 acceptance, plus ``ce_weight`` x the soft
-    cross-entropy) or "ce" (``trainers.drafter.ttt``); ttt_steps, step_weight: the unrolled
+    cross-entropy; ``ce_weight`` null: 0.1 with "tv", 0 with "ce") or "ce" (``trainers.drafter.ttt``); ttt_steps, step_weight: the unrolled
     draft steps and their weights; feature_batch: sequences per feature forward;
     export_dtype: the dtype the actors' head is written in ("bfloat16": half the bytes per draft
     step on this project's kernels; "float32"); score_initial: also score the head as it was
@@ -83,7 +83,7 @@ class OnlineDrafterConfig:
     weight_decay: float = 0.0
     grad_clip: float = 0.5
     objective: str = "tv"
-    ce_weight: float = 0.1
+    ce_weight: float | None = None  # None: 0.1 with objective "tv", 0 with "ce"
     ttt_steps: int = 4
     step_weight: float = 0.8
     feature_batch: int = 8
@@ -104,6 +104,8 @@ class OnlineDrafterConfig:
         if self.objective not in OBJECTIVES:
             raise ConfigError("objective", f"unknown objective {self.objective!r} (\"block\" needs responses "
                               "the target sampled at T = 1, which rollouts are not)", allowed=OBJECTIVES)
+        if self.ce_weight is None:
+            object.__setattr__(self, "ce_weight", 0.1 if self.objective == "tv" else 0.0)
         check_number("ce_weight", self.ce_weight, 0, finite=True)
         if self.ce_weight and self.objective != "tv":
             raise ConfigError("ce_weight", "adds the cross-entropy to the 'tv' objective only; set it to 0 "

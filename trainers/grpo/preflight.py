@@ -147,3 +147,26 @@ def check_head_fits(head: Path, target) -> None:
         if tuple(captured) != ids:
             raise ConfigError("model.target.aux_layer_ids", f"the target would capture layers {list(captured)}, the "
                               f"head was trained on {list(ids)}; set model.target.aux_layer_ids: {list(ids)}")
+
+
+def check_local_ray_fits(cfg) -> None:
+    """The local Ray ``scripts.train`` starts (``ray.address`` null, no ``RAY_ADDRESS``) has
+    ``ray.num_cpus`` CPUs (null: this machine's) and this machine's GPUs: actors that ask for more
+    would wait for them for ever, so such a config is refused naming the fields."""
+    import math
+    import os
+
+    r = cfg.rollout
+    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    if r.num_actors * r.threads_per_actor > cpus:
+        raise ConfigError("rollout.num_actors", f"{r.num_actors} actors x rollout.threads_per_actor "
+                          f"{r.threads_per_actor} ask the local Ray for {r.num_actors * r.threads_per_actor} CPUs; "
+                          f"it has {cpus} (ray.num_cpus): the actors would wait for them for ever")
+    if r.num_gpus_per_actor > 0:
+        import torch
+
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if math.ceil(r.num_actors * r.num_gpus_per_actor) > gpus:
+            raise ConfigError("rollout.num_gpus_per_actor", f"{r.num_actors} actors x {r.num_gpus_per_actor:g} GPUs "
+                              f"need {math.ceil(r.num_actors * r.num_gpus_per_actor)}; this machine's local Ray has "
+                              f"{gpus} (set it to 0, or join a cluster with ray.address)")

@@ -5,7 +5,9 @@
   target / trainer log-probs and relaxed flags, for drift diagnostics after the fact
   (``scripts/drift.py --from-run``).
 - ``tb/``: TensorBoard events of the same scalars.
-- ``summary.md`` and ``plots/*.png`` at the end: reward, tau and drift over steps.
+- ``summary.md`` and ``plots/*.png`` at the end: reward, tau and drift over steps. KL(P || pi)
+  shows as k1 and k3 side by side: k3 is low by pi's mass outside the behaviour's support
+  (a lossy rule emitting a tree node or greedy draft outright; ``trainers.drift.stats``).
 """
 
 from __future__ import annotations
@@ -18,7 +20,8 @@ from pathlib import Path
 
 SUMMARY_KEYS = (
     ("reward_mean", "reward"), ("accuracy", "accuracy"), ("tau", "tau"),
-    ("rollout_tokens_per_s", "tok/s"), ("relaxed_frac", "relaxed"), ("kl_k3", "KL(P||pi)"),
+    ("rollout_tokens_per_s", "tok/s"), ("relaxed_frac", "relaxed"), ("kl_k1", "KL(P||pi) k1"),
+    ("kl_k3", "KL(P||pi) k3"),
     ("log_ratio_mean", "mean log w"), ("is_ess", "ESS"), ("is_masked_frac", "masked"),
     ("drafter_est_tau", "head tau"), ("drafter_est_tau_initial", "initial head tau"), ("step_s", "step s"),
 )
@@ -134,7 +137,7 @@ def plot_run(rows: list[dict], out_dir: Path) -> list[Path]:
         ("tau.png", "acceptance length tau", [("tau", "tau (rollouts)"),
                                                ("drafter_est_tau", "head, teacher-forced on fresh rollouts (T = 1)"),
                                                ("drafter_est_tau_initial", "the head as loaded, same rollouts")]),
-        ("drift.png", "drift (behaviour vs policy)", [("kl_k3", "KL(P||pi), k3"),
+        ("drift.png", "drift (behaviour vs policy)", [("kl_k3", "KL(P||pi), k3"), ("kl_k1", "KL(P||pi), k1"),
                                                        ("log_ratio_abs_mean", "mean |log w|"),
                                                        ("relaxed_frac", "relaxed fraction")]),
         ("is_weights.png", "importance weights", [("is_weight_min", "min"), ("is_weight_mean", "mean"),

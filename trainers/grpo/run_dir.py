@@ -91,10 +91,11 @@ def resume_point(cfg) -> Path | None:
 RUN_OUTPUTS = ("checkpoints", SNAPSHOT, "metrics.jsonl", "rollouts.jsonl", "tb", "summary.md", "plots")
 
 
-def fence_previous_run(out_dir: str | Path) -> Path | None:
-    """Move an earlier run's outputs (:data:`RUN_OUTPUTS`) aside, whole; returns where, or None if none."""
+def fence_previous_run(out_dir: str | Path, why: str = "--fresh", extra: tuple[Path, ...] = ()) -> Path | None:
+    """Move an earlier run's outputs (:data:`RUN_OUTPUTS`, and ``extra`` paths in ``out_dir``)
+    aside, whole, saying so after ``why``; returns where, or None if none."""
     out = Path(out_dir)
-    moved = [out / name for name in RUN_OUTPUTS if (out / name).exists()]
+    moved = [out / name for name in RUN_OUTPUTS if (out / name).exists()] + [Path(p) for p in extra]
     if not moved:
         return None
     dest = out / "superseded" / time.strftime("%Y%m%dT%H%M%SZ", time.gmtime())
@@ -105,7 +106,7 @@ def fence_previous_run(out_dir: str | Path) -> Path | None:
     dest.mkdir(parents=True)
     for p in moved:
         p.rename(dest / p.name)
-    print(f"--fresh: moved the previous run's {', '.join(p.name for p in moved)} to {dest}", flush=True)
+    print(f"{why}: moved the previous run's {', '.join(p.name for p in moved)} to {dest}", flush=True)
     return dest
 
 
@@ -117,6 +118,8 @@ def prepare_run_dir(cfg) -> Path | None:
     if not cfg.run.resume:
         fence_previous_run(out)
     ckpt = resume_point(cfg)
+    if ckpt is None:  # nothing to resume (checkpoints deleted or unreadable): step 0 must not erase old logs
+        fence_previous_run(out, "no checkpoint to resume from")
     if ckpt is None or cfg.run.allow_config_change or read_snapshot(out) is None:
         write_atomic(out / SNAPSHOT, json.dumps(config_dict(cfg), indent=1, sort_keys=True) + "\n")
     return ckpt

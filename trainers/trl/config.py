@@ -3,7 +3,9 @@
 One YAML file; one frozen dataclass per part, validated before any model loads (errors
 name the dotted field). ``trl`` holds ``GRPOConfig`` keyword arguments as they are; the
 script fills in what the other sections decide (batch = prompts_per_step x
-num_generations, max_steps = run.steps, CPU, fp32).
+num_generations, max_steps = run.steps, seed = run.seed, the CPU unless CUDA is there, fp32),
+and TRL's ``GRPOConfig`` is built from both when the config loads, so TRL's own checks run
+then too. The rollouts' target and seed are ``model.target`` and ``run.seed``.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from rollout.config import ConfigError, check_int, from_dict, load_yaml
+from rollout.config import ConfigError, check_int, check_leaf, from_dict, load_yaml
 from trainers.grpo.config import ModelConfig, TaskConfig
 from trainers.grpo.correction import CorrectionConfig
 from trainers.tasks.rewards import RewardConfig
@@ -20,7 +22,9 @@ from trainers.trl.rollouts import RolloutSettings
 
 GENERATIONS = ("ours", "trl")
 #: GRPOConfig fields the script sets from the other sections
-OWNED = ("output_dir", "max_steps", "per_device_train_batch_size", "seed", "use_vllm")
+OWNED = ("output_dir", "max_steps", "per_device_train_batch_size", "seed", "use_vllm", "use_cpu", "bf16")
+#: GRPOConfig fields of TRL's importance-sampling correction (with vLLM only): our correction section's
+CORRECTION_PREFIX = "vllm_importance_sampling_"
 
 
 @dataclass(frozen=True)
@@ -59,7 +63,12 @@ class TRLConfig:
         for name in OWNED:
             if name in self.trl:
                 raise ConfigError(f"trl.{name}", "is set by the script from the other sections; remove it")
-        _check_trl_args(self.trl, ours=self.run.generation == "ours")
+        for name in sorted(self.trl):
+            if name.startswith(CORRECTION_PREFIX):
+                raise ConfigError(f"trl.{name}", "is set from the correction section (mode, cap, low, high) with "
+                                  "run.generation 'ours'; TRL's own generation here has no vLLM, so TRL applies no "
+                                  "correction: remove it")
+        _check_trl_args(self)
         if self.run.generation == "ours":
             from trainers.trl.trainer import trl_correction
 
@@ -81,33 +90,102 @@ class TRLConfig:
                        seed=self.run.seed)
 
 
-def _check_trl_args(trl_args: dict[str, Any], ours: bool) -> None:
-    """Unknown GRPOConfig arguments and sampling settings our rollouts cannot honour, named."""
+    def grpo_arguments(self) -> dict[str, Any]:
+        """GRPOConfig's keyword arguments: the trl section and what the script sets (``OWNED``)."""
+        import torch
+
+        n_gen = self.trl.get("num_generations", _grpo_fields()["num_generations"].default)
+        return dict(output_dir=self.run.out_dir, max_steps=self.run.steps, seed=self.run.seed,
+                    per_device_train_batch_size=self.task.prompts_per_step * n_gen,
+                    use_cpu=not torch.cuda.is_available(), bf16=False, **self.trl)
+
+    def grpo_config(self):
+        """TRL's ``GRPOConfig`` of this run (``grpo_arguments``)."""
+        from trl import GRPOConfig
+
+        return GRPOConfig(**self.grpo_arguments())
+
+
+def _grpo_fields() -> dict[str, Any]:
     import dataclasses
-    from types import SimpleNamespace
 
     from trl import GRPOConfig
 
+    return {f.name: f for f in dataclasses.fields(GRPOConfig)}
+
+
+def _check_trl_args(cfg: TRLConfig) -> None:
+    """The trl section as TRL will take it, each failure named ``trl.<argument>``: unknown
+    arguments, values of the wrong kind (a string learning rate, 3.5 tokens), GRPOConfig's own
+    checks with the arguments the script adds, and the sampling settings our rollouts cannot
+    honour."""
+    import warnings
+
     from trainers.trl.rollouts import sampling_from_trl
 
-    fields = {f.name: f for f in dataclasses.fields(GRPOConfig)}
-    unknown = sorted(set(trl_args) - set(fields))
+    fields = _grpo_fields()
+    unknown = sorted(set(cfg.trl) - set(fields))
     if unknown:
         raise ConfigError(f"trl.{unknown[0]}", "is not a GRPOConfig argument (TRL 1.16)")
-    if not ours:  # TRL's own generation honours every sampling setting
-        return
-    defaults = {name: f.default for name, f in fields.items() if f.default is not dataclasses.MISSING}
+    for name, value in cfg.trl.items():
+        check_leaf(f"trl.{name}", fields[name].type, value)  # float / int / str / bool fields
+    check_int("trl.num_generations", cfg.trl.get("num_generations", fields["num_generations"].default), 2)
     try:
-        sampling_from_trl(SimpleNamespace(**{**defaults, **trl_args}), None)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # TRL's deprecation notes show when the run builds it
+            args = cfg.grpo_config()
+    except (ValueError, TypeError) as err:
+        name, text = _culprit(cfg, err), str(err)
+        if "global batch size" in text:
+            text += (f" (per_device_train_batch_size is task.prompts_per_step x num_generations = "
+                     f"{cfg.grpo_arguments()['per_device_train_batch_size']})")
+        raise ConfigError(f"trl.{name}" if name else "trl", f"refused by GRPOConfig: {text}") from None
+    if cfg.run.generation != "ours":  # TRL's own generation honours every sampling setting
+        return
+    try:
+        sampling_from_trl(args, None)
     except ConfigError as err:
         raise ConfigError(err.field.replace("GRPOConfig.", "trl."), str(err).split(": ", 1)[1]) from None
 
 
+def _culprit(cfg: TRLConfig, err: Exception) -> str | None:
+    """The trl argument GRPOConfig refused: the one its message names, else the first that fails
+    alone (with num_generations, which the batch size depends on); None if none does."""
+    import re
+    import warnings
+
+    from trl import GRPOConfig
+
+    named = [n for n in cfg.trl if re.search(rf"(?<!\w){re.escape(n)}(?!\w)", str(err))]
+    if named:
+        return max(named, key=len)
+    args = cfg.grpo_arguments()
+    base = {k: v for k, v in args.items() if k not in cfg.trl or k == "num_generations"}
+    for name in cfg.trl:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                GRPOConfig(**{**base, name: args[name]})
+        except (ValueError, TypeError):
+            return name
+    return None
+
+
 def load_trl_config(path: str | Path, overrides: dict | None = None) -> TRLConfig:
+    """Read and validate a TRL run YAML (``overrides`` merged in as ``load_train_config`` does),
+    then check its task file and head the way ``scripts.train`` does (``preflight.check_files``)."""
     from trainers.grpo.config import _merged
+    from trainers.grpo.preflight import check_files
 
     data = _merged(load_yaml(path), overrides or {})
-    for key in ("drafter", "target"):
-        if isinstance(data.get("rollout"), dict) and key in data["rollout"]:
-            raise ConfigError(f"rollout.{key}", f"is model.{key} in this file; move it there")
-    return from_dict(TRLConfig, data)
+    rollout = data.get("rollout")
+    if isinstance(rollout, dict):
+        for key, where in (("drafter", "model.drafter"), ("target", "model.target"), ("seed", "run.seed")):
+            if key in rollout:
+                raise ConfigError(f"rollout.{key}", f"is {where} in this file; move it there")
+        # the actors of placement 'ray' load model.target: validated as model.* first, then handed on
+        from_dict(ModelConfig, data.get("model"), "model")
+        data["rollout"] = {**rollout, "target": (data.get("model") or {}).get("target") or {}}
+    cfg = from_dict(TRLConfig, data)
+    check_files(cfg)
+    return cfg

@@ -45,7 +45,6 @@ from rollout.config import check_int
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
-from rollout.quantize import check_drafter_weights
 from trainers.grpo.online_drafter import OnlineDrafter, OnlineDrafterConfig
 
 PLACEMENTS = ("local", "ray")
@@ -107,15 +106,22 @@ class RolloutSettings:
                               "keep one of them (set this to 0 to train the head here)", allowed=[0])
         for name in ("num_actors", "threads_per_actor"):
             check_int(name, getattr(self, name))
+        if self.threads is not None:
+            check_int("threads", self.threads)
         if self.placement == "ray" and self.target is None:
             raise ConfigError("target", "placement 'ray' needs the target config the actors load")
+        if not isinstance(self.backend_options, dict):
+            raise ConfigError("backend_options", f"must be a mapping, got {self.backend_options!r}")
+        if self.backend == "vllm":
+            from rollout.vllm.backend import check_options  # imports no vLLM
+        else:
+            check_options = HFBackend.check_options
+        check_options(self.backend_options)  # names and values, here rather than in the backend's set-up
         if self.placement == "local" and self.backend == "hf" and set(self.backend_options) - {"drafter_weights"}:
             # the backend runs over the trainer's own model object: nothing to round or re-route
             raise ConfigError("backend_options", f"{sorted(self.backend_options)}: placement 'local' with the hf "
                               "backend shares the trainer's model and reads only drafter_weights (weights: "
                               "bfloat16 needs a copy of its own: placement 'ray')", allowed=["drafter_weights"])
-        if self.backend == "hf":
-            check_drafter_weights(self.backend_options.get("drafter_weights", "stored"))
 
     def drafter_path(self) -> str | None:
         if self.drafter == "default":
@@ -134,13 +140,17 @@ def sampling_from_trl(args: Any, eos_token_id: int | None) -> SamplingParams:
             raise ConfigError(f"GRPOConfig.{name}", f"{value!r} is not supported with speculative rollouts: TRL "
                               "recomputes the policy log-probs with the temperature only, so the importance "
                               "ratios would compare different distributions", allowed=[neutral])
-    if not args.temperature > 0:
-        raise ConfigError("GRPOConfig.temperature", f"must be > 0 for policy-gradient rollouts, got {args.temperature!r}")
+    t = args.temperature
+    if isinstance(t, (int, float)) and not isinstance(t, bool) and not t > 0:
+        raise ConfigError("GRPOConfig.temperature", f"must be > 0 for policy-gradient rollouts, got {t!r}")
     if args.max_completion_length is None:
         raise ConfigError("GRPOConfig.max_completion_length", "must be set (speculative rollouts need a budget)")
     stop = (eos_token_id,) if eos_token_id is not None else ()
-    return SamplingParams(temperature=float(args.temperature), max_new_tokens=int(args.max_completion_length),
-                          stop_token_ids=stop)
+    try:  # SamplingParams checks the kinds and ranges (no int() truncation of 3.5)
+        return SamplingParams(temperature=t, max_new_tokens=args.max_completion_length, stop_token_ids=stop)
+    except ConfigError as err:  # named as the GRPOConfig argument it came from
+        name = {"max_new_tokens": "max_completion_length"}.get(err.field, err.field)
+        raise ConfigError(f"GRPOConfig.{name}", str(err).split(": ", 1)[1]) from None
 
 
 def tokenize_prompts(tokenizer: Any, prompts: list, chat_template_kwargs: dict | None = None) -> list[list[int]]:

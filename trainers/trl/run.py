@@ -15,7 +15,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
 from transformers import TrainerCallback
 
 from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
@@ -80,7 +79,7 @@ class StepLog(TrainerCallback):
                f"acc {row.get('accuracy', 0):.2f}  gen tok/s {row.get('rollout_tokens_per_s', 0):.1f}"
         if "tau" in row:
             line += f"  tau {row['tau']:.2f}  relaxed {row.get('relaxed_frac', 0):.2f}  " \
-                    f"KL {row.get('kl_k3', 0):.2e}  ESS {row.get('is_ess', 1):.3f}"
+                    f"KL k1 {row.get('kl_k1', 0):.2e} k3 {row.get('kl_k3', 0):.2e}  ESS {row.get('is_ess', 1):.3f}"
         print(line + f"  {row.get('step_s', 0):.1f}s", flush=True)
 
     def on_train_end(self, args, state, control, **kwargs):
@@ -126,19 +125,14 @@ def reward_functions(cfg: TRLConfig) -> tuple[list, list[float]]:
 
 
 def build_trainer(cfg: TRLConfig, callbacks: list | None = None):
-    from trl import GRPOConfig, GRPOTrainer
+    from trl import GRPOTrainer
 
     from rollout.models import load_target
     from trainers.trl.trainer import SpeculativeGRPOTrainer
 
     target, tokenizer = load_target(cfg.model.target)
     model = target.model
-    trl_args = dict(cfg.trl)
-    n_gen = int(trl_args.get("num_generations", 8))
-    cpu = not torch.cuda.is_available()
-    args = GRPOConfig(output_dir=cfg.run.out_dir, max_steps=cfg.run.steps, seed=cfg.run.seed,
-                      per_device_train_batch_size=cfg.task.prompts_per_step * n_gen,
-                      use_cpu=cpu, bf16=False, **trl_args)
+    args = cfg.grpo_config()
     funcs, weights = reward_functions(cfg)
     args.reward_weights = weights
     common = dict(model=model, reward_funcs=funcs, args=args, train_dataset=build_dataset(cfg),
@@ -149,10 +143,23 @@ def build_trainer(cfg: TRLConfig, callbacks: list | None = None):
     return cls(rollouts=cfg.settings(), correction=cfg.correction, **common)
 
 
+def fence_previous_outputs(out: Path) -> Path | None:
+    """Move an earlier run's outputs in ``out`` aside, whole, to ``out/superseded/<time>/``: ours
+    (``run_dir.RUN_OUTPUTS``: metrics.jsonl, rollouts.jsonl, tb/, summary.md, plots/, ...) and
+    TRL's checkpoints (``checkpoint-N/``, which the new run's would overwrite or rotate away).
+    TRL's own logs (``runs/<time>_<host>/``) are one folder per run and stay. Returns where they
+    went (printed), or None if there were none."""
+    from trainers.grpo.run_dir import fence_previous_run
+
+    dest = fence_previous_run(out, "a new run", extra=tuple(sorted(p for p in out.glob("checkpoint-*") if p.is_dir())))
+    return dest
+
+
 def run(cfg: TRLConfig) -> list[dict]:
     out = Path(cfg.run.out_dir)
+    fence_previous_outputs(out)  # a TRL run starts over: nothing of an earlier one is overwritten
     logger = MetricsLogger(out)
-    (out / "metrics.jsonl").write_text("")  # a TRL run starts over (TRL's own checkpoints resume)
+    (out / "metrics.jsonl").write_text("")  # there even if no step gets logged
     step_log = StepLog(logger, cfg.run.steps)
     trainer = build_trainer(cfg, callbacks=[step_log])
     try:

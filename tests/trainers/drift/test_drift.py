@@ -124,6 +124,31 @@ def test_plan_runs_the_law_test_on_chains_only():
     assert "mars:theta=0.9,test=law@tree" not in runs and "mars:theta=0.9@tree" in runs
 
 
+GREEDY_CHAIN = {"mode": "chain", "draft_sampling": "greedy"}
+
+
+@pytest.mark.parametrize("data, mode", [
+    ({"verifiers": ["lossless:test=block"], "modes": ["chain", "tree"]}, "tree"),
+    ({"verifiers": ["mars:theta=0.9,test=law"], "chain": GREEDY_CHAIN}, "chain"),
+    ({"verifiers": ["lossless:test=block"], "chain": GREEDY_CHAIN}, "chain"),
+])
+def test_a_test_the_engine_refuses_in_a_mode_is_refused_with_the_config(data, mode, capsys):
+    """test=block on top-k trees, law or block on greedy chains: the engine's own check
+    (``check_test``) refuses them at config time, naming the verifier and the mode, not mid-study
+    after the earlier configurations ran; where the engine takes them, so does the config."""
+    with pytest.raises(ConfigError, match=f"in mode '{mode}'") as err:
+        from_dict(DriftConfig, data)
+    assert err.value.field == f"verifiers[{data['verifiers'][0]!r}].test"
+    other = {"tree": {"mode": "tree", "tree_candidates": "sampled"}} if mode == "tree" else {"chain": {"mode": "chain"}}
+    for ok in ({**data, **other}, {**data, "temperature": 0.0}):  # sampled drafts, or every test greedy
+        assert data["verifiers"][0] in from_dict(DriftConfig, ok).verifiers
+    from scripts.drift import main
+
+    if "chain" not in data:
+        assert main(["--modes", ",".join(data["modes"]), "--verifiers", data["verifiers"][0]]) == 2
+        assert f"verifiers[{data['verifiers'][0]!r}].test" in capsys.readouterr().err
+
+
 # ----------------------------------------------------------------------------- per-token drift
 def _records(n: int = 400, v: int = 40, seed: int = 0, chain: bool = True) -> list[DebugRecord]:
     g = torch.Generator().manual_seed(seed)

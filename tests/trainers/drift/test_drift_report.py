@@ -112,6 +112,50 @@ def test_the_kl_summary_reports_the_share_of_infinite_kl_and_the_mean_of_the_fin
     assert kl["inf_frac"] == pytest.approx(2 / 8) and kl["mean"] == pytest.approx(1.2 / 6)
 
 
+def test_the_table_and_the_position_plot_show_the_share_of_infinite_kl(tmp_path, monkeypatch):
+    """drift.md's KL mean / p99 and the per-position KL curve are over the finite values: the
+    share of infinite KL stands next to them (a column; the configuration's legend entry)."""
+    import trainers.drift.plots as plots
+    from trainers.drift.report import markdown_table
+
+    runs = [_run_data(key, "verifier", "chain", "mars:theta=0.9", None, 10.0, [1] * 4, [0.0] * 4, 2)
+            for key in ("mars:theta=0.9@chain", "lossless@chain")]
+    runs[0].tokens["kl"] = [torch.tensor([0.1, math.inf, 0.3, 0.2, math.inf, 0.0, 0.4, 0.2], dtype=torch.float64)]
+    report = build_report(runs, {})
+    lines = markdown_table(report).splitlines()
+    col = [c.strip() for c in lines[0].split("|")].index("KL inf")
+    cells = {line.split("|")[1].strip(): line.split("|")[col].strip() for line in lines[2:]}
+    assert cells == {"mars:theta=0.9@chain": "25.00%", "lossless@chain": "0.00%"}
+    legends = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: legends.append(
+        [t.get_text() for t in fig.axes[1].get_legend().get_texts()]) or save(fig, path))
+    plots.plot_drift_positions(report["configurations"], tmp_path / "positions.png")
+    assert legends == [["mars:theta=0.9@chain (KL inf 25.00%)", "lossless@chain"]]
+
+
+def test_a_runs_step_view_shows_k1_where_k3_misses_the_targets_mass_off_a_point_mass(tmp_path, monkeypatch):
+    """A token emitted outright (P = 1, e.g. MARS relaxing on a tree node) with p = 0.4: KL(P || p) =
+    -log 0.4, which k1 gives and k3 misses by p's other 0.6; ``run_drift.md`` and the drift plot
+    show both."""
+    import trainers.drift.plots as plots
+
+    rec = {"step": 1, "completion_ids": [5], "behaviour_logprobs": [0.0], "target_logprobs": [math.log(0.4)],
+           "policy_logprobs": [math.log(0.4)], "relaxed": [1], "weights": [0.4], "reward": 1.0}
+    (tmp_path / "rollouts.jsonl").write_text(json.dumps(rec) + "\n")
+    labels = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: labels.append(
+        [t.get_text() for t in fig.axes[0].get_legend().get_texts()]) or save(fig, path))
+    from_run(tmp_path, tmp_path / "drift")
+    row = json.loads((tmp_path / "drift" / "run_drift.json").read_text())["steps"][0]
+    assert row["kl_P_p_k1"] == row["kl_P_pi_k1"] == pytest.approx(-math.log(0.4))
+    assert row["kl_P_p_k3"] == pytest.approx(-math.log(0.4) - 0.6)
+    head = (tmp_path / "drift" / "run_drift.md").read_text().splitlines()[2]
+    assert {"kl_P_p_k1", "kl_P_p_k3", "kl_P_pi_k1", "kl_P_pi_k3"} <= {c.strip() for c in head.split("|")}
+    assert {"KL(P||p) k1 (rollout target)", "KL(P||pi) k1 (trainer policy)"} <= set(labels[0])
+
+
 def test_a_runs_step_view_counts_dropped_tokens_in_the_ess_and_staleness_in_absolute_value():
     """``step_stats``: the token ESS counts tokens the correction dropped (weight 0) as weights of 0,
     as ``effective_sample_size`` defines it; the staleness is the mean of |log pi - log p|, so

@@ -56,6 +56,29 @@ def test_kl_estimates_match_the_exact_kl_on_samples_from_the_behaviour():
     assert s["kl_k3"] >= 0
 
 
+@pytest.mark.parametrize("P", [[0.5, 0.5, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
+def test_k3_is_low_by_the_policys_mass_outside_the_behaviours_support_and_k1_is_not(P):
+    """E_P[k3] = KL(P || pi) - m, m = pi's mass on {P = 0} (e.g. a lossy rule emitting a tree node
+    outright: P a point mass); E_P[k1] = KL(P || pi). Exact expectations: one sample per 1/4 of P."""
+    pi = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    P = torch.tensor(P, dtype=torch.float64)
+    y = torch.tensor([i for i, p in enumerate(P.tolist()) for _ in range(round(4 * p))])
+    on = P > 0
+    exact = float((P[on] * (P[on].log() - pi[on].log())).sum())
+    m = float(pi[~on].sum())
+    s = drift_stats((pi[y].log() - P[y].log())[None], torch.ones(1, len(y), dtype=torch.bool))
+    assert s["kl_k1"] == pytest.approx(exact, abs=1e-12)
+    assert s["kl_k3"] == pytest.approx(exact - m, abs=1e-12)
+
+
+def test_the_training_summary_shows_k1_next_to_k3():
+    """The GRPO summary table (``trainers.grpo.report``) shows the unbiased k1 as well as k3."""
+    from trainers.grpo.report import summary_table
+
+    table = summary_table([{"step": 1, "kl_k1": 0.9163, "kl_k3": 0.3163}]).splitlines()
+    assert table[0] == "| step | KL(P||pi) k1 | KL(P||pi) k3 |" and table[2] == "| 1 | 0.9163 | 0.3163 |"
+
+
 def test_wilson_and_comparisons():
     lo, hi = wilson(5, 10)
     assert abs(lo - 0.2366) < 1e-4 and abs(hi - 0.7634) < 1e-4

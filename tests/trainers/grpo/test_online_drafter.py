@@ -264,7 +264,7 @@ def test_a_non_finite_head_loss_stops_before_the_head_ships(target, tiny_head_di
 
 
 @pytest.mark.parametrize("values, field", [
-    ({"every": -1}, "every"), ({"objective": "block"}, "objective"), ({"objective": "ce"}, "ce_weight"),
+    ({"every": -1}, "every"), ({"objective": "block"}, "objective"), ({"objective": "ce", "ce_weight": 0.1}, "ce_weight"),
     ({"export_dtype": "int8"}, "export_dtype"), ({"lr": 0}, "lr"), ({"buffer": 0}, "buffer"),
     ({"betas": [0.9]}, "betas"), ({"betas": [False, 0.9]}, "betas"), ({"score_initial": "yes"}, "score_initial"),
 ])
@@ -272,6 +272,11 @@ def test_bad_settings_name_the_field(values, field):
     with pytest.raises(ConfigError) as err:
         OnlineDrafterConfig(**values)
     assert err.value.field == field, str(err.value)
+
+
+def test_the_cross_entropy_weight_follows_the_objective():
+    assert OnlineDrafterConfig().ce_weight == 0.1 and OnlineDrafterConfig(objective="ce").ce_weight == 0.0
+    assert OnlineDrafterConfig(objective="tv", ce_weight=0.0).ce_weight == 0.0
 
 
 def test_training_needs_a_drafter(tmp_path, tiny_policy_dir):

@@ -93,6 +93,12 @@ CASES = {
                            ["'int4'", "allowed: exact, bfloat16"]),
     "hf drafter weights unknown": ({"rollout.backend_options": {"drafter_weights": "int2"}},
                                    "rollout.backend_options.drafter_weights", ["allowed: stored, int8"]),
+    "more actor CPUs than the local Ray has": ({"rollout.num_actors": 2, "rollout.threads_per_actor": 2,
+                                                "ray.num_cpus": 3}, "rollout.num_actors",
+                                               ["ask the local Ray for 4 CPUs; it has 3", "for ever"]),
+    "policy trained in bf16": ({"model.target.dtype": "bfloat16"}, "model.target.dtype",
+                               ["no fp32 copy", "weights: bfloat16", "allowed: float32"]),
+    "a bare YAML off": ({"rollout.spec.mode": False}, "rollout.spec.mode", ["boolean: quote it, e.g. 'off'"]),
     "vllm option unknown": ({"rollout.backend": "vllm", "rollout.backend_options": {"weights": "bfloat16"}},
                             "rollout.backend_options", ["unknown vllm option(s) ['weights']", "kv_cache_memory_bytes"]),
 }
@@ -204,3 +210,22 @@ def test_relative_out_dir_is_refused_inside_a_ray_job_copy(tmp_path, tiny_policy
     err = capsys.readouterr().err
     assert err.startswith("error: config field 'run.out_dir': 'runs/x' is relative") and "absolute" in err, err
     assert not ray.is_initialized() and not (copy / "runs").exists()
+
+
+def test_gpus_the_local_ray_lacks_are_refused_before_ray(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is visible here")
+    rc, err, took = _run_cli(tmp_path, tiny_policy_dir, tiny_head_dir, {"rollout.num_gpus_per_actor": 1}, capsys)
+    _assert_refused(rc, err, took, "rollout.num_gpus_per_actor", "need 1; this machine's local Ray has 0")
+
+
+def test_a_home_relative_out_dir_is_the_home_folder(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
+    """``out_dir: ~/runs/x`` writes under the home folder (not a folder named "~" in the working
+    directory, which the Ray-job guard would have taken for an absolute path)."""
+    from trainers.grpo.config import load_train_config
+
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    path = write_config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, "~/runs/x")
+    assert load_train_config(path).run.out_dir == str(tmp_path / "home" / "runs" / "x")

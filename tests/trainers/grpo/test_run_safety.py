@@ -320,3 +320,23 @@ def test_a_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp
     assert "optim.lr" in caplog.text and "optim.weight_decay" in caplog.text
     for a, b in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"])
+
+
+def test_a_resume_with_no_checkpoint_left_fences_the_old_logs(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    """A finished run whose checkpoints were deleted (1.6 GB each) restarts at step 0: its logs,
+    summary and figures move to superseded/ first, as with --fresh, instead of being emptied."""
+    import shutil
+
+    from trainers.grpo.run_dir import prepare_run_dir
+
+    cfg = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir)
+    _fake_run(cfg)
+    run = tmp_path / "run"
+    (run / "metrics.jsonl").write_text('{"step": 3}\n')
+    (run / "summary.md").write_text("old\n")
+    shutil.rmtree(run / "checkpoints")
+    assert prepare_run_dir(cfg) is None
+    assert "no checkpoint to resume from: moved the previous run's" in capsys.readouterr().out
+    (old,) = (run / "superseded").iterdir()
+    assert (old / "metrics.jsonl").read_text() == '{"step": 3}\n' and (old / "summary.md").read_text() == "old\n"
+    assert not (run / "metrics.jsonl").exists()

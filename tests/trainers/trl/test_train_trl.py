@@ -1,5 +1,7 @@
 """scripts/train_trl.py: a bad config is refused before any model loads (rc 2, the dotted
-field named), and a one-step run on the tiny policy leaves metrics, summary and plots."""
+field named, the run folder untouched), a one-step run on the tiny policy leaves metrics,
+summary and plots and first moves an earlier run's aside, and placement ray generates in the
+Ray pool with model.target."""
 
 from __future__ import annotations
 
@@ -37,16 +39,81 @@ def _config(path, policy, head, out, **sections):
     ("trl", {"output_dir": "x"}, "trl.output_dir"),
     ("trl", {"num_generation": 4}, "trl.num_generation"),
     ("run", {"generation": "vllm"}, "run.generation"),
+    # TRL's own checks and the kinds of the trl arguments, run when the config loads
+    ("trl", {"num_generations": 1}, "trl.num_generations"),
+    ("trl", {"learning_rate": "abc"}, "trl.learning_rate"),
+    ("trl", {"max_completion_length": 3.5}, "trl.max_completion_length"),
+    ("trl", {"max_completion_length": 0}, "trl.max_completion_length"),
+    ("trl", {"generation_batch_size": 10}, "trl.generation_batch_size"),
+    ("trl", {"lr_scheduler_type": "sometimes"}, "trl.lr_scheduler_type"),
+    ("trl", {"bf16": True}, "trl.bf16"),
+    # settings the script would silently override
+    ("trl", {"vllm_importance_sampling_correction": False}, "trl.vllm_importance_sampling_correction"),
+    ("trl", {"vllm_importance_sampling_cap": 3.0}, "trl.vllm_importance_sampling_cap"),
+    ("rollout", {"seed": 3}, "rollout.seed"),
+    ("rollout", {"threads": 0}, "rollout.threads"),
+    ("rollout", {"backend": "vllm", "backend_options": {"kv_cach": 1}}, "rollout.backend_options"),
 ])
-def test_bad_config_exits_2_naming_the_field(tmp_path, tiny_policy_dir, tiny_head_dir, capsys, section, values,
-                                             field):
+def test_bad_config_exits_2_naming_the_field(tmp_path, tiny_policy_dir, tiny_head_dir, capsys, monkeypatch, section,
+                                             values, field):
     from scripts.train_trl import main
 
-    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out", **{section: values})
+    monkeypatch.setattr("rollout.models.load_target", _no_model)
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1}\n')  # an earlier run's
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, out, **{section: values})
     assert main(["--config", str(path)]) == 2
     err = capsys.readouterr().err
     assert f"config field '{field}'" in err and "Traceback" not in err
-    assert not (tmp_path / "out").exists()  # refused before anything ran
+    # refused before anything ran: the earlier run's outputs neither moved nor emptied
+    assert sorted(p.name for p in out.iterdir()) == ["metrics.jsonl"]
+    assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+@pytest.mark.parametrize("name, value", [("bf16", True), ("use_cpu", False), ("seed", 1)])
+def test_grpo_arguments_the_script_sets_are_refused_as_such(tmp_path, tiny_policy_dir, tiny_head_dir, name, value):
+    from rollout.config import ConfigError
+    from trainers.trl.config import load_trl_config
+
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out", trl={name: value})
+    with pytest.raises(ConfigError, match=f"'trl.{name}': is set by the script from the other sections"):
+        load_trl_config(path)
+
+
+def _no_model(*args, **kwargs):
+    raise AssertionError("a model loaded before the config was refused")
+
+
+def test_a_bad_task_file_exits_2_before_any_model_loads(tmp_path, tiny_policy_dir, tiny_head_dir, capsys,
+                                                       monkeypatch):
+    from scripts.train_trl import main
+
+    monkeypatch.setattr("rollout.models.load_target", _no_model)
+    bad = tmp_path / "task.jsonl"
+    bad.write_text('{"question": "1 + 1?", "answer": "#### 2"}\nnot json\n')
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out",
+                   task={"source": "jsonl", "path": str(bad)})
+    assert main(["--config", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "config field 'task.path'" in err and "Traceback" not in err
+    assert not (tmp_path / "out").exists()
+
+
+def test_sampling_errors_name_the_grpo_config_argument():
+    """The library's check (SpeculativeGRPOTrainer) names GRPOConfig's argument, not ours."""
+    from types import SimpleNamespace
+
+    from rollout.config import ConfigError
+    from trainers.trl.rollouts import sampling_from_trl
+
+    base = dict(top_p=1.0, top_k=None, min_p=None, repetition_penalty=1.0, temperature=1.0, max_completion_length=8)
+    for change, field in [({"temperature": float("inf")}, "GRPOConfig.temperature"),
+                          ({"max_completion_length": 0}, "GRPOConfig.max_completion_length"),
+                          ({"max_completion_length": 3.5}, "GRPOConfig.max_completion_length")]:
+        with pytest.raises(ConfigError, match=f"config field '{field}'"):
+            sampling_from_trl(SimpleNamespace(**{**base, **change}), None)
+    assert sampling_from_trl(SimpleNamespace(**base), 2).max_new_tokens == 8
 
 
 @pytest.mark.parametrize("argv", [[], ["--generation", "trl"]])
@@ -63,10 +130,17 @@ def test_head_training_with_trls_own_generation_is_refused(tmp_path, tiny_policy
     assert not (tmp_path / "out").exists()
 
 
-def test_one_step_leaves_the_run_outputs(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+def test_one_step_leaves_the_run_outputs_and_moves_an_earlier_runs_aside(tmp_path, tiny_policy_dir,
+                                                                          tiny_head_dir, capsys):
     from scripts.train_trl import main
 
     out = tmp_path / "out"
+    earlier = {"metrics.jsonl": '{"step": 1, "reward_mean": 0.5}\n{"step": 2, "reward_mean": 0.7}\n',
+               "summary.md": "the earlier run's table\n", "plots/reward.png": "png",
+               "tb/events.out.tfevents.1": "tb", "checkpoint-2/trainer_state.json": "{}"}
+    for name, text in earlier.items():
+        (out / name).parent.mkdir(parents=True, exist_ok=True)
+        (out / name).write_text(text)
     path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, out)
     assert main(["--config", str(path)]) == 0
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
@@ -76,7 +150,24 @@ def test_one_step_leaves_the_run_outputs(tmp_path, tiny_policy_dir, tiny_head_di
     assert rows[0]["relaxed_frac"] > 0 and rows[0]["kl_k3"] > 0  # overshoot relaxes on the tiny model
     for name in ("summary.md", "plots/reward.png", "plots/tau.png", "plots/drift.png"):
         assert (out / name).is_file(), name
-    assert "step 1/1" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "step 1/1" in printed
+    # the earlier run's outputs, whole, under superseded/<time>/ (and said where)
+    (fenced,) = (out / "superseded").iterdir()
+    for name, text in earlier.items():
+        assert (fenced / name).read_text() == text, name
+    assert not (out / "checkpoint-2").exists() and f"to {fenced}" in printed
+
+
+def test_placement_ray_takes_the_target_from_model_target(tmp_path, tiny_policy_dir, tiny_head_dir):
+    from rollout.models import TargetConfig
+    from trainers.trl.config import load_trl_config
+
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out",
+                   rollout={"placement": "ray", "num_actors": 1, "threads_per_actor": 1})
+    cfg = load_trl_config(path)
+    assert cfg.rollout.placement == "ray"
+    assert cfg.settings().target == cfg.model.target == TargetConfig(path=str(tiny_policy_dir))
 
 
 def test_shipped_trl_config_validates():
@@ -109,3 +200,21 @@ def test_the_heads_training_rounds_reach_the_metrics_and_the_summary(tmp_path, t
         for key in ("drafter_est_tau", "drafter_est_tau_initial", "drafter_loss", "drafter_s", "drafter_features_s"):
             assert row[key] == pytest.approx(rounds[row["step"]][key]), (row["step"], key)
     assert rows[1]["drafter_est_tau"] >= 1 and "head tau" in (out / "summary.md").read_text()
+
+
+def test_one_step_with_placement_ray(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray, monkeypatch):
+    """The CLI's rollouts come from the Ray pool, whose actor loads model.target."""
+    from rollout.actor_pool import RolloutPool
+    from scripts.train_trl import main
+
+    specs = []
+    original = RolloutPool.__init__
+    monkeypatch.setattr(RolloutPool, "__init__",
+                        lambda self, spec, *a, **kw: specs.append(spec) or original(self, spec, *a, **kw))
+    out = tmp_path / "out"
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, out,
+                   rollout={"placement": "ray", "num_actors": 1, "threads_per_actor": 1})
+    assert main(["--config", str(path)]) == 0
+    assert [s.target.path for s in specs] == [str(tiny_policy_dir)]
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and rows[0]["tau"] >= 1
