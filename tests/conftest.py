@@ -4,6 +4,7 @@ head for it, built once per session."""
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -52,3 +53,12 @@ def tiny_policy_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_head_dir(tiny_policy_dir, tmp_path_factory) -> Path:
     return build_tiny_head(tiny_policy_dir, tmp_path_factory.mktemp("tiny_head"))
+
+
+@pytest.fixture
+def own_tmp(tmp_path, monkeypatch) -> Path:
+    """The temporary folder this process's mkdtemp uses (so no other process's folders count)."""
+    folder = tmp_path / "tmp"
+    folder.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(folder))
+    return folder

@@ -9,7 +9,6 @@ import dataclasses
 import json
 import re
 import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -99,15 +98,6 @@ def test_heads_in_both_formats_pass_the_driver_checks(tmp_path):
     (bin_format / "model.safetensors").unlink()
     torch.save({"fc.weight": torch.zeros(8, 24)}, bin_format / "pytorch_model.bin")
     check_head_folder(bin_format)
-
-
-@pytest.fixture
-def own_tmp(tmp_path, monkeypatch) -> Path:
-    """The temporary folder this process's mkdtemp uses (so no other process's folders count)."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 def test_a_head_for_another_target_is_named_by_the_folder_it_was_shipped_from(tiny_policy_dir, own_tmp):

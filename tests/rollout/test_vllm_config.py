@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import shutil
-import tempfile
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -83,15 +82,6 @@ def test_prepare_head_carries_our_draft_temperature(tmp_path):
     assert (out / "model.safetensors").resolve() == (HEAD / "model.safetensors").resolve()
     plain = _head_copy(tmp_path, draft_logit_scale=None)
     assert prepare_head(plain, check_head(plain, TARGET_CFG)) == str(plain)
-
-
-@pytest.fixture
-def own_tmp(tmp_path, monkeypatch) -> Path:
-    """The temporary folder this process's mkdtemp uses (so no other process's folders count)."""
-    folder = tmp_path / "tmp"
-    folder.mkdir()
-    monkeypatch.setattr(tempfile, "tempdir", str(folder))
-    return folder
 
 
 def test_the_prepared_head_is_removed_after_the_block(tmp_path, own_tmp):

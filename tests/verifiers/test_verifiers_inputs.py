@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -320,6 +321,17 @@ def test_rejected_inputs_leave_the_generator_untouched():
     assert torch.equal(torch.rand(3, generator=gen), torch.rand(6, generator=torch.Generator().manual_seed(0))[3:])
 
 
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype):
+    """torch's default dtype set to ``dtype`` inside the block, restored after."""
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(saved)
+
+
 @pytest.mark.parametrize("case", RULE_CASES, ids=RULE_IDS)
 def test_outputs_are_float32_under_a_float64_default_dtype(case):
     """Under torch.set_default_dtype(torch.float64) both backends still return float32 log-probs,
@@ -330,17 +342,13 @@ def test_outputs_are_float32_under_a_float64_default_dtype(case):
     target, draft, x = chain_inputs(6, 3, 3, 12, 1.0, case.shift(6.0))
     nodes, cands = candidate_inputs(6, 4, 3, 12)
     runs = []
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with _default_dtype(torch.float64):
         for use in (True, False):
             with native.forced(use):
                 runs.append((verify_chain(rule, target, draft, x, temperature=1.0,
                                           generator=torch.Generator().manual_seed(1)),
                              verify_candidates(rule, nodes, cands, temperature=1.0,
                                                generator=torch.Generator().manual_seed(1))))
-    finally:
-        torch.set_default_dtype(saved)
     for fast, slow in zip(*runs):
         assert torch.equal(fast.tokens, slow.tokens)
         for name in ("behaviour_logprobs", "target_logprobs"):
@@ -363,15 +371,11 @@ def test_the_block_tree_walk_is_float32_under_a_float64_default_dtype():
     target = draft + torch.randn(6, shape.size, 12, generator=g) * 0.7
     tokens = torch.randint(0, 12, (6, shape.size), generator=g)
     runs = []
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
+    with _default_dtype(torch.float64):
         for use in (True, False):
             with native.forced(use):
                 runs.append(verify_block_tree(target, draft, tokens, children, depths, temperature=1.0, top_k=None,
                                               top_p=None, generator=torch.Generator().manual_seed(1)))
-    finally:
-        torch.set_default_dtype(saved)
     (t1, e1, l1, k1, p1), (t2, e2, l2, k2, p2) = runs
     assert torch.equal(t1, t2) and torch.equal(e1, e2) and torch.equal(k1, k2) and torch.equal(p1, p2)
     assert l1.dtype == l2.dtype == torch.float32 and bool((e1 > 1).any())
