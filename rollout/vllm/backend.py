@@ -129,10 +129,23 @@ def _rounds(kinds: list[int]) -> list[int]:
 
 
 def check_options(options: Mapping) -> None:
-    """Refuse ``backend_options`` this backend does not read (ConfigError listing those it does)."""
+    """Refuse ``backend_options`` this backend does not read (ConfigError listing those it does)
+    and values of the wrong kind (a string "false" for a flag would mean true)."""
     unknown = set(options) - set(DEFAULTS)
     if unknown:
         raise ConfigError("backend_options", f"unknown vllm option(s) {sorted(unknown)}", allowed=sorted(DEFAULTS))
+    for name, value in options.items():
+        field = f"backend_options.{name}"
+        if name in ("enforce_eager", "multiprocessing") and not isinstance(value, bool):
+            raise ConfigError(field, f"must be true or false, got {value!r}")
+        if name in ("kv_cache_memory_bytes", "max_model_len", "max_num_seqs") and (
+                isinstance(value, bool) or not isinstance(value, int) or value < 1):
+            raise ConfigError(field, f"must be a positive integer, got {value!r}")
+        if name == "gpu_memory_utilization" and value is not None and (
+                isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 < value <= 1):
+            raise ConfigError(field, f"must be null or a fraction in (0, 1], got {value!r}")
+        if name == "llm_kwargs" and not isinstance(value, Mapping):
+            raise ConfigError(field, f"must be a mapping of vLLM's own LLM arguments, got {value!r}")
 
 
 class VLLMBackend:

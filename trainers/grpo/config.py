@@ -225,6 +225,9 @@ class TrainConfig:
             raise ConfigError("drafter_training.every", "trains the EAGLE-3 head the rollouts draft with; there is "
                               f"none (model.drafter {self.model.drafter!r}, rollout.spec.mode "
                               f"{self.rollout.spec.mode!r}): set it to 0", allowed=[0])
+        if self.rollout.backend == "vllm" and str(self.model.target.path or "").endswith(".gguf"):
+            raise ConfigError("model.target.path", "the vllm backend needs a Hugging Face model folder, not a GGUF "
+                              "file (null: the embedded model, whose safetensors cache it reads)")
         if self.model.target.dtype != "float32":
             raise ConfigError("model.target.dtype", f"{self.model.target.dtype!r} would train the policy itself in "
                               "that dtype, with no fp32 copy (a bf16 step of lr ~1e-5 mostly rounds to no change); "

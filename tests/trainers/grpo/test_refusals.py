@@ -13,6 +13,7 @@ import time
 import pytest
 import yaml
 
+from rollout.models import embedded_gguf_path
 from tests.trainers.conftest import write_config
 
 _UNSET = object()
@@ -99,6 +100,12 @@ CASES = {
     "policy trained in bf16": ({"model.target.dtype": "bfloat16"}, "model.target.dtype",
                                ["no fp32 copy", "weights: bfloat16", "allowed: float32"]),
     "a bare YAML off": ({"rollout.spec.mode": False}, "rollout.spec.mode", ["boolean: quote it, e.g. 'off'"]),
+    "vllm flag a string": ({"rollout.backend": "vllm", "rollout.backend_options": {"enforce_eager": "false"}},
+                           "rollout.backend_options.enforce_eager", ["true or false", "'false'"]),
+    "vllm seqs zero": ({"rollout.backend": "vllm", "rollout.backend_options": {"max_num_seqs": 0}},
+                       "rollout.backend_options.max_num_seqs", ["positive integer"]),
+    "vllm on a GGUF": ({"rollout.backend": "vllm", "model.target.path": str(embedded_gguf_path())}, "model.target.path",
+                       ["not a GGUF file"]),
     "vllm option unknown": ({"rollout.backend": "vllm", "rollout.backend_options": {"weights": "bfloat16"}},
                             "rollout.backend_options", ["unknown vllm option(s) ['weights']", "kv_cache_memory_bytes"]),
 }
