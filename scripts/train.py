@@ -98,7 +98,15 @@ def finished(ckpt, cfg) -> bool:
         return False
     print(f"this run is complete: {ckpt} is step {done} of run.steps = {cfg.run.steps}; nothing to train "
           f"(--steps N trains on to step N, --fresh starts over)", flush=True)
-    summary = Path(cfg.run.out_dir) / "summary.md"
+    out = Path(cfg.run.out_dir)
+    summary, metrics = out / "summary.md", out / "metrics.jsonl"
+    if metrics.is_file() and (not summary.is_file() or summary.stat().st_mtime < metrics.stat().st_mtime):
+        from trainers.grpo.report import plot_run, read_metrics, summary_table  # the run died before writing them
+
+        rows = read_metrics(out)
+        summary.write_text(summary_table(rows) + "\n")
+        plot_run(rows, out)
+        print("(summary.md and plots/ rebuilt from metrics.jsonl)", flush=True)
     if summary.is_file():
         print("\n" + summary.read_text().rstrip(), flush=True)
     return True

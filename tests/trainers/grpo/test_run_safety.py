@@ -340,3 +340,23 @@ def test_a_resume_with_no_checkpoint_left_fences_the_old_logs(tmp_path, tiny_pol
     (old,) = (run / "superseded").iterdir()
     assert (old / "metrics.jsonl").read_text() == '{"step": 3}\n' and (old / "summary.md").read_text() == "old\n"
     assert not (run / "metrics.jsonl").exists()
+
+
+def test_a_complete_run_that_died_before_its_summary_gets_one(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    """The last checkpoint was saved, then the run died before ``finish`` wrote summary.md and the
+    plots: running it again rebuilds them from metrics.jsonl (it used to show nothing, for ever)."""
+    import json
+
+    from scripts.train import main
+
+    cfg = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir)
+    _fake_run(cfg, steps=(cfg.run.steps,))
+    run = tmp_path / "run"
+    rows = [{"step": s, "reward_mean": 0.1 * s, "accuracy": 0.5, "loss": 0.2} for s in range(1, cfg.run.steps + 1)]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["--config", str(tmp_path / "c.yaml")]) == 0
+    out = capsys.readouterr().out
+    assert "rebuilt from metrics.jsonl" in out and (run / "summary.md").is_file() and any((run / "plots").iterdir())
+    assert (run / "summary.md").read_text().strip() in out
+    assert main(["--config", str(tmp_path / "c.yaml")]) == 0  # now up to date: shown, not rebuilt
+    assert "rebuilt" not in capsys.readouterr().out
