@@ -5,8 +5,13 @@
 - **resume check**: a resume whose seed, model, sampling, verifier, task, GRPO, correction
   or reward settings differ from the snapshot is refused with the list of differences
   (``run.allow_config_change`` / ``--allow-config-change`` accepts them and rewrites the
-  snapshot). Steps, out_dir, the optimizer, speculation shape and the actor layout may
-  change freely: they do not change what the checkpoints mean.
+  snapshot), and so is one that changes the law the rollouts come from otherwise: the rollout
+  copy's rounding (``backend_options.weights``) and, for a lossy verifier, what it verifies
+  (``spec.mode``, ``draft_sampling``, ``tree_candidates``). Both sides are compared as
+  validated configs (defaults filled, a rule's parameters in full), so a field added by a
+  newer version or a rule's default written out is no difference. Steps, out_dir, the
+  optimizer, the speculation shape otherwise and the actor layout may change freely: they do
+  not change what the checkpoints mean.
 - **fencing**: a run that does not resume (``run.resume: false``, ``--fresh``) moves the
   previous run's outputs (``checkpoints/``, the snapshot, ``metrics.jsonl``, ``rollouts.jsonl``,
   ``tb/``, ``summary.md``, ``plots/``) to ``superseded/<UTC time>/`` and says so: a later resume
@@ -51,10 +56,48 @@ def flatten(d: dict, prefix: str = "") -> dict[str, object]:
     return out
 
 
+# what a lossy verifier's law depends on beyond its own settings (lossless: P = p whatever they are)
+LAW_OF_LOSSY = ("rollout.spec.mode", "rollout.spec.draft_sampling", "rollout.spec.tree_candidates")
+LAW_OF_ALL = ("rollout.backend_options.weights",)  # the rollout copy itself (exact or rounded)
+
+
+def comparable(data: dict) -> dict:
+    """A config dict as the resume check compares it: validated (a snapshot written by an older
+    version gets the fields added since, at their defaults) and the verifier's parameters in full
+    (``{}`` and the rule's defaults written out are the same rule); as it is if it no longer
+    validates (a field since removed, a model path since moved)."""
+    import warnings
+
+    from rollout.config import from_dict
+    from trainers.grpo.config import TrainConfig
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            cfg = from_dict(TrainConfig, data)
+        out = config_dict(cfg)
+        out["rollout"]["verifier"]["params"] = config_dict(cfg.rollout.verifier.rule())
+        if cfg.rollout.backend == "hf":
+            out["rollout"]["backend_options"].setdefault("weights", "exact")
+    except Exception:  # noqa: BLE001 - compared raw, as before
+        return data
+    return out
+
+
+def _lossy(data: dict) -> bool:
+    rollout = data.get("rollout")
+    verifier = rollout.get("verifier") if isinstance(rollout, dict) else None
+    return isinstance(verifier, dict) and verifier.get("name", "lossless") != "lossless"
+
+
 def config_differences(old: dict, new: dict) -> list[str]:
-    """``field: old -> new`` for every compared field that differs."""
+    """``field: old -> new`` for every compared field that differs (:func:`comparable` forms of both)."""
+    old, new = comparable(old), comparable(new)
     a, b = flatten(old), flatten(new)
-    keys = sorted(k for k in set(a) | set(b) if any(k == c or k.startswith(c + ".") for c in COMPARED))
+    compared = COMPARED + LAW_OF_ALL
+    if any(_lossy(d) for d in (old, new)):
+        compared += LAW_OF_LOSSY
+    keys = sorted(k for k in set(a) | set(b) if any(k == c or k.startswith(c + ".") for c in compared))
     return [f"{k}: {a.get(k, '<absent>')!r} -> {b.get(k, '<absent>')!r}" for k in keys if a.get(k) != b.get(k)]
 
 

@@ -139,6 +139,10 @@ def _fake_run(cfg, steps=(1, 2, 3)):
     ({"rollout": {"verifier": {"name": "lossless", "params": {}}}}, "rollout.verifier.name: 'mars' -> 'lossless'"),
     ({"task": {"difficulty": 2}}, "task.difficulty: 1 -> 2"),
     ({"model": {"drafter": None}, "rollout": {"spec": {"mode": "off"}}}, "model.drafter:"),
+    # the law of a lossy verifier's rollouts depends on what it verifies, and every rule's on the copy rounded
+    ({"rollout": {"spec": {"mode": "chain", "num_draft_tokens": 3, "draft_sampling": "greedy"}}},
+     "rollout.spec.draft_sampling: 'sampled' -> 'greedy'"),
+    ({"rollout": {"backend_options": {"weights": "bfloat16"}}}, "rollout.backend_options.weights: 'exact' -> 'bfloat16'"),
 ])
 def test_resume_with_a_different_config_is_refused(sections, listed, tmp_path, tiny_policy_dir, tiny_head_dir):
     from trainers.grpo.run_dir import resume_point
@@ -360,3 +364,27 @@ def test_a_complete_run_that_died_before_its_summary_gets_one(tmp_path, tiny_pol
     assert (run / "summary.md").read_text().strip() in out
     assert main(["--config", str(tmp_path / "c.yaml")]) == 0  # now up to date: shown, not rebuilt
     assert "rebuilt" not in capsys.readouterr().out
+
+
+def test_resume_compares_validated_configs(tmp_path, tiny_policy_dir, tiny_head_dir):
+    """Not a difference: a rule's default parameters written out or left out, a field a newer
+    version added (absent from an old snapshot), the speculation of a lossless run."""
+    import json
+
+    from trainers.grpo.run_dir import SNAPSHOT, resume_point
+
+    mars = {"verifier": {"name": "mars", "params": {"theta": 0.9}}}
+    _fake_run(_cfg(tmp_path, tiny_policy_dir, tiny_head_dir, rollout=mars))
+    snap = tmp_path / "run" / SNAPSHOT
+    old = json.loads(snap.read_text())
+    del old["grpo"]["std_eps"]  # as a version before the field existed wrote it
+    snap.write_text(json.dumps(old))
+    bare = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, rollout={"verifier": {"name": "mars", "params": {}}})
+    assert resume_point(bare).name == "step_000003"
+    lossless = tmp_path / "lossless"
+    lossless.mkdir()
+    plain = {"verifier": {"name": "lossless", "params": {}}}
+    _fake_run(_cfg(lossless, tiny_policy_dir, tiny_head_dir, rollout=plain))
+    greedy = _cfg(lossless, tiny_policy_dir, tiny_head_dir, rollout={
+        **plain, "spec": {"mode": "chain", "num_draft_tokens": 3, "draft_sampling": "greedy"}})
+    assert resume_point(greedy).name == "step_000003"  # lossless: P = p whatever it drafts
