@@ -230,9 +230,10 @@ class GRPOTrainer:
             for step in range(self.start_step, steps):
                 m = self.step(step)
                 self.logger.log(step + 1, m)
-                head = "".join(f"  head {label} {m[k]:{fmt}}" for k, label, fmt in (
-                    ("drafter_est_tau", "tau", ".2f"), ("drafter_loss", "loss", ".3f"), ("drafter_s", "s", ".1f"))
-                    if k in m)
+                parts = [f"{label}{m[k]:{fmt}}{unit}" for k, label, fmt, unit in (
+                    ("drafter_est_tau", "tau ", ".2f", ""), ("drafter_loss", "loss ", ".3f", ""),
+                    ("drafter_s", "", ".1f", "s")) if k in m]  # a round without positions has no tau or loss
+                head = "  head " + " ".join(parts) if parts else ""
                 print(f"step {step + 1}/{steps}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
                       f"tau {m['tau']:.2f}  tok/s {m['rollout_tokens_per_s']:.1f}  relaxed {m['relaxed_frac']:.2f}  "
                       f"KL k1 {m['kl_k1']:.2e} k3 {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s{head}", flush=True)
