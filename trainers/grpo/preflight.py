@@ -26,13 +26,15 @@ EMBEDDED_SHAPES = {"hidden_size": 576, "vocab_size": 49152, "num_hidden_layers":
 def check_files(cfg) -> None:
     """Raise ConfigError when the task file or the drafter head would fail once the run starts."""
     if cfg.task.source == "jsonl":
-        check_jsonl(cfg.task.path)
+        check_jsonl(cfg.task.path, cfg.task.prompts_per_step)
     check_target_layers(cfg.model.target)
     if cfg.model.drafter is not None and cfg.rollout.spec.mode != "off":
         check_head_fits(cfg.model.drafter_path(), cfg.model.target)
 
 
-def check_jsonl(path: str) -> None:
+def check_jsonl(path: str, prompts_per_step: int | None = None) -> None:
+    """The task file reads and has records: at least ``prompts_per_step`` of them (each step
+    samples that many distinct prompts from it; fewer would silently give smaller steps)."""
     from trainers.tasks.problems import load_jsonl
 
     try:
@@ -41,6 +43,9 @@ def check_jsonl(path: str) -> None:
         raise ConfigError("task.path", str(err)) from None
     if not problems:
         raise ConfigError("task.path", f"{path}: no records (the file is empty or blank)")
+    if prompts_per_step is not None and len(problems) < prompts_per_step:
+        raise ConfigError("task.prompts_per_step", f"{prompts_per_step} distinct prompts a step, but {path} holds "
+                          f"{len(problems)} records")
 
 
 def _read_json(path: Path, field: str) -> dict[str, Any]:

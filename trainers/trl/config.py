@@ -69,6 +69,10 @@ class TRLConfig:
                                   "run.generation 'ours'; TRL's own generation here has no vLLM, so TRL applies no "
                                   "correction: remove it")
         _check_trl_args(self)
+        if self.model.target.dtype != "float32":
+            raise ConfigError("model.target.dtype", f"{self.model.target.dtype!r} would train the policy itself in that "
+                              "dtype, with no fp32 copy (a bf16 step of a small lr mostly rounds to no change); train in "
+                              "float32", allowed=["float32"])
         if self.run.generation == "ours":
             from trainers.trl.trainer import trl_correction
 

@@ -236,3 +236,13 @@ def test_a_home_relative_out_dir_is_the_home_folder(tmp_path, tiny_policy_dir, t
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
     path = write_config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, "~/runs/x")
     assert load_train_config(path).run.out_dir == str(tmp_path / "home" / "runs" / "x")
+
+
+def test_a_task_file_smaller_than_a_step_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir, capsys):
+    """Each step samples task.prompts_per_step distinct prompts: a file with fewer records would
+    give every step fewer prompts without a word."""
+    tasks = tmp_path / "tasks.jsonl"
+    tasks.write_text('{"question": "1+1?", "answer": "#### 2"}\n{"question": "2+2?", "answer": "#### 4"}\n')
+    rc, err, took = _run_cli(tmp_path, tiny_policy_dir, tiny_head_dir, {"task.source": "jsonl", "task.path": str(tasks),
+                                                                         "task.prompts_per_step": 3}, capsys)
+    _assert_refused(rc, err, took, "task.prompts_per_step", "3 distinct prompts a step", "holds 2 records")

@@ -30,6 +30,16 @@ def _config(path, policy, head, out, **sections):
     return path
 
 
+def test_a_policy_trained_in_bf16_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir, capsys, monkeypatch):
+    from scripts.train_trl import main
+
+    monkeypatch.setattr("rollout.models.load_target", _no_model)
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out",
+                   model={"target": {"path": str(tiny_policy_dir), "dtype": "bfloat16"}})
+    assert main(["--config", str(path)]) == 2
+    assert "config field 'model.target.dtype'" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("section, values, field", [
     ("rollout", {"verifier": {"name": "mystery"}}, "rollout.verifier.name"),
     ("rollout", {"placement": "cloud"}, "rollout.placement"),
