@@ -87,6 +87,16 @@ def backend_class(name: str) -> type:
                           f"for 'vllm' install the extra: pip install -e '.[vllm]'") from err
 
 
+def check_backend_options(name: str, options: Mapping) -> None:
+    """The ``backend_options`` of backend ``name``, names and values, checked where a config is
+    read (before any actor or model): the backend's own ``check_options`` (vLLM's imports no vLLM)."""
+    if name == "vllm":
+        from rollout.vllm.backend import check_options
+    else:
+        check_options = HFBackend.check_options
+    check_options(options)
+
+
 def build_backend(spec: WorkerSpec) -> RolloutBackend:
     """Build the backend ``spec.backend`` names, from the spec alone (in any process)."""
     return backend_class(spec.backend).from_spec(spec)

@@ -13,6 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from rollout.backend import check_backend_options
 from rollout.config import ConfigError, check_int, check_number, from_dict, is_number, load_yaml
 from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
@@ -116,7 +117,7 @@ class RolloutConfig:
             raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=BACKENDS)
         if not isinstance(self.backend_options, dict):
             raise ConfigError("backend_options", f"must be a mapping, got {self.backend_options!r}")
-        _check_backend_options(self.backend, self.backend_options)  # here, not first in a Ray actor
+        check_backend_options(self.backend, self.backend_options)  # here, not first in a Ray actor
         if self.backend == "vllm" and self.spec.mode == "tree":
             raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
         check_test(self.spec, self.verifier, self.sampling.temperature)
@@ -127,16 +128,6 @@ class RolloutConfig:
         check_int("max_restarts", self.max_restarts, 0)
         check_number("actor_timeout_s", self.actor_timeout_s, 0, low_open=True, finite=True)
         check_number("num_gpus_per_actor", self.num_gpus_per_actor, 0, finite=True)
-
-
-def _check_backend_options(backend: str, options: dict) -> None:
-    if backend == "vllm":
-        from rollout.vllm.backend import check_options  # imports no vLLM
-    else:
-        from rollout.backend import HFBackend
-
-        check_options = HFBackend.check_options
-    check_options(options)
 
 
 @dataclass(frozen=True)

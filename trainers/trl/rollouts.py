@@ -38,7 +38,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.backend import BACKENDS, HFBackend, RolloutBackend, WorkerSpec, build_backend
+from rollout.backend import BACKENDS, HFBackend, RolloutBackend, WorkerSpec, build_backend, check_backend_options
 from rollout.config import ConfigError
 from rollout.chat import chat_ids
 from rollout.config import check_int
@@ -112,11 +112,7 @@ class RolloutSettings:
             raise ConfigError("target", "placement 'ray' needs the target config the actors load")
         if not isinstance(self.backend_options, dict):
             raise ConfigError("backend_options", f"must be a mapping, got {self.backend_options!r}")
-        if self.backend == "vllm":
-            from rollout.vllm.backend import check_options  # imports no vLLM
-        else:
-            check_options = HFBackend.check_options
-        check_options(self.backend_options)  # names and values, here rather than in the backend's set-up
+        check_backend_options(self.backend, self.backend_options)  # here rather than in the backend's set-up
         if self.placement == "local" and self.backend == "hf" and set(self.backend_options) - {"drafter_weights"}:
             # the backend runs over the trainer's own model object: nothing to round or re-route
             raise ConfigError("backend_options", f"{sorted(self.backend_options)}: placement 'local' with the hf "
