@@ -57,12 +57,12 @@ def read_state(path: Path) -> dict | None:
     return state if isinstance(state, dict) and "step" in state else None
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write ``text`` to ``path`` through a temporary file, fsync and rename: a kill leaves
-    either the old file or the new one, never a torn one."""
+def write_atomic(path: Path, text: str | bytes) -> None:
+    """Write ``text`` (or bytes) to ``path`` through a temporary file, fsync and rename: a kill
+    leaves either the old file or the new one, never a torn one."""
     path = Path(path)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w") as f:
+    with open(tmp, "wb" if isinstance(text, bytes) else "w") as f:
         f.write(text)
         f.flush()
         os.fsync(f.fileno())

@@ -34,15 +34,18 @@ completed holds them.
 
 from __future__ import annotations
 
+import io
 import json
 import os
-from typing import Any, BinaryIO, Callable
+from pathlib import Path
+from typing import Any
 
 import torch
 from trl import GRPOTrainer
 
 from rollout.config import ConfigError
 from trainers.drift.stats import drift_stats, effective_sample_size
+from trainers.grpo.checkpoint import write_atomic
 from trainers.grpo.correction import CorrectionConfig
 from trainers.grpo.online_drafter import STATE_FILE
 from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts
@@ -150,12 +153,12 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         if self.args.should_save:
             folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
             os.makedirs(folder, exist_ok=True)
-            state = json.dumps(self.rollouts.state_dict()).encode()
-            _write_atomic(os.path.join(folder, ROLLOUTS_STATE), lambda f: f.write(state))
+            write_atomic(Path(folder) / ROLLOUTS_STATE, json.dumps(self.rollouts.state_dict()))
             drafter = self.rollouts.drafter
             if drafter is not None:
-                head = drafter.state_dict() | {"trained_step": self.rollouts.trained_step}
-                _write_atomic(os.path.join(folder, f"{STATE_FILE}.pt"), lambda f: torch.save(head, f))
+                head = io.BytesIO()
+                torch.save(drafter.state_dict() | {"trained_step": self.rollouts.trained_step}, head)
+                write_atomic(Path(folder) / f"{STATE_FILE}.pt", head.getvalue())
         super()._save_checkpoint(model, trial)
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
@@ -191,13 +194,3 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
             return None
         return ratio.expand_as(output["completion_mask"]) if ratio.shape[-1] == 1 else ratio
 
-
-def _write_atomic(path: str, write: Callable[[BinaryIO], Any]) -> None:
-    """``write(f)`` into a temporary file beside ``path``, fsynced and renamed to it: a kill
-    leaves the old file or the new one, never a torn one."""
-    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
