@@ -101,11 +101,9 @@ def finished(ckpt, cfg) -> bool:
     out = Path(cfg.run.out_dir)
     summary, metrics = out / "summary.md", out / "metrics.jsonl"
     if metrics.is_file() and (not summary.is_file() or summary.stat().st_mtime < metrics.stat().st_mtime):
-        from trainers.grpo.report import plot_run, read_metrics, summary_table  # the run died before writing them
+        from trainers.grpo.report import write_report
 
-        rows = read_metrics(out)
-        summary.write_text(summary_table(rows) + "\n")
-        plot_run(rows, out)
+        write_report(out)  # the run died before writing them
         print("(summary.md and plots/ rebuilt from metrics.jsonl)", flush=True)
     if summary.is_file():
         print("\n" + summary.read_text().rstrip(), flush=True)

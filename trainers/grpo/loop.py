@@ -42,7 +42,7 @@ from trainers.grpo.loss import group_advantages, policy_loss
 from trainers.grpo.metrics import relaxed_fraction, reward_stats
 from trainers.grpo.online_drafter import STATE_FILE, OnlineDrafter
 from trainers.grpo.policy import completion_logprobs, forward_paths
-from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
+from trainers.grpo.report import MetricsLogger, write_report
 from trainers.grpo.run_dir import prepare_run_dir
 from trainers.tasks.arithmetic import make_problems
 from trainers.tasks.problems import Problem, load_jsonl
@@ -255,10 +255,7 @@ class GRPOTrainer:
                         extra={STATE_FILE: self.drafter.state_dict()})
 
     def finish(self) -> list[dict]:
-        rows = read_metrics(self.out_dir)
-        table = summary_table(rows)
-        (self.out_dir / "summary.md").write_text(table + "\n")
-        plots = plot_run(rows, self.out_dir)
+        rows, table, plots = write_report(self.out_dir)
         print("\n" + table, flush=True)
         print(f"\noutputs in {self.out_dir.resolve()}: metrics.jsonl, rollouts.jsonl, tb/, checkpoints/, "
               f"summary.md, plots/ ({', '.join(p.name for p in plots)})", flush=True)

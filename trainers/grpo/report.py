@@ -122,6 +122,16 @@ def _fmt(v) -> str:
     return str(v)
 
 
+def write_report(out_dir: Path) -> tuple[list[dict], str, list[Path]]:
+    """``summary.md`` and ``plots/`` of the run in ``out_dir`` from its ``metrics.jsonl``: the
+    rows, the table and the figures written."""
+    out_dir = Path(out_dir)
+    rows = read_metrics(out_dir)
+    table = summary_table(rows)
+    (out_dir / "summary.md").write_text(table + "\n")
+    return rows, table, plot_run(rows, out_dir)
+
+
 def plot_run(rows: list[dict], out_dir: Path) -> list[Path]:
     """PNG plots of reward, tau and drift over steps; returns the files written."""
     import matplotlib

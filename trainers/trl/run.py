@@ -17,7 +17,7 @@ from typing import Any
 
 from transformers import TrainerCallback
 
-from trainers.grpo.report import MetricsLogger, plot_run, read_metrics, summary_table
+from trainers.grpo.report import MetricsLogger, write_report
 from trainers.tasks.arithmetic import make_problems
 from trainers.tasks.problems import load_jsonl
 from trainers.tasks.rewards import answer_reward, exact_match_reward
@@ -151,8 +151,7 @@ def fence_previous_outputs(out: Path) -> Path | None:
     went (printed), or None if there were none."""
     from trainers.grpo.run_dir import fence_previous_run
 
-    dest = fence_previous_run(out, "a new run", extra=tuple(sorted(p for p in out.glob("checkpoint-*") if p.is_dir())))
-    return dest
+    return fence_previous_run(out, "a new run", extra=tuple(sorted(p for p in out.glob("checkpoint-*") if p.is_dir())))
 
 
 def run(cfg: TRLConfig) -> list[dict]:
@@ -170,10 +169,7 @@ def run(cfg: TRLConfig) -> list[dict]:
         rollouts = getattr(trainer, "rollouts", None)
         if rollouts is not None:
             rollouts.close()
-    rows = read_metrics(out)
-    table = summary_table(rows)
-    (out / "summary.md").write_text(table + "\n")
-    plots = plot_run(rows, out)
+    rows, table, plots = write_report(out)
     print("\n" + table, flush=True)
     print(f"\noutputs in {out.resolve()}: metrics.jsonl, summary.md, plots/ "
           f"({', '.join(p.name for p in plots)}), TRL's logs in runs/", flush=True)
