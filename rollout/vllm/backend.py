@@ -161,6 +161,9 @@ class VLLMBackend:
         self.model_dir = target_folder(target)
         self.target_cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
         self.aux_layer_ids = target.aux_layer_ids
+        from rollout.vllm.weights import expected_weight_names
+
+        self.weight_names = expected_weight_names(self.model_dir, self.target_cfg)  # what set_weights must get
         self.pad_id = int(self.target_cfg.get("pad_token_id") or 0)
         head = contextlib.nullcontext(None)
         if spec.mode != "off" and drafter_path is not None:
@@ -276,9 +279,9 @@ class VLLMBackend:
         if state_dict is None:
             raise ValueError("the vllm backend holds its own copy of the policy: set_weights needs its state dict "
                              "(None only moves the version of a backend that shares the trainer's parameters)")
-        from rollout.vllm.weights import expected_weight_names, load_policy_worker
+        from rollout.vllm.weights import load_policy_worker
 
-        missing = sorted(expected_weight_names(self.model_dir, self.target_cfg) - set(state_dict))
+        missing = sorted(self.weight_names - set(state_dict))
         if missing:
             raise ValueError(f"set_weights: the state dict lacks {len(missing)} of the target's weights "
                              f"({', '.join(missing[:4])}{', ...' if len(missing) > 4 else ''}); vLLM would keep "

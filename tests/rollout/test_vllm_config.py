@@ -188,10 +188,13 @@ def test_set_weights_refuses_a_partial_state_dict_and_none(tiny_policy_dir):
 
     from transformers import AutoModelForCausalLM
 
+    from rollout.vllm.weights import expected_weight_names
+
     calls = []
     be = VLLMBackend.__new__(VLLMBackend)
-    be.model_dir, be._version = str(tiny_policy_dir), 0
-    be.target_cfg = {**json.loads((tiny_policy_dir / "config.json").read_text()), "tie_word_embeddings": True}
+    be._version = 0
+    be.weight_names = expected_weight_names(tiny_policy_dir, {**json.loads((tiny_policy_dir / "config.json")
+                                                                           .read_text()), "tie_word_embeddings": True})
     be.llm = SimpleNamespace(collective_rpc=lambda fn, args: calls.append(args[0]), reset_prefix_cache=lambda: None)
     full = AutoModelForCausalLM.from_pretrained(str(tiny_policy_dir)).state_dict()
     assert "lm_head.weight" in full
