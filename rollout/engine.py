@@ -38,6 +38,7 @@ import torch
 
 from rollout import native_linear
 from rollout.allocator import tune_malloc
+from rollout.architectures import family_of
 from rollout.draft_sampling import sample_draft
 from rollout.eagle3_io import check_head_fits
 from rollout.kv_cache import fill_from_tail
@@ -92,10 +93,14 @@ class Engine:
     linear: how the linear layers of target and head compute in forwards of few rows:
         ``auto`` (default) through ``rollout.native_linear``'s kernel where it is available
         (fp32 on an AVX-512 CPU), ``native`` (required), ``torch`` (always torch's GEMM).
+
+    A target whose architecture the engine does not reproduce exactly is refused here
+    (``rollout.architectures.UnsupportedModelError``), before the first token.
     """
 
     def __init__(self, target, head=None, *, num_threads: int | None = None, prefill_tokens: int = 1024,
                  linear: str = "auto"):
+        family_of(target.model)
         if head is not None:
             check_head_fits(head, target)
         self.target, self.head = target, head

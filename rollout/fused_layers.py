@@ -67,7 +67,7 @@ ATTENTIONS = frozenset({"LlamaAttention", "MistralAttention"})
 DRAFT_ATTENTIONS = frozenset({"DraftAttention"})  # rollout.eagle3_head's (the EAGLE-3 head's layer)
 # attention implementations that compute softmax(q k^T * scale, masked) v and nothing else (the
 # first is the engine's own, rollout.attention's)
-PLAIN_ATTENTION = frozenset({"rollout_sdpa_gqa", "sdpa", "eager"})
+PLAIN_ATTENTION = frozenset({"rollout_engine_attention", "sdpa", "eager"})
 MLPS = frozenset({"LlamaMLP", "MistralMLP", "Qwen2MLP", "DraftMLP"})
 # decoder stacks and layers whose forward is: embed, rotary tables, for each layer x += attn(norm(x)),
 # x += mlp(norm(x)), then the final norm (a 4D mask is used as given)
@@ -92,6 +92,12 @@ def _known(module: nn.Module, names: frozenset[str]) -> bool:
     return cls.__name__ in names and cls.__module__.split(".")[0] in ("transformers", "rollout")
 
 
+def _windowed(module: nn.Module) -> bool:
+    """A module of a model with sliding-window attention (its forward passes the window to the
+    attention function, which ``rollout.attention`` applies; the fused forwards do not)."""
+    return getattr(getattr(module, "config", None), "sliding_window", None) is not None
+
+
 def _bias_free(*layers) -> bool:
     return all(isinstance(layer, nn.Linear) and layer.bias is None for layer in layers)
 
@@ -105,7 +111,8 @@ def _silu(module: nn.Module) -> bool:
 def merged_groups(module: nn.Module) -> list[nn.Linear] | None:
     """The linear layers whose outputs a fused forward of ``module`` computes in one kernel call
     (attention: q, k, v; MLP: gate, up), or None when ``module`` is not fused."""
-    attention = (_known(module, ATTENTIONS) and not hasattr(module, "q_norm")) or _known(module, DRAFT_ATTENTIONS)
+    attention = (_known(module, ATTENTIONS) and not hasattr(module, "q_norm") and not _windowed(module)) or _known(
+        module, DRAFT_ATTENTIONS)
     if attention and _bias_free(module.q_proj, module.k_proj, module.v_proj, module.o_proj):
         return [module.q_proj, module.k_proj, module.v_proj]
     if _known(module, MLPS) and _silu(module) and _bias_free(module.gate_proj, module.up_proj, module.down_proj):
@@ -237,7 +244,8 @@ def stack_forward(base: nn.Module, layer_kernel=None):
     mask, cache, keep)``; it returns what the loop would, or None (then the loop runs)."""
     from torch.nn.modules import module as module_state
 
-    if (not (enabled and stack) or not _known(base, STACKS) or base.training or torch.is_grad_enabled()
+    if (not (enabled and stack) or not _known(base, STACKS) or _windowed(base) or base.training
+            or torch.is_grad_enabled()
             or module_state._global_forward_hooks or module_state._global_forward_pre_hooks
             or _hooked(base) or _hooked(base.norm) or "forward" not in base.norm.__dict__):
         return None

@@ -28,6 +28,7 @@ import torch
 from torch import nn
 
 from rollout import fused_layers, native_layers
+from rollout.architectures import LOGIT_RULES, FAMILIES
 from rollout.config import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -153,7 +154,20 @@ class TargetModel(nn.Module):
 
     @property
     def decoder_layers(self) -> nn.ModuleList:
-        return self.model.model.layers
+        return self.model.base_model.layers
+
+    @property
+    def final_norm(self) -> nn.Module:
+        """The decoder stack's final norm (its output is what the logits are computed from)."""
+        family = FAMILIES.get(type(self.model).__name__)
+        return getattr(self.model.base_model, family.final_norm if family is not None else "norm")
+
+    def logits(self, final: torch.Tensor) -> torch.Tensor:
+        """The target's logits ``[..., V]`` (float32) from the final norm's output ``final [..., H]``:
+        the lm_head, then the family's logit rule (``rollout.architectures``)."""
+        family = FAMILIES.get(type(self.model).__name__)
+        logits = self.model.get_output_embeddings()(final)
+        return LOGIT_RULES[family.logits if family is not None else "plain"](logits, self.config).float()
 
     @property
     def device(self) -> torch.device:
@@ -189,7 +203,7 @@ class TargetModel(nn.Module):
         lean = self.body(input_ids, position_ids, attention_mask, cache) if use_cache else None
         if lean is not None:
             hidden, cap = lean
-            return TargetOutput(logits=self.model.get_output_embeddings()(hidden).float(), features=cap.features(),
+            return TargetOutput(logits=self.logits(hidden), features=cap.features(),
                                 cache=cache, final=hidden if final else None)
         with self.capture(final=final) as cap:
             out = self.model(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask,
@@ -229,7 +243,7 @@ class TargetModel(nn.Module):
         handles = [self.decoder_layers[idx].register_forward_pre_hook(pre_hook(idx), with_kwargs=True)
                    for idx in sorted(set(self.aux_layer_ids))]
         if final:
-            handles.append(self.model.model.norm.register_forward_hook(
+            handles.append(self.final_norm.register_forward_hook(
                 lambda module, args, out: cap.store.__setitem__("final", out)))
         try:
             yield cap

@@ -37,7 +37,7 @@ from contextlib import nullcontext
 import torch
 
 from rollout import native_draft
-from rollout.attention import gqa_attention
+from rollout.attention import Positions, engine_attention, key_positions
 from rollout.chunking import prefill_chunks
 from rollout.eagle3_head import DraftOutput
 from rollout.kv_cache import RowKVCache
@@ -60,8 +60,8 @@ class ModelRunner:
         self.num_kv_heads = int(cfg.num_key_value_heads)
         self.head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         self.prefill_tokens = prefill_tokens
-        # logits = lm_head(final hidden) exactly (Llama family): the prefill can skip the lm_head
-        self._plain_lm_head = all(getattr(cfg, a, None) is None for a in ("final_logit_softcapping", "logit_scale"))
+        # a layer with a sliding window needs every forward's key positions (rollout.attention)
+        self._windowed = getattr(cfg, "sliding_window", None) is not None
         if head is not None:
             self.draft_ids = head.target_ids.to(self.device)  # [Vd] target id of each draft id
         self.cache: RowKVCache | None = None
@@ -145,21 +145,21 @@ class ModelRunner:
         causal = pos[None, :] <= pos[:, None]  # [t, t]
         mask = causal[None] & (key_ok[:, None, :] | torch.eye(t, dtype=torch.bool, device=self.device)[None])
         last = (plen - 1)[:, None, None]
-        if not self._plain_lm_head:  # e.g. soft-capped logits: take them from the full forward
-            with gqa_attention(self.target):
-                out = self.target(ids, position_ids=pos[None].expand(b, t), attention_mask=mask[:, None],
-                                  cache=self.cache, final=self.capture)
-            return out.logits.gather(1, last.expand(b, 1, out.logits.shape[-1]))[:, 0], out.features, out.final
         hidden, feats = self._body_forward(ids, pos[None].expand(b, t), mask[:, None])
         last_hidden = hidden.gather(1, last.expand(b, 1, hidden.shape[-1]))[:, 0]  # [b, H]
-        return self.target.model.get_output_embeddings()(last_hidden).float(), feats, hidden
+        return self.target.logits(last_hidden), feats, hidden
+
+    def _positions(self, query: torch.Tensor, lengths: torch.Tensor, kv_len: int) -> Positions | None:
+        """A forward's query and key positions, for targets with sliding-window layers (else None)."""
+        return Positions(query, key_positions(lengths, query, kv_len)) if self._windowed else None
 
     def _body_forward(self, ids, positions, mask):
         """The target's decoder stack only (final norm included, no lm_head): the prefill
         needs logits at one position per row, not over the whole prompt. Captures the
         EAGLE-3 features (``TargetModel.capture``) when there is a head or a capture."""
         features = self.head is not None or self.capture
-        with gqa_attention(self.target):
+        b, t = ids.shape
+        with engine_attention(self.target, self._positions(positions, positions.new_zeros(b), t)):
             lean = self.target.body(ids, positions, mask, self.cache)
             if lean is not None:
                 return lean[0], lean[1].features() if features else None
@@ -235,7 +235,7 @@ class ModelRunner:
             in_block = (rel >= 0) & (rel < t)
             seen = block_mask.expand(b, t, t).gather(2, rel.clamp(0, t - 1)[:, None, :].expand(b, t, kv_len))
             mask = (rel < 0)[:, None, :] | (seen & in_block[:, None, :])  # [B, T, L]
-        with gqa_attention(self.target):
+        with engine_attention(self.target, self._positions(positions, lengths, kv_len)):
             out = self.target(tokens, position_ids=positions, attention_mask=mask[:, None], cache=self.cache,
                               final=self.capture)
         if self.capture:  # plain rounds only: the block is the pending token, committed whatever comes

@@ -56,10 +56,14 @@ def _ttt_loss(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, probs
 def trained_head(target: TargetModel, draft_vocab: int | None = None, steps: int = 60, seed: int = 1,
                  ttt_steps: int = 3) -> Eagle3Head:
     """A head trained for a few seconds on sequences the target samples itself."""
+    return train_head(target, copy_head(target, draft_vocab, seed), steps, seed, ttt_steps)
+
+
+def train_head(target: TargetModel, head: Eagle3Head, steps: int = 60, seed: int = 1, ttt_steps: int = 3) -> Eagle3Head:
+    """``head`` trained for a few seconds on sequences the target samples itself (eval mode)."""
     from rollout.engine import Engine
     from rollout.params import SamplingParams
 
-    head = copy_head(target, draft_vocab, seed)
     gen = torch.Generator().manual_seed(seed)
     prompts = [torch.randint(0, target.vocab_size, (3,), generator=gen).tolist() for _ in range(24)]
     engine = Engine(target, num_threads=torch.get_num_threads())

@@ -28,6 +28,8 @@ def check_files(cfg) -> None:
     if cfg.task.source == "jsonl":
         check_jsonl(cfg.task.path, cfg.task.prompts_per_step)
     check_target_layers(cfg.model.target)
+    if getattr(cfg.rollout, "backend", "hf") == "hf":
+        check_target_architecture(cfg.model.target)
     if cfg.model.drafter is not None and cfg.rollout.spec.mode != "off":
         check_head_fits(cfg.model.drafter_path(), cfg.model.target)
 
@@ -111,6 +113,25 @@ def _fc_in_features(head: Path) -> int | None:
         raise
     except Exception as err:  # a truncated or foreign file
         raise ConfigError("model.drafter", f"cannot read the weights header of {st}: {err}") from None
+
+
+def check_target_architecture(target) -> None:
+    """A target folder whose architecture the hf engine refuses (``rollout.architectures``) is
+    refused here, from its ``config.json`` alone, before Ray or any model starts."""
+    if target.path is None or Path(target.path).expanduser().suffix == ".gguf":
+        return  # the embedded target is a Llama; a GGUF is checked once loaded
+    from transformers import AutoConfig
+
+    from rollout.architectures import check_architecture
+
+    path = Path(target.path).expanduser()
+    try:
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError, KeyError) as err:
+        raise ConfigError("model.target.path", f"cannot read {path / 'config.json'}: {err}") from None
+    names = getattr(config, "architectures", None) or []
+    if names:
+        check_architecture(names[0], config)
 
 
 def check_target_layers(target) -> None:
