@@ -6,8 +6,10 @@
 The config (and, on resume, that it matches the run folder's snapshot) is validated
 before Ray or any model starts; a bad field exits with status 2 and one line naming it. A
 non-finite loss, gradient or weight stops the run with status 3 before the weights are
-broadcast or saved. A run folder whose last checkpoint reached ``run.steps`` is reported
-complete (its summary shown) without starting Ray or a model. Without a cluster (no
+broadcast or saved. A checkpoint file that is truncated, corrupt or holds anything but tensors
+and plain containers (nothing in it is executed) exits with status 2 and one line naming it. A
+run folder whose last checkpoint reached ``run.steps`` is reported complete (its summary shown)
+without starting Ray or a model. Without a cluster (no
 RAY_ADDRESS, ``ray.address: null``) a local Ray is started and stopped by this process.
 Under ``ray job submit --working-dir`` the job runs in a temporary copy that Ray deletes: a
 relative out_dir is refused there.
@@ -71,6 +73,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import ray
 
+    from trainers.grpo.checkpoint import CheckpointError
     from trainers.grpo.guards import NonFiniteError
     from trainers.grpo.loop import GRPOTrainer
 
@@ -83,6 +86,9 @@ def main(argv: list[str] | None = None) -> int:
     except NonFiniteError as err:
         print(f"error: {err}", file=sys.stderr)
         return 3
+    except CheckpointError as err:  # a damaged or refused file of the checkpoint resumed from
+        print(f"error: {err}", file=sys.stderr)
+        return 2
     finally:
         ray.shutdown()
     return 0

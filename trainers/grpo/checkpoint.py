@@ -9,6 +9,11 @@ and, when the head trains with the policy, its fp32 weights, optimizer and sampl
 half-written one where ``latest_checkpoint`` looks (it ignores ``.tmp`` folders and unreadable
 states). Every randomness of the loop is derived from (seed, step), so restoring these gives
 the same next step as an uninterrupted run.
+
+Loading runs no code from the files: weights are safetensors, ``.pt`` files are read with
+``torch.load(weights_only=True)`` (tensors and plain containers only) through :func:`load_state`,
+and the RNG states are JSON. A truncated, corrupt or refused file raises :class:`CheckpointError`
+naming it and what to do.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
 import random
 import re
 import shutil
@@ -24,10 +30,63 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file, save_file
 
+from rollout.config import _rebuild_error
 from trainers.grpo.guards import NonFiniteError
 
 log = logging.getLogger(__name__)
 _STEP_DIR = re.compile(r"step_(\d+)")
+RESUME_ADVICE = "resume from an earlier checkpoint (move this one's folder aside) or start over with --fresh"
+
+
+class CheckpointError(RuntimeError):
+    """A saved file (weights, optimizer or head state, state.json) that cannot be read safely:
+    missing, truncated, corrupt, or holding objects other than tensors and plain containers."""
+
+    def __init__(self, path: str | Path, reason: str, advice: str = RESUME_ADVICE):
+        self.path = str(path)
+        super().__init__(f"{path}: {reason}; {advice}")
+
+    def __reduce__(self):  # crosses a pickle whole (the default would call __init__ with the message alone)
+        return _rebuild_error, (type(self), self.args, self.__dict__)
+
+
+# the general paragraphs of torch's refusal (its advice to load with weights_only=False is not ours)
+_TORCH_BOILERPLATE = re.compile(r"Weights only load failed|Please file an issue|Check the documentation|\(\d\) ")
+
+
+def _why(err: BaseException) -> str:
+    """A short reason from a loader's exception: its first specific sentence (for torch's
+    refusal, the global or opcode it refused)."""
+    text = str(err)
+    m = re.search(r"WeightsUnpickler error:[ \t]*(\S[^\n]*)", text)
+    lines = [m.group(1)] if m else [ln.strip() for ln in text.splitlines()]
+    lines = [ln for ln in lines if ln and not _TORCH_BOILERPLATE.match(ln)]
+    reason = lines[0].split(". ")[0].rstrip(".")[:200] if lines else ""
+    return f"{type(err).__name__}: {reason}" if reason else type(err).__name__
+
+
+def load_state(path: str | Path, required: tuple[str, ...] = (), advice: str = RESUME_ADVICE,
+               map_location=None) -> dict:
+    """The dict saved with ``torch.save`` at ``path``, read with ``weights_only=True`` (tensors,
+    numbers, strings and containers of them; no object's code runs), holding the ``required``
+    keys. Any failure raises :class:`CheckpointError` naming the file and ``advice``."""
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(path, "is missing", advice)
+    try:
+        state = torch.load(path, map_location=map_location, weights_only=True)
+    except pickle.UnpicklingError as err:  # torch's refusal of a global, or a damaged pickle stream
+        raise CheckpointError(path, "is not a file of tensors and plain containers (truncated, corrupt, or "
+                              f"holding other objects, which are refused: loading them could run code; {_why(err)})",
+                              advice) from None
+    except Exception as err:  # a torn zip archive, an empty file, foreign bytes
+        raise CheckpointError(path, f"is truncated or corrupt ({_why(err)})", advice) from None
+    if not isinstance(state, dict):
+        raise CheckpointError(path, f"holds a {type(state).__name__}, not the saved mapping", advice)
+    missing = [k for k in required if k not in state]
+    if missing:
+        raise CheckpointError(path, f"lacks {', '.join(map(repr, missing))} (not this kind of state file)", advice)
+    return state
 
 
 def checkpoint_dir(out_dir: str | Path, step: int) -> Path:
@@ -105,9 +164,17 @@ def save_checkpoint(out_dir: str | Path, step: int, model: torch.nn.Module, opti
 
 
 def read_policy(path: Path) -> tuple[dict[str, torch.Tensor], dict]:
-    """A checkpoint folder's policy weights (every name, tied ones included) and its state."""
-    state = json.loads((path / "state.json").read_text())
-    weights = load_file(str(path / "policy.safetensors"))
+    """A checkpoint folder's policy weights (every name, tied ones included) and its state;
+    a missing or damaged file raises :class:`CheckpointError` naming it."""
+    path = Path(path)
+    state = read_state(path)
+    if state is None:
+        raise CheckpointError(path / "state.json", "is missing, truncated or not a checkpoint state")
+    st = path / "policy.safetensors"
+    try:
+        weights = load_file(str(st))
+    except Exception as err:  # safetensors' own error for a torn file: a header that does not cover it
+        raise CheckpointError(st, f"is missing, truncated or corrupt ({_why(err)})") from None
     for name, target in state.get("aliases", {}).items():
         weights[name] = weights[target]
     for name, t in weights.items():  # a damaged or foreign checkpoint may hold NaNs
@@ -136,11 +203,20 @@ def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict, what: st
 
 
 def load_checkpoint(path: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    path = Path(path)
     weights, state = read_policy(path)
     model.load_state_dict(weights)
-    load_optimizer_state(optimizer, torch.load(path / "optimizer.pt", weights_only=False), "optim")
-    random.setstate(_decode_py_rng(state["python_rng"]))
-    torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+    opt_path = path / "optimizer.pt"
+    opt_state = load_state(opt_path, required=("state", "param_groups"))
+    try:
+        load_optimizer_state(optimizer, opt_state, "optim")
+    except (ValueError, KeyError, TypeError) as err:  # groups or parameters that do not match this model
+        raise CheckpointError(opt_path, f"does not fit this optimizer ({_why(err)})") from None
+    try:
+        random.setstate(_decode_py_rng(state["python_rng"]))
+        torch.set_rng_state(torch.tensor(state["torch_rng"], dtype=torch.uint8))
+    except (KeyError, IndexError, TypeError, ValueError, RuntimeError) as err:
+        raise CheckpointError(path / "state.json", f"holds no valid RNG state ({_why(err)})") from None
     return state
 
 

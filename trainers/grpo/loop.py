@@ -33,14 +33,14 @@ from rollout.chat import chat_ids
 from rollout.backend import WorkerSpec
 from rollout.outputs import RolloutBatch
 from rollout.models import load_target, resolve_device
-from trainers.grpo.checkpoint import load_checkpoint, save_checkpoint
+from trainers.grpo.checkpoint import load_checkpoint, load_state, save_checkpoint
 from trainers.grpo.config import TrainConfig
 from trainers.grpo.correction import importance_weights
 from trainers.grpo.forward_plan import ForwardCost, micro_batches
 from trainers.grpo.guards import check_loss_and_grad, check_weights
 from trainers.grpo.loss import group_advantages, policy_loss
 from trainers.grpo.metrics import relaxed_fraction, reward_stats
-from trainers.grpo.online_drafter import STATE_FILE, OnlineDrafter
+from trainers.grpo.online_drafter import STATE_FILE, STATE_KEYS, OnlineDrafter
 from trainers.grpo.policy import completion_logprobs, forward_paths
 from trainers.grpo.report import MetricsLogger, write_report
 from trainers.grpo.run_dir import prepare_run_dir
@@ -100,7 +100,7 @@ class GRPOTrainer:
             self.drafter = OnlineDrafter(self.cfg.drafter_training, drafter, self.policy_target, self.out_dir,
                                          self.cfg.run.seed)
             if trained:
-                self.drafter.load_state_dict(torch.load(ckpt / f"{STATE_FILE}.pt", weights_only=False))
+                self.drafter.load_state_dict(load_state(ckpt / f"{STATE_FILE}.pt", required=STATE_KEYS))
                 drafter = self.drafter.export()
             elif ckpt is not None:
                 print(f"warning: {ckpt.name} holds no trained head ({STATE_FILE}.pt): drafter_training starts "

@@ -59,6 +59,7 @@ from trainers.grpo.policy import cache_kwarg
 OBJECTIVES = ("tv", "ce")  # "block" needs responses sampled at T = 1 from the target itself
 EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 STATE_FILE = "drafter_training"  # the checkpoint's ``drafter_training.pt``
+STATE_KEYS = ("head", "optimizer", "rounds", "window")  # what OnlineDrafter.state_dict holds
 
 
 @dataclass(frozen=True)
@@ -179,13 +180,12 @@ def _group_records(target: TargetModel, prompt: list[int], completions: list[lis
                 body(input_ids=ids.to(device), attention_mask=mask.to(device), use_cache=True,
                      position_ids=torch.arange(p, p + width, device=device).expand(g, -1), **{kwarg: cache})
             cf, cfinal = cap.features(), cap.final()  # [g, W, 3H], [g, W, H]
-    lm_head = target.model.get_output_embeddings()
     out = []
     for r, c in enumerate(completions):
         n = p + len(c)
         features = torch.cat([pf, cf[r, : len(c)]]) if c else pf  # [n, 3H]
         final = torch.cat([pfinal, cfinal[r, : len(c)]]) if c else pfinal
-        logits = lm_head(final[p - 1: n - 1]).float()  # predicts the completion's tokens
+        logits = target.logits(final[p - 1: n - 1])  # predicts the completion's tokens
         out.append(make_record(prompt + list(c), features[: n - 1], final[: n - 1], logits))
     return out
 
@@ -305,6 +305,8 @@ class OnlineDrafter:
         return self.export_path
 
     def state_dict(self) -> dict:
+        """Tensors and plain containers only (the window's samples as dicts, not DrafterData), so
+        the checkpoint's file loads with ``torch.load(weights_only=True)``."""
         return {"head": {k: v.detach().cpu().clone() for k, v in self.head.state_dict().items()},
                 "optimizer": self.optimizer.state_dict(), "rounds": self.rounds,
                 "window": [w.__dict__ for w in self.window]}
