@@ -42,6 +42,7 @@ LLAMA3_ROPE = dict(rope_type="llama3", rope_theta=10000.0, factor=8.0, low_freq_
 MATRIX = [
     ("llama", dict(rope_parameters=LLAMA3_ROPE, tie_word_embeddings=False), "GQA, Llama-3 rope scaling, untied"),
     ("mistral", dict(sliding_window=WINDOW), "sliding window on every layer"),
+    ("mistral", dict(sliding_window=None, tie_word_embeddings=True), "no window: the fused CPU stack, tied"),
     ("ministral", dict(sliding_window=WINDOW), "alternating sliding/full layers"),
     ("mixtral", dict(sliding_window=WINDOW, num_local_experts=4, num_experts_per_tok=2), "MoE, sliding window"),
     ("qwen2", dict(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=2, tie_word_embeddings=True),
