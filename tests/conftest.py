@@ -11,20 +11,22 @@ import pytest
 import torch
 
 
-def build_tiny_policy(out: Path) -> Path:
-    """A random 4-layer Llama with the real SmolLM2 tokenizer, saved as a HF folder."""
-    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+def build_tiny_policy(out: Path, model_type: str = "llama", **overrides) -> Path:
+    """A random 4-layer model of a transformers family (a Llama by default) with the real SmolLM2
+    tokenizer, saved as a HF folder."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     from rollout.models import embedded_gguf_path
 
     gguf = embedded_gguf_path()
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     torch.manual_seed(0)
-    cfg = LlamaConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=512,
-                      tie_word_embeddings=True, bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                      pad_token_id=tok.pad_token_id)
-    model = LlamaForCausalLM(cfg).eval()
+    cfg = AutoConfig.for_model(model_type, **{
+        "vocab_size": len(tok), "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "max_position_embeddings": 512,
+        "tie_word_embeddings": True, "bos_token_id": tok.bos_token_id, "eos_token_id": tok.eos_token_id,
+        "pad_token_id": tok.pad_token_id, **overrides})
+    model = AutoModelForCausalLM.from_config(cfg).eval()
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out

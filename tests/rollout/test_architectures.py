@@ -236,3 +236,23 @@ def test_a_refused_folder_is_refused_before_any_model_loads(tmp_path):
     check_target_architecture(TargetConfig(path=str(tmp_path / "qwen3")))
     with pytest.raises(UnsupportedModelError, match="GPT2LMHeadModel is refused"):
         check_target_architecture(TargetConfig(path=str(tmp_path / "gpt2")))
+
+
+def test_the_trainers_logprobs_equal_a_cache_free_forward(family):
+    """The other side of the importance ratio: the trainer's log pi over GRPO groups (rows that
+    share a prompt), by every forward path that applies to the family, equals a cache-free forward."""
+    from trainers.grpo.policy import PATHS, completion_logprobs, forward_paths
+
+    target, engine = family
+    prompts = [PROMPTS[0]] * 3 + [PROMPTS[2]] * 2
+    res = engine.generate(prompts, SamplingParams(temperature=1.0, max_new_tokens=NEW), SAMPLED["chain"], seed=5)
+    completions = [c.completion_ids for c in res.completions]
+    paths = forward_paths(target.model)
+    assert "whole" in paths and set(paths) <= set(PATHS)
+    for path in paths:
+        with torch.no_grad():
+            logp, mask = completion_logprobs(target.model, prompts, completions, temperature=1.0, path=path)
+        for i, (prompt, comp) in enumerate(zip(prompts, completions)):
+            ref = torch.log_softmax(forward_logits(target, prompt, comp), -1)
+            ref = ref.gather(1, torch.tensor(comp)[:, None])[:, 0]
+            assert logp[i, : len(comp)].tolist() == pytest.approx(ref.tolist(), abs=1e-4), path

@@ -69,8 +69,11 @@ def cache_kwarg(model: torch.nn.Module) -> str | None:
 def forward_paths(model: torch.nn.Module, share_prompts: bool = True) -> tuple[str, ...]:
     """The ways ``completion_logprobs`` may run this model: ``whole`` always; with
     ``share_prompts`` and a Hugging Face causal LM (a config, a forward that takes a KV cache),
-    ``cached``, and ``packed`` where its attention takes a custom 4D mask (sdpa or eager)."""
-    if not share_prompts or not hasattr(model, "config"):
+    ``cached``, and ``packed`` where its attention takes a custom 4D mask (sdpa or eager). A
+    model with sliding-window layers runs ``whole`` only: a mask handed in is used as given,
+    without the window, and a cache continued over right-padded prompts slides its window over
+    the padding."""
+    if not share_prompts or not hasattr(model, "config") or getattr(model.config, "sliding_window", None) is not None:
         return ("whole",)
     paths = ["whole"]
     if cache_kwarg(model) is not None:
