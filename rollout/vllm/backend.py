@@ -22,7 +22,6 @@ completion's first token comes from vLLM's plain sampler (a bonus token, P = p).
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import time
 from collections.abc import Mapping
@@ -33,7 +32,7 @@ import torch
 from rollout.config import ConfigError
 from rollout.outputs import Completion, RolloutBatch, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
-from rollout.vllm.head import check_head, prepared_head
+from rollout.vllm.head import check_head, prepared_head, read_config
 from rollout.vllm.verify import decode_rank
 
 DEFAULTS = {"kv_cache_memory_bytes": 1 << 30, "enforce_eager": True, "max_model_len": 2048,
@@ -159,7 +158,7 @@ class VLLMBackend:
         self.options = {**DEFAULTS, **(options or {})}
         self.spec, self._version = spec, int(version)
         self.model_dir = target_folder(target)
-        self.target_cfg = json.loads((Path(self.model_dir) / "config.json").read_text())
+        self.target_cfg = read_config(Path(self.model_dir) / "config.json")
         self.aux_layer_ids = target.aux_layer_ids
         from rollout.vllm.weights import expected_weight_names
 

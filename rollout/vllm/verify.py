@@ -87,6 +87,40 @@ def records_worker(worker) -> list:
     return list(STATE.record or [])
 
 
+def refuse_settings(problems: list[str]) -> None:
+    """Raise ValueError naming the sampling settings our verifier does not apply (the patches
+    collect them per step while a rule is configured); nothing when the list is empty."""
+    if problems:
+        raise ValueError(f"our verifier does not apply {', '.join(problems)}: vLLM would change p with "
+                         f"{'it' if len(problems) == 1 else 'them'} and the behaviour log-probs would be those "
+                         "of another law; drop the setting from the request, or use verifier: null (vLLM's own "
+                         "sampler) for such requests")
+
+
+class IncompatibleVLLMError(RuntimeError):
+    """The installed vLLM's sampler differs from the one a patch was written for."""
+
+
+def check_signature(cls, name: str, expected: tuple[str, ...], version: str, where: str, pins: str,
+                    leading: bool = False) -> None:
+    """Refuse to patch (or call) ``cls.name`` unless its parameters are ``expected`` (with
+    ``leading``: its first parameters; more may follow), raising :class:`IncompatibleVLLMError`
+    naming the installed vLLM ``version``, the method, the patch's file ``where`` and the vLLM
+    versions it was written for (``pins``)."""
+    import inspect
+
+    method = f"{cls.__module__}.{cls.__qualname__}.{name}"
+    fn = getattr(cls, name, None)
+    if fn is None:
+        raise IncompatibleVLLMError(f"vLLM {version}: {method} does not exist; {where} patches it (written for "
+                                    f"{pins}): install {pins} or port the patch to this vLLM")
+    got = tuple(inspect.signature(fn).parameters)
+    if (got[:len(expected)] if leading else got) != expected:
+        raise IncompatibleVLLMError(f"vLLM {version}: {method} takes ({', '.join(got)}), but {where} was written "
+                                    f"for ({', '.join(expected)}{', ...' if leading else ''}) in {pins}: install "
+                                    f"{pins} or port the patch to this vLLM")
+
+
 def encode_rank(kinds: Tensor, relaxed: Tensor) -> Tensor:
     return -(1 + kinds.long() + 3 * relaxed.long())
 

@@ -26,19 +26,19 @@ def expected_weight_names(model_dir: str | Path, config: dict) -> set[str]:
     """The weight names of the target's checkpoint in ``model_dir`` (safetensors headers, one
     file or an index), plus ``lm_head.weight`` when ``config`` ties it to the embedding: what a
     policy update must send (vLLM's reload leaves any other name as it was)."""
-    import json
+    from rollout.vllm.head import read_config, read_weights
 
     folder = Path(model_dir)
     index = folder / "model.safetensors.index.json"
     if index.is_file():
-        names = set(json.loads(index.read_text())["weight_map"])
+        weight_map = read_config(index).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ValueError(f"{index} has no weight_map")
+        names = set(weight_map)
     else:
-        from safetensors import safe_open
-
         names = set()
         for f in sorted(folder.glob("*.safetensors")):
-            with safe_open(str(f), "pt") as handle:
-                names.update(handle.keys())
+            names.update(read_weights(f, names_only=True))  # a truncated file is reported naming it
     if config.get("tie_word_embeddings", False):
         names.add("lm_head.weight")
     return names
@@ -69,11 +69,11 @@ def load_drafter_worker(worker, tensors: dict[str, torch.Tensor]) -> int:
 
 
 def read_head_weights(path: str | Path) -> dict[str, torch.Tensor]:
-    """The tensors of an EAGLE-format head folder (safetensors or pytorch_model.bin)."""
-    path = Path(path)
-    if (path / "model.safetensors").is_file():
-        from safetensors.torch import load_file
+    """The tensors of an EAGLE-format head folder (safetensors or pytorch_model.bin, read
+    without running code; a truncated or corrupt file is reported naming it), as vLLM's
+    ``eagle3`` model loads them (``rollout.vllm.head.vllm_head_tensors``)."""
+    from rollout.vllm.head import read_config, read_weights, vllm_head_tensors, weights_file
 
-        return load_file(str(path / "model.safetensors"))
-    return torch.load(path / "pytorch_model.bin", map_location="cpu", weights_only=True)
+    file = weights_file(path)
+    return vllm_head_tensors(read_weights(file), read_config(Path(path) / "config.json"), file)
 

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import numpy as np
 import torch
 
 from rollout.vllm import plugin_v2, verify
@@ -16,8 +17,17 @@ V, K = 10, 3
 
 
 def _sampler(temps: torch.Tensor):
-    states = SimpleNamespace(temperature=SimpleNamespace(gpu=temps), top_k=None, top_p=None)
-    return SimpleNamespace(sampling_states=states, apply_sampling_params=lambda logits, *a: logits)
+    """A V2 Sampler's state with no setting our verifier leaves out (no penalties, min_p, logits
+    processors or thinking budget)."""
+    n = temps.shape[0]
+    states = SimpleNamespace(temperature=SimpleNamespace(gpu=temps), top_k=None, top_p=None,
+                             min_p=SimpleNamespace(np=np.zeros(n, np.float32)))
+    penalties = SimpleNamespace(presence_penalty=SimpleNamespace(np=np.zeros(n)),
+                                frequency_penalty=SimpleNamespace(np=np.zeros(n)),
+                                repetition_penalty=SimpleNamespace(np=np.ones(n)))
+    return SimpleNamespace(sampling_states=states, apply_sampling_params=lambda logits, *a: logits,
+                           penalties_state=penalties, logits_processors=[],
+                           thinking_budget_state=SimpleNamespace(enabled=False))
 
 
 def test_v2_verify_matches_verify_chain_per_request():
@@ -31,7 +41,7 @@ def test_v2_verify_matches_verify_chain_per_request():
     x = torch.multinomial(q.view(-1, V), 1, generator=g).view(r, K)
     inputs = torch.cat([torch.full((r, 1), 4), x], 1).flatten()  # row 0: the last accepted token
     cu = torch.arange(r + 1) * (K + 1)
-    self = SimpleNamespace(sampler=_sampler(temps), num_speculative_steps=K)
+    self = SimpleNamespace(sampler=_sampler(temps), num_speculative_steps=K, watermark_key=None)
     rule = get_rule("mars", theta=0.5)
     verify.STATE.rule, verify.STATE.generator, verify.STATE.seed, verify.STATE.record = rule, None, 3, None
     try:
@@ -59,7 +69,8 @@ def test_v2_refuses_placeholder_drafts():
     draft_logits = torch.randn(2, K, V)
     inputs = torch.tensor([4, 1, 2, 3, 4, 1, -1, -1])
     cu = torch.arange(r + 1) * (K + 1)
-    self = SimpleNamespace(sampler=_sampler(torch.full((2,), 0.9)), num_speculative_steps=K)
+    self = SimpleNamespace(sampler=_sampler(torch.full((2,), 0.9)), num_speculative_steps=K,
+                           watermark_key=None)
     verify.STATE.rule, verify.STATE.generator, verify.STATE.seed, verify.STATE.record = get_rule("lossless"), None, 3, None
     try:
         with pytest.raises(RuntimeError, match="placeholder drafts"):

@@ -160,3 +160,81 @@ def check_lossless_law(backend, model, prompt: list[int], spec: SpecConfig, n_sa
     first = torch.tensor([s[0] for s in seqs[:20]])
     torch.testing.assert_close(batch.target_logprobs[:20, 0], lp0[first], atol=2e-3, rtol=0)
     return tested
+
+
+FAMILY_LAYERS = 4
+FAMILY_AUX = (1, 2, 3)  # distinct and increasing, as vLLM captures them; layer 1's input feeds the copy head
+
+
+def build_family(family: str, out: Path, vocab: int = 96, seed: int = 0):
+    """A tiny random causal LM of ``family`` (a transformers ``model_type``: ``qwen3``,
+    ``qwen2``, ...) saved to ``out / "target"`` (no tokenizer: the engine is given token ids),
+    and an EAGLE-3 head for it in our format at ``out / "head"``, drafting over the whole
+    vocabulary. Returns (target folder, head folder, the target as a ``TargetModel``).
+
+    The target is made a near-bigram model so that a head can draft it: its decoder layers are
+    damped (each adds a tenth of its output; the family's own attention and MLP still run) and
+    its lm_head row of token y is the unit embedding of f^-1(y) for a random permutation f,
+    so that p(. | ..., x) peaks (about 0.5) at f(x). The head drafts the token after next from
+    the layer-1 feature (about the embedding of x): its fc passes that feature through, its
+    decoder layer is nearly silent, its norm is the target's and its lm_head row of y is the
+    target's row of f^-1(y), peaking at f(f(x)). Head dimension 32: the smallest vLLM's CPU
+    attention takes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from rollout.eagle3 import Eagle3Config, Eagle3Head, save_eagle3
+    from rollout.models import TargetModel
+
+    torch.manual_seed(seed)
+    h, heads, head_dim = 64, 2, 32
+    cfg = AutoConfig.for_model(family, vocab_size=vocab, hidden_size=h, intermediate_size=128,
+                               num_hidden_layers=FAMILY_LAYERS, num_attention_heads=heads, num_key_value_heads=1,
+                               head_dim=head_dim, max_position_embeddings=512, tie_word_embeddings=False,
+                               bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    model = AutoModelForCausalLM.from_config(cfg).eval()
+    inv = torch.argsort(torch.randperm(vocab))  # f^-1
+    with torch.no_grad():
+        emb = model.model.embed_tokens.weight
+        emb.copy_(torch.randn(vocab, h))
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.1)
+            layer.mlp.down_proj.weight.mul_(0.1)
+        model.lm_head.weight.copy_(0.6 * (emb / emb.norm(dim=-1, keepdim=True))[inv])
+    model.save_pretrained(out / "target")
+    target = TargetModel(model, FAMILY_AUX)
+    hc = Eagle3Config(hidden_size=h, intermediate_size=128, num_attention_heads=heads, num_key_value_heads=1,
+                      head_dim=head_dim, vocab_size=vocab, draft_vocab_size=vocab, target_hidden_size=h,
+                      aux_layer_ids=FAMILY_AUX)
+    head = Eagle3Head(hc, target.embed_tokens).eval()
+    which = FAMILY_AUX.index(1)
+    with torch.no_grad():
+        head.fc.weight.zero_()
+        head.fc.weight[:, which * h:(which + 1) * h] = torch.eye(h)
+        head.midlayer.self_attn.o_proj.weight.mul_(0.05)
+        head.midlayer.mlp.down_proj.weight.mul_(0.05)
+        head.norm.weight.copy_(model.model.norm.weight)
+        head.lm_head.weight.copy_(model.lm_head.weight[inv])
+    save_eagle3(head, out / "head")
+    return out / "target", out / "head", target
+
+
+def cache_free_logprobs(model, prompt: list[int], completion: list[int]) -> torch.Tensor:
+    """log softmax (T = 1) of a cache-free forward over prompt + completion at each completion
+    token: [len(completion)] log p(y_t | prefix)."""
+    ids = torch.tensor([list(prompt) + list(completion)])
+    with torch.no_grad():
+        logits = model.model(ids, use_cache=False).logits[0, len(prompt) - 1:-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(completion)[:, None])[:, 0]
+
+
+def cache_free_greedy(model, prompt: list[int], n: int) -> tuple[list[int], float]:
+    """Greedy decoding by cache-free forwards: (n tokens, the smallest top-1 / top-2 logit gap
+    met, which tells how far the argmax was from a tie)."""
+    seq, gap = list(prompt), float("inf")
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model.model(torch.tensor([seq]), use_cache=False).logits[0, -1].float()
+            top = logits.topk(2)
+            gap = min(gap, float(top.values[0] - top.values[1]))
+            seq.append(int(top.indices[0]))
+    return seq[len(prompt):], gap
