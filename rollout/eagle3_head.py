@@ -8,6 +8,11 @@ Vocabulary:
 - **draft vocabulary**: the ``draft_vocab_size`` (``Vd``) target tokens the head can
   propose, sorted by target id. ``d2t[i]`` is an *offset*: target id = ``i + d2t[i]``;
   ``t2d[v]`` is True when target token ``v`` is in the draft vocabulary.
+- **layer variants**: the EAGLE layer (Llama: bias-free projections, the residual taken
+  before ``hidden_norm``) is :class:`DraftLayer`; heads of other trainers may add q/k/v/o
+  biases (``attention_bias``), per-head RMS norms of q and k (``qk_norm``, a Qwen3 layer)
+  or take the residual after ``hidden_norm`` (``norm_before_residual``); such a head gets
+  a :class:`VariantDraftLayer` (same parameter names plus the extra ones).
 - **attn_mask**: ``[B, T, L_past + T]`` bool, True = may attend. The caller builds it
   (causal for plain drafting, ancestor masks for trees, the training-time-test mask for
   training), so the head itself has no notion of causality.
@@ -46,7 +51,11 @@ class Eagle3Config:
     max_position_embeddings: informational (RoPE is computed on the fly);
     logit_scale: the draft distribution is softmax(logit_scale * lm_head logits / T) at
     inference (``config.json`` key ``draft_logit_scale``; a temperature calibrated on
-    held-out data by ``trainers.drafter.calibrate_logit_scale``; training uses 1).
+    held-out data by ``trainers.drafter.calibrate_logit_scale``; training uses 1);
+    rope_scaling: None, or a RoPE scaling of the head's positions as in a Hugging Face config
+    (``rope_type`` one of ``ROPE_TYPES``: "linear" with ``factor``, "llama3" with ``factor``,
+    ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+    attention_bias / qk_norm / norm_before_residual: the layer variants (module docstring).
     """
 
     hidden_size: int
@@ -62,6 +71,15 @@ class Eagle3Config:
     aux_layer_ids: tuple[int, int, int]
     max_position_embeddings: int = 8192
     logit_scale: float = 1.0
+    rope_scaling: dict | None = None
+    attention_bias: bool = False
+    qk_norm: bool = False
+    norm_before_residual: bool = False
+
+    @property
+    def variant(self) -> bool:
+        """Whether the layer differs from the EAGLE layer (:class:`VariantDraftLayer`)."""
+        return self.attention_bias or self.qk_norm or self.norm_before_residual
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "intermediate_size", "num_attention_heads", "num_key_value_heads",
@@ -81,6 +99,10 @@ class Eagle3Config:
         scale = self.logit_scale
         if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < float("inf"):
             raise ConfigError("logit_scale", f"must be a finite number > 0, got {scale!r}")
+        for name in ("attention_bias", "qk_norm", "norm_before_residual"):
+            if not isinstance(getattr(self, name), bool):
+                raise ConfigError(name, f"must be true or false, got {getattr(self, name)!r}")
+        rope_inv_freq(self.head_dim, self.rope_theta, self.rope_scaling)  # validates rope_scaling
 
     @classmethod
     def for_target(cls, target: TargetModel, draft_vocab_size: int | None = None, **overrides) -> Eagle3Config:
@@ -89,6 +111,9 @@ class Eagle3Config:
         heads = int(c.num_attention_heads)
         rope = getattr(c, "rope_parameters", None) or {}
         theta = rope.get("rope_theta") or getattr(c, "rope_theta", None) or 10000.0
+        scaling = dict(getattr(c, "rope_scaling", None) or rope)
+        # the target's RoPE scaling where the head supports it (the head learns with its own RoPE either way)
+        scaling = scaling if _rope_type(scaling) in ROPE_TYPES[1:] else None
         fields = dict(
             hidden_size=target.hidden_size,
             intermediate_size=int(c.intermediate_size),
@@ -102,6 +127,7 @@ class Eagle3Config:
             target_hidden_size=target.hidden_size,
             aux_layer_ids=target.aux_layer_ids,
             max_position_embeddings=int(getattr(c, "max_position_embeddings", 8192)),
+            rope_scaling=scaling,
         )
         fields.update(overrides)
         return cls(**fields)
@@ -137,13 +163,41 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x2, x1), dim=-1)
 
 
+ROPE_TYPES = ("default", "linear", "llama3")
+
+
+def _rope_type(scaling: dict | None) -> str:
+    return "default" if not scaling else str(scaling.get("rope_type", scaling.get("type", "default")))
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict | None = None) -> torch.Tensor:
+    """RoPE inverse frequencies ``[head_dim / 2]`` (float64) of base ``theta``, scaled as ``scaling``
+    says (see :class:`Eagle3Config`); an unsupported scaling raises ConfigError("rope_scaling")."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = _rope_type(scaling)
+    if kind not in ROPE_TYPES:
+        raise ConfigError("rope_scaling", f"unsupported rope_type {kind!r}", allowed=ROPE_TYPES)
+    if kind == "default":
+        return inv_freq
+    try:
+        factor = float(scaling["factor"])
+        if kind == "linear":
+            return inv_freq / factor
+        low, high = float(scaling["low_freq_factor"]), float(scaling["high_freq_factor"])
+        old_len = float(scaling["original_max_position_embeddings"])
+    except (KeyError, TypeError, ValueError) as err:
+        raise ConfigError("rope_scaling", f"{kind} scaling needs numeric factors, got {scaling!r} ({err!r})") from None
+    wavelen = 2 * torch.pi / inv_freq
+    smooth = ((old_len / wavelen - low) / (high - low)).clamp(0, 1)  # 0: long waves (scaled), 1: short (kept)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq
+
+
 class Rotary(nn.Module):
     """Llama-style RoPE (half-split rotation) computed from explicit position ids."""
 
-    def __init__(self, head_dim: int, theta: float):
+    def __init__(self, head_dim: int, theta: float, scaling: dict | None = None):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        self.register_buffer("inv_freq", inv_freq.float(), persistent=False)
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling).float(), persistent=False)
 
     def tables(self, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and sin ``[B, T, d]`` (float32) of ``position_ids [B, T]``."""
@@ -218,6 +272,54 @@ class DraftLayer(nn.Module):
         return h, kv
 
 
+class VariantDraftAttention(DraftAttention):
+    """:class:`DraftAttention` with q/k/v/o biases (``attention_bias``) and per-head RMS norms of
+    q and k before RoPE (``qk_norm``: ``q_norm``, ``k_norm``, as a Qwen3 layer)."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__(cfg)
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(2 * h, self.nh * self.d, bias=bias)
+        self.k_proj = nn.Linear(2 * h, self.nkv * self.d, bias=bias)
+        self.v_proj = nn.Linear(2 * h, self.nkv * self.d, bias=bias)
+        self.o_proj = nn.Linear(self.nh * self.d, h, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(self.d, cfg.rms_norm_eps)
+
+    def forward(self, x, rotary, position_ids, attn_mask, past):
+        b, t, _ = x.shape
+        q = self.q_proj(x).view(b, t, self.nh, self.d)  # [B, T, nh, d]
+        k = self.k_proj(x).view(b, t, self.nkv, self.d)
+        v = self.v_proj(x).view(b, t, self.nkv, self.d).transpose(1, 2)  # [B, nkv, T, d]
+        if hasattr(self, "q_norm"):
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = rotary(q.transpose(1, 2), position_ids), rotary(k.transpose(1, 2), position_ids)
+        if past is not None:
+            k = torch.cat([past[0], k], dim=2)  # [B, nkv, L_past + T, d]
+            v = torch.cat([past[1], v], dim=2)
+        out = self.attend(q, k, v, attn_mask).reshape(b, t, self.nh * self.d)
+        return self.o_proj(out), (k, v)
+
+
+class VariantDraftLayer(DraftLayer):
+    """:class:`DraftLayer` over a :class:`VariantDraftAttention`; with ``norm_before_residual``
+    the attention's residual is ``hidden_norm(hidden)`` instead of ``hidden``."""
+
+    def __init__(self, cfg: Eagle3Config):
+        super().__init__(cfg)
+        self.self_attn = VariantDraftAttention(cfg)
+        self.norm_before_residual = cfg.norm_before_residual
+
+    def forward(self, emb, hidden, rotary, position_ids, attn_mask, past):
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [B, T, 2H]
+        attn, kv = self.self_attn(x, rotary, position_ids, attn_mask, past)
+        h = (normed if self.norm_before_residual else hidden) + attn
+        h = h + self.mlp(self.post_attention_layernorm(h))
+        return h, kv
+
+
 class Eagle3Head(nn.Module):
     """fc + one decoder layer + norm + lm_head over the draft vocabulary."""
 
@@ -231,10 +333,10 @@ class Eagle3Head(nn.Module):
         self.cfg = cfg
         self.__dict__["embed_tokens"] = embed_tokens  # shared with the target: not a submodule, not saved
         self.fc = nn.Linear(3 * cfg.target_hidden_size, cfg.hidden_size, bias=False)
-        self.midlayer = DraftLayer(cfg)
+        self.midlayer = VariantDraftLayer(cfg) if cfg.variant else DraftLayer(cfg)
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = nn.Linear(cfg.hidden_size, cfg.draft_vocab_size, bias=False)
-        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta)
+        self.rotary = Rotary(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.long))
         t2d = torch.zeros(cfg.vocab_size, dtype=torch.bool)
         t2d[: cfg.draft_vocab_size] = True

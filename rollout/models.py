@@ -15,6 +15,7 @@ Vocabulary used here:
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
 import shutil
@@ -165,9 +166,25 @@ class TargetModel(nn.Module):
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """The target's logits ``[..., V]`` (float32) from the final norm's output ``final [..., H]``:
         the lm_head, then the family's logit rule (``rollout.architectures``)."""
+        return self._logit_rule(self.model.get_output_embeddings()(final)).float()
+
+    def logits_at(self, final: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The target's logits at the token ids ``ids [Vd]`` only, ``[..., Vd]`` in ``final``'s dtype:
+        the lm_head's rows at ``ids`` (tied or not), then the family's logit rule (element-wise).
+        Constants: no gradient reaches the target's weights."""
+        out = self.model.get_output_embeddings()
+        bias = out.bias.detach()[ids] if getattr(out, "bias", None) is not None else None
+        weight = out.weight.detach()[ids].to(final.dtype)
+        return self._logit_rule(torch.nn.functional.linear(final.detach(), weight, bias))
+
+    def _logit_rule(self, logits: torch.Tensor) -> torch.Tensor:
         family = FAMILIES.get(type(self.model).__name__)
-        logits = self.model.get_output_embeddings()(final)
-        return LOGIT_RULES[family.logits if family is not None else "plain"](logits, self.config).float()
+        return LOGIT_RULES[family.logits if family is not None else "plain"](logits, self.config)
+
+    def attach_to(self, head) -> None:
+        """Give a head in training this target's logits over its draft vocabulary
+        (``head.target_logits(final)``; ``trainers.drafter.ttt`` scores the head against them)."""
+        head.target_logits = functools.partial(self.logits_at, ids=head.target_ids)
 
     @property
     def device(self) -> torch.device:

@@ -134,6 +134,7 @@ def write_speculators(head: Eagle3Head, target: TargetModel, path) -> None:
     config = {
         "speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
         "draft_vocab_size": c.draft_vocab_size, "eagle_aux_hidden_state_layer_ids": list(c.aux_layer_ids),
+        "norm_before_residual": False,  # the EAGLE layer's residual (absent, speculators means true)
         "transformer_layer_config": {
             "model_type": "llama", "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
             "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
@@ -155,6 +156,7 @@ def test_speculators_format_loads_exactly(tmp_path):
     for k, v in head.state_dict().items():
         assert torch.equal(v, loaded.state_dict()[k]), k
     assert loaded.cfg.rope_theta == 10000.0  # absent from the config: the EAGLE default
+    assert not loaded.cfg.variant and torch.equal(run(loaded, target)[0].logits, run(head, target)[0].logits)
 
 
 @pytest.mark.parametrize(

@@ -48,7 +48,11 @@ class DrafterDataConfig:
     samples; the prompt list is repeated, so the data can grow past the distinct prompts
     the generators make; held-out prompts are answered once); batch_size: generation batch;
     seed: prompt and sampling seed; cache_dir: where the generated dataset is stored
-    (None: ``$HONEST_ROLLOUTS_CACHE`` or ``~/.cache/honest-rollouts`` + ``/drafter-data``).
+    (None: ``$HONEST_ROLLOUTS_CACHE`` or ``~/.cache/honest-rollouts`` + ``/drafter-data``);
+    prompts_file: a JSONL file of prompts or conversations (``trainers/drafter/prompts.py``)
+    answered instead of the built-in arithmetic and general prompts (whose count fields are then
+    unused); heldout_fraction: the share of its records held out (at least one when > 0; 0 holds
+    none out: no held-out report, no draft-temperature calibration).
     """
 
     arithmetic_per_difficulty: int = 100
@@ -62,6 +66,8 @@ class DrafterDataConfig:
     batch_size: int = 32
     seed: int = 0
     cache_dir: str | None = None
+    prompts_file: str | None = None
+    heldout_fraction: float = 0.1
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "difficulties", tuple(self.difficulties))
@@ -73,6 +79,10 @@ class DrafterDataConfig:
         check_number("greedy_fraction", self.greedy_fraction, 0, 1)
         for name in ("batch_size", "samples_per_prompt"):
             check_int(name, getattr(self, name))
+        if self.prompts_file is not None and not (isinstance(self.prompts_file, str)
+                                                  and Path(self.prompts_file).expanduser().is_file()):
+            raise ConfigError("prompts_file", f"not a file: {self.prompts_file!r} (a JSONL file of prompts, or null)")
+        check_number("heldout_fraction", self.heldout_fraction, 0, 1, high_open=True)
 
 
 @dataclass
@@ -106,7 +116,10 @@ class DrafterData:
 
     @classmethod
     def load(cls, path: str | Path) -> DrafterData:
-        return cls(**torch.load(path, weights_only=True))
+        from trainers.grpo.checkpoint import load_state
+
+        fields = tuple(cls.__dataclass_fields__)
+        return cls(**load_state(path, required=fields, advice="delete it to generate the data again"))
 
     @classmethod
     def concat(cls, parts: list[DrafterData]) -> DrafterData:
@@ -122,7 +135,8 @@ class DrafterData:
 
 @torch.no_grad()
 def generate_batch(
-    target: TargetModel, prompts: list[list[int]], greedy: list[bool], *, max_new_tokens: int, eos_id: int,
+    target: TargetModel, prompts: list[list[int]], greedy: list[bool], *, max_new_tokens: int,
+    eos_id: int | tuple[int, ...],
     gen: torch.Generator,
 ) -> list[dict[str, torch.Tensor]]:
     """Answer a batch of tokenised prompts with ``rollout.engine`` (plain decoding, feature
@@ -135,7 +149,7 @@ def generate_batch(
         rows = [r for r, g in enumerate(greedy) if g == (temperature == 0.0)]
         if not rows:
             continue
-        sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=(eos_id,))
+        sampling = SamplingParams(temperature=temperature, max_new_tokens=max_new_tokens, stop_token_ids=_ids(eos_id))
         res = engine.generate([prompts[r] for r in rows], sampling, seed=seed, capture=True)
         for r, done, cap in zip(rows, res.completions, res.captures):
             recs[r] = _record(target, done.prompt_ids + done.completion_ids, cap)
@@ -144,9 +158,9 @@ def generate_batch(
 
 def _record(target: TargetModel, tokens: list[int], cap: Capture) -> dict[str, torch.Tensor]:
     """A sample's record from its tokens and the engine's capture; the logits at each position
-    are ``lm_head(final)``."""
+    are ``lm_head(final)`` through the family's logit rule (``TargetModel.logits``)."""
     assert len(cap.features) == len(tokens) - 1, (len(cap.features), len(tokens))
-    logits = target.model.get_output_embeddings()(cap.final).float()  # [L-1, V]
+    logits = target.logits(cap.final)  # [L-1, V]
     return make_record(tokens, cap.features, cap.final, logits)
 
 
@@ -181,6 +195,7 @@ def records_to_data(records: list[dict[str, torch.Tensor]], prompt_lens: list[in
 def generate_dataset(
     target: TargetModel, prompts: list[list[int]], kinds: list[str], *, max_new_tokens: int, batch_size: int,
     greedy_fraction: float, gen: torch.Generator, desc: str = "generate", samples_per_prompt: int = 1,
+    eos_ids: tuple[int, ...] | None = None,
 ) -> DrafterData:
     """Answer every prompt ``samples_per_prompt`` times (batched by similar length) and collect
     the records in order: the whole prompt list, then again for each further sample (each
@@ -195,7 +210,7 @@ def generate_dataset(
     for start in range(0, len(order), batch_size):
         idx = order[start: start + batch_size]
         out = generate_batch(target, [prompts[i] for i in idx], [greedy[i] for i in idx],
-                             max_new_tokens=max_new_tokens, eos_id=_eos(target), gen=gen)
+                             max_new_tokens=max_new_tokens, eos_id=eos_ids or stop_ids(target), gen=gen)
         records.update(zip(idx, out))
         bar.update(len(idx))
         bar.set_postfix(tokens=sum(len(r["tokens"]) for r in records.values()))
@@ -203,9 +218,20 @@ def generate_dataset(
     return records_to_data([records[i] for i in range(len(prompts))], [len(p) for p in prompts], kinds)
 
 
-def _eos(target: TargetModel) -> int:
-    eos = target.config.eos_token_id
-    return int(eos[0] if isinstance(eos, (list, tuple)) else eos)
+def _ids(ids) -> tuple[int, ...]:
+    return tuple(int(i) for i in ids) if isinstance(ids, (list, tuple)) else (int(ids),)
+
+
+def stop_ids(target: TargetModel, tokenizer=None) -> tuple[int, ...]:
+    """The tokens that end a response: the target config's ``eos_token_id`` (one id or a list),
+    else its generation config's, else the tokenizer's."""
+    gen_cfg = getattr(target.model, "generation_config", None)
+    for eos in (target.config.eos_token_id, getattr(gen_cfg, "eos_token_id", None),
+                getattr(tokenizer, "eos_token_id", None)):
+        if eos is not None and eos != []:
+            return _ids(eos)
+    raise ConfigError("target.path", "the target names no end-of-sequence token (eos_token_id in config.json, "
+                      "generation_config.json or the tokenizer)")
 
 
 def draft_vocab(data: DrafterData, size: int, vocab_size: int) -> tuple[torch.Tensor, float]:

@@ -109,8 +109,8 @@ INIT_MODES = ("random", "lm_head", "layer")
 def init_from_target(head: Eagle3Head, target: TargetModel, mode: str) -> None:
     """Initialise ``head`` from the target.
 
-    "random": nothing. "lm_head": norm and lm_head from the target's final norm and (tied)
-    embedding rows of the draft vocabulary. "layer": that, plus "one more target layer":
+    "random": nothing. "lm_head": norm and lm_head from the target's final norm and the rows
+    of its output embedding (lm_head, tied or not) for the draft vocabulary. "layer": that, plus "one more target layer":
     fc picks the last feature (the input of layer ``L = aux_layer_ids[2]``) and the draft
     layer copies layer L acting on it (the embedding half of q/k/v starts at zero), so the
     step-0 output hidden is exactly the input of layer L + 1. Note that this hidden belongs
@@ -122,7 +122,7 @@ def init_from_target(head: Eagle3Head, target: TargetModel, mode: str) -> None:
     if mode == "random":
         return
     head.norm.weight.copy_(target.model.model.norm.weight)
-    head.lm_head.weight.copy_(target.embed_tokens.weight[head.target_ids])
+    head.lm_head.weight.copy_(target.model.get_output_embeddings().weight[head.target_ids])
     if mode == "layer":
         _copy_layer(head, target)
 
@@ -132,6 +132,10 @@ def _copy_layer(head: Eagle3Head, target: TargetModel) -> None:
     if (c.hidden_size, c.target_hidden_size) != (h, h):
         raise ValueError("init 'layer' needs a head as wide as the target")
     layer = target.decoder_layers[target.aux_layer_ids[2]]
+    attn = layer.self_attn
+    if any(getattr(attn, n).bias is not None for n in ("q_proj", "k_proj", "v_proj", "o_proj")) or hasattr(attn, "q_norm"):
+        raise ValueError(f"init 'layer' copies a Llama-style layer; the target's {type(layer).__name__} has "
+                         "attention biases or q/k norms: use init 'lm_head' or 'random'")
     head.fc.weight.zero_()
     head.fc.weight[:, 2 * h:] = torch.eye(h)
     mid = head.midlayer
@@ -245,7 +249,10 @@ def train_drafter(
     total = min(cfg.epochs * per_epoch, cfg.max_steps or 10**12)
     step = 0
     if resume and ckpt_path.is_file():
-        state = torch.load(ckpt_path, map_location=device, weights_only=True)
+        from trainers.grpo.checkpoint import load_state
+
+        state = load_state(ckpt_path, required=("head", "opt", "step"), map_location=device,
+                           advice="delete it (or pass --no-resume) to train from the start")
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["opt"])
         step = int(state["step"])

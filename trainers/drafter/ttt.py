@@ -97,9 +97,15 @@ def ttt_forward(head: Eagle3Head, batch: Batch, steps: int) -> list[tuple[int, t
 
 
 def _targets(head: Eagle3Head, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-    """Target logits over the draft vocabulary ``[B, T, Vd]`` (column i = target position i + 1) and the loss mask."""
-    emb = head.embed_tokens.weight[head.target_ids].to(batch.final.dtype)  # [Vd, H]
-    logits = batch.final[:, 1:] @ emb.T  # [B, T, Vd]
+    """Target logits over the draft vocabulary ``[B, T, Vd]`` (column i = target position i + 1) and the loss mask:
+    ``head.target_logits`` where the target was attached (``TargetModel.attach_to``: its lm_head, tied or
+    not, and its logit rule), else the shared input embedding (a tied target with plain logits)."""
+    source = getattr(head, "target_logits", None)
+    if source is not None:
+        logits = source(batch.final[:, 1:])  # [B, T, Vd]
+    else:
+        emb = head.embed_tokens.weight[head.target_ids].to(batch.final.dtype)  # [Vd, H]
+        logits = batch.final[:, 1:] @ emb.T  # [B, T, Vd]
     am = batch.argmax[:, 1:]
     in_draft = head.t2d[am.clamp(min=0)] & (am >= 0)
     return logits, batch.lossable[:, 1:] & in_draft

@@ -210,6 +210,7 @@ class OnlineDrafter:
         self.head_path = Path(head_path)  # the configured head: shipped as it is until the first round
         self.export_path = Path(out_dir) / "drafter"
         self.head = load_eagle3(head_path, target).to(target.device)
+        target.attach_to(self.head)
         self.head.train()
         self.initial = load_eagle3(head_path, target).to(target.device) if cfg.score_initial else None
         self.optimizer = torch.optim.AdamW(self.head.parameters(), lr=cfg.lr, betas=cfg.betas,
