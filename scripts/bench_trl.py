@@ -1,14 +1,20 @@
 """Rollout throughput inside TRL: TRL's own generation vs our rollouts, side by side.
 
     python -m scripts.bench_trl --config configs/trl.yaml [--rounds 3] [--json OUT.json]
+        [--prompts-per-step P] [--num-generations G] [--max-completion-length T] [--no-trl-own]
+        [--columns ours_plain,ours_lossless_spec,...]
 
 Builds the run's trainers once (TRL's GRPOTrainer with its own generation, and
 SpeculativeGRPOTrainer with our rollouts) and times TRL's ``_generate`` on the same
-prompts (the config's prompts_per_step x num_generations, chat template, T and length)
-for each configuration, interleaved round by round so that load on a shared machine hits
-every column alike. Columns: TRL's own generation; ours with lossless chain, MARS chain
-(the config's verifier params when it is MARS) and plain decoding (spec off). Reports
-median tokens/s and the ratio to TRL's own generation.
+prompts (the config's prompts_per_step x num_generations, or the flags', chat template, T
+and length) for each configuration, interleaved round by round so that load on a shared
+machine hits every column alike. Columns: TRL's own generation (``--no-trl-own`` leaves it
+out); ours with plain decoding (spec off), and lossless and MARS (the config's verifier
+params when it is MARS) with the config's speculation (``_spec``: with ``max_batch: auto``
+the engine decides per round whether to draft) and with a chain drafting every round
+(``_chain``: ``max_batch: null``, no adaptive K). Reports median tokens/s, the ratios to
+TRL's own generation and to our plain decoding (the median of the per-round ratios, each
+measured side by side), tau and the share of rounds that drafted.
 """
 
 from __future__ import annotations
@@ -33,11 +39,16 @@ def configs(settings) -> dict:
     from rollout.params import SpecConfig, VerifierConfig
 
     mars = settings.verifier if settings.verifier.name == "mars" else VerifierConfig("mars", {"theta": 0.9})
+    lossless = VerifierConfig("lossless")
+    spec = settings.spec if settings.spec.mode != "off" else type(settings)().spec  # the plug-in's default
+    chain = SpecConfig(mode="chain", num_draft_tokens=spec.num_draft_tokens, draft_sampling=spec.draft_sampling)
     return {
         "trl_own": None,
-        "ours_lossless_chain": replace(settings, verifier=VerifierConfig("lossless")),
-        "ours_mars_chain": replace(settings, verifier=mars),
-        "ours_plain": replace(settings, spec=SpecConfig(mode="off"), verifier=VerifierConfig("lossless")),
+        "ours_plain": replace(settings, spec=SpecConfig(mode="off"), verifier=lossless),
+        "ours_lossless_spec": replace(settings, spec=spec, verifier=lossless),
+        "ours_mars_spec": replace(settings, spec=spec, verifier=mars),
+        "ours_lossless_chain": replace(settings, spec=chain, verifier=lossless),
+        "ours_mars_chain": replace(settings, spec=chain, verifier=mars),
     }
 
 
@@ -51,13 +62,22 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[1])
     ap.add_argument("--config", required=True)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--prompts-per-step", type=int, help="override task.prompts_per_step")
+    ap.add_argument("--num-generations", type=int, help="override trl.num_generations")
+    ap.add_argument("--max-completion-length", type=int, help="override trl.max_completion_length")
+    ap.add_argument("--no-trl-own", action="store_true", help="leave out TRL's own generation (the slowest column)")
+    ap.add_argument("--columns", help="comma-separated columns to run (default: all)")
     ap.add_argument("--json", help="write the per-round timings here")
     args = ap.parse_args(argv)
     from trainers.trl.config import load_trl_config
 
+    trl = {k: v for k, v in (("num_generations", args.num_generations),
+                             ("max_completion_length", args.max_completion_length)) if v is not None}
+    task = {"prompts_per_step": args.prompts_per_step} if args.prompts_per_step is not None else {}
     try:
         trl_cfg = load_trl_config(args.config, {"run": {"generation": "trl"},  # TRL's generation: no head to train
-                                                "rollout": {"drafter_training": {"every": 0}}})
+                                                "rollout": {"drafter_training": {"every": 0}}, "trl": trl,
+                                                "task": task})
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -65,38 +85,59 @@ def main(argv: list[str] | None = None) -> int:
 
     from trainers.trl.run import build_dataset, build_trainer
 
-    baseline = build_trainer(trl_cfg)
+    columns = configs(trl_cfg.settings())
+    if args.columns:
+        unknown = sorted(set(args.columns.split(",")) - set(columns))
+        if unknown:
+            print(f"error: unknown column(s) {unknown} (allowed: {', '.join(columns)})", file=sys.stderr)
+            return 2
+        columns = {name: settings for name, settings in columns.items() if name in args.columns.split(",")}
+    if args.no_trl_own:
+        columns.pop("trl_own", None)
+    baseline = build_trainer(trl_cfg) if "trl_own" in columns else None
     ours = build_trainer(replace(trl_cfg, run=replace(trl_cfg.run, generation="ours")))
     rows = build_dataset(trl_cfg)
-    n_gen = baseline.num_generations
+    n_gen = ours.num_generations
     prompts = [rows[i // n_gen]["prompt"] for i in range(trl_cfg.task.prompts_per_step * n_gen)]
-    columns = configs(trl_cfg.settings())
     results: dict[str, list[dict]] = {name: [] for name in columns}
+    names = list(columns)
     for r in range(args.rounds):
-        for name, settings in columns.items():
+        for name in names[r % len(names):] + names[:r % len(names)]:  # each column in each position in turn
+            settings = columns[name]
             trainer = baseline if settings is None else ours
             if settings is not None:
                 ours.rollouts.settings = settings
             torch.manual_seed(r)
             seconds, tokens = time_generate(trainer, prompts)
+            timings = ours.rollouts.last_batch.timings if settings is not None else {}
             tau = ours.rollouts.last_batch.tau if settings is not None else 1.0
+            drafted = 1 - timings.get("plain_rounds", 0) / max(timings.get("rounds", 0), 1) \
+                if settings is not None and settings.spec.speculative else 0.0
             results[name].append({"round": r, "seconds": seconds, "tokens": tokens, "tok_per_s": tokens / seconds,
-                                  "tau": tau})
+                                  "tau": tau, "drafted_rounds": drafted})
             print(f"round {r + 1}/{args.rounds}  {name:20s} {tokens:5d} tokens  {seconds:7.1f} s  "
-                  f"{tokens / seconds:6.1f} tok/s  tau {tau:.2f}", flush=True)
-    base = statistics.median(x["tok_per_s"] for x in results["trl_own"])
+                  f"{tokens / seconds:6.1f} tok/s  tau {tau:.2f}  drafted {drafted:.0%} of rounds", flush=True)
+
+    def ratio(name: str, base: str) -> str:  # the median of the rounds' ratios, each measured side by side
+        if base not in results:
+            return "-"
+        return f"{statistics.median(x['tok_per_s'] / b['tok_per_s'] for x, b in zip(results[name], results[base])):.2f}"
+
     print(f"\n{len(prompts)} completions per call, max {trl_cfg.trl.get('max_completion_length')} tokens, "
-          f"T = {trl_cfg.trl.get('temperature', 1.0)}, {args.rounds} interleaved rounds (medians)\n")
-    print("| generation | tok/s | x TRL's own | tau | tokens per call |\n|---|---|---|---|---|")
+          f"T = {trl_cfg.trl.get('temperature', 1.0)}, {args.rounds} interleaved rounds (medians), "
+          f"speculation {trl_cfg.settings().spec}\n")
+    print("| generation | tok/s | x TRL's own | x ours plain | tau | drafted rounds | tokens per call |\n"
+          "|---|---|---|---|---|---|---|")
     for name, xs in results.items():
         tps = statistics.median(x["tok_per_s"] for x in xs)
-        print(f"| {name} | {tps:.1f} | {tps / base:.2f} | {statistics.median(x['tau'] for x in xs):.2f} | "
+        print(f"| {name} | {tps:.1f} | {ratio(name, 'trl_own')} | {ratio(name, 'ours_plain')} | "
+              f"{statistics.median(x['tau'] for x in xs):.2f} | "
+              f"{statistics.median(x['drafted_rounds'] for x in xs):.0%} | "
               f"{statistics.median(x['tokens'] for x in xs):.0f} |")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
     return 0
-
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -3,8 +3,10 @@
 One YAML file; one frozen dataclass per part, validated before any model loads (errors
 name the dotted field). ``trl`` holds ``GRPOConfig`` keyword arguments as they are; the
 script fills in what the other sections decide (batch = prompts_per_step x
-num_generations, max_steps = run.steps, seed = run.seed, the CPU unless CUDA is there, fp32),
-and TRL's ``GRPOConfig`` is built from both when the config loads, so TRL's own checks run
+num_generations completions per step, split evenly over the processes ``accelerate launch``
+started, ``launch_processes``; max_steps = run.steps, seed = run.seed, the CPU unless CUDA is
+there, bf16 autocast only for a bfloat16 policy unless ``trl.bf16`` says otherwise), and TRL's
+``GRPOConfig`` is built from both when the config loads, so TRL's own checks run
 then too. The rollouts' target and seed are ``model.target`` and ``run.seed``.
 """
 
@@ -22,7 +24,9 @@ from trainers.trl.rollouts import RolloutSettings
 
 GENERATIONS = ("ours", "trl")
 #: GRPOConfig fields the script sets from the other sections
-OWNED = ("output_dir", "max_steps", "per_device_train_batch_size", "seed", "use_vllm", "use_cpu", "bf16")
+OWNED = ("output_dir", "max_steps", "per_device_train_batch_size", "seed", "use_vllm", "use_cpu")
+#: policy dtypes TRL trains (float16 would need a loss scaler, which CPUs do not run)
+POLICY_DTYPES = ("float32", "bfloat16")
 #: GRPOConfig fields of TRL's importance-sampling correction (with vLLM only): our correction section's
 CORRECTION_PREFIX = "vllm_importance_sampling_"
 
@@ -68,11 +72,21 @@ class TRLConfig:
                 raise ConfigError(f"trl.{name}", "is set from the correction section (mode, cap, low, high) with "
                                   "run.generation 'ours'; TRL's own generation here has no vLLM, so TRL applies no "
                                   "correction: remove it")
+        if self.rollout.drafter_training.enabled and launch_processes() > 1:
+            raise ConfigError("rollout.drafter_training.every", f"trains the head in one process; the "
+                              f"{launch_processes()} processes launched would each train their own: set it to 0",
+                              allowed=[0])
         _check_trl_args(self)
-        if self.model.target.dtype != "float32":
-            raise ConfigError("model.target.dtype", f"{self.model.target.dtype!r} would train the policy itself in that "
-                              "dtype, with no fp32 copy (a bf16 step of a small lr mostly rounds to no change); train in "
-                              "float32", allowed=["float32"])
+        if self.model.target.dtype not in POLICY_DTYPES:
+            raise ConfigError("model.target.dtype", f"{self.model.target.dtype!r} is not a dtype TRL trains here "
+                              "(trl.bf16: true with float32 is mixed precision over fp32 weights)",
+                              allowed=POLICY_DTYPES)
+        if self.model.target.dtype == "bfloat16":
+            import warnings
+
+            warnings.warn("model.target.dtype 'bfloat16' trains the bf16 weights themselves, with no fp32 master copy: "
+                          "an update smaller than about 1/256 of a weight rounds away (a small learning rate's mostly "
+                          "does); float32 with trl.bf16: true computes in bf16 over fp32 weights", stacklevel=2)
         if self.run.generation == "ours":
             from trainers.trl.trainer import trl_correction
 
@@ -100,14 +114,23 @@ class TRLConfig:
 
         n_gen = self.trl.get("num_generations", _grpo_fields()["num_generations"].default)
         return dict(output_dir=self.run.out_dir, max_steps=self.run.steps, seed=self.run.seed,
-                    per_device_train_batch_size=self.task.prompts_per_step * n_gen,
-                    use_cpu=not torch.cuda.is_available(), bf16=False, **self.trl)
+                    per_device_train_batch_size=self.task.prompts_per_step * n_gen // launch_processes(),
+                    use_cpu=not torch.cuda.is_available(),
+                    **{"bf16": self.model.target.dtype == "bfloat16", **self.trl})  # trl.bf16: mixed precision
 
     def grpo_config(self):
         """TRL's ``GRPOConfig`` of this run (``grpo_arguments``)."""
         from trl import GRPOConfig
 
         return GRPOConfig(**self.grpo_arguments())
+
+
+def launch_processes() -> int:
+    """The processes of this run: ``WORLD_SIZE`` as ``accelerate launch`` and ``torchrun`` set it
+    (1 in a plain ``python`` process)."""
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
 
 
 def _grpo_fields() -> dict[str, Any]:
@@ -133,7 +156,12 @@ def _check_trl_args(cfg: TRLConfig) -> None:
         raise ConfigError(f"trl.{unknown[0]}", "is not a GRPOConfig argument (TRL 1.16)")
     for name, value in cfg.trl.items():
         check_leaf(f"trl.{name}", fields[name].type, value)  # float / int / str / bool fields
-    check_int("trl.num_generations", cfg.trl.get("num_generations", fields["num_generations"].default), 2)
+    n_gen = cfg.trl.get("num_generations", fields["num_generations"].default)
+    check_int("trl.num_generations", n_gen, 2)
+    if (cfg.task.prompts_per_step * n_gen) % launch_processes():
+        raise ConfigError("task.prompts_per_step", f"{cfg.task.prompts_per_step} prompts x {n_gen} generations = "
+                          f"{cfg.task.prompts_per_step * n_gen} completions per step do not split evenly over the "
+                          f"{launch_processes()} processes launched")
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # TRL's deprecation notes show when the run builds it

@@ -8,7 +8,10 @@ functions. :class:`SpeculativeRollouts` is such a callable:
 - **placement** ``"local"``: an ``hf`` backend in this process over the trainer's own
   model object (shared parameters: the rollouts always use the current weights, nothing is
   copied); ``"ray"``: our Ray actor pool (``rollout.actor_pool``), which gets the
-  trainer's weights pushed whenever TRL's optimizer step moved since the last push.
+  trainer's weights pushed whenever TRL's optimizer step moved since the last push. With a
+  peft LoRA policy the rollouts hold a plain model of the base architecture instead, loaded
+  with the merged weights (``trainers.trl.peft_policy``) at each push, which are also what the
+  actors and the vllm backend get (under the base model's parameter names).
 - the chat template is applied here, at the backend boundary (conversational prompts);
   plain-text prompts are tokenized as TRL does;
 - ``logprobs`` are the **behaviour log-probs** (log P(y) under the distribution the
@@ -46,16 +49,28 @@ from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
 from trainers.grpo.online_drafter import OnlineDrafter, OnlineDrafterConfig
+from trainers.trl.peft_policy import check_lora, is_peft_model, merged_state_dict, plain_copy
 
 PLACEMENTS = ("local", "ray")
+#: the speculation the plug-in uses unless told otherwise (``RolloutSettings.spec``), per backend.
+#: hf: the engine's planner decides per round whether a chain pays (``max_batch: auto``). vllm takes
+#: a fixed schedule only: chains in steps with at most 4 running requests (on the 2-core CPU a
+#: chain of 3 ran at 1.75x vLLM's plain decoding at 1 request and 0.78x at 8, scripts/MEASUREMENTS.md)
+DEFAULT_SPEC = {"hf": SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"),
+                "vllm": SpecConfig(mode="chain", num_draft_tokens=3, max_batch=4)}
 
 
 @dataclass(frozen=True)
 class RolloutSettings:
     """How the plug-in generates (one per trainer).
 
-    spec / verifier: our speculation and verification settings. drafter: an EAGLE-3 head
-    folder, "default" (the shipped head) or null (``spec.mode`` must be "off").
+    spec / verifier: our speculation and verification settings. The default spec (null:
+    ``DEFAULT_SPEC`` of the backend) drafts chains of 3 tokens only in the rounds where the
+    engine's planner expects drafting to emit more tokens per second than a plain round
+    (``max_batch: auto``): TRL's generation batches (num_generations completions per prompt)
+    are large enough that drafting every round runs slower than plain decoding on a CPU.
+    drafter: an EAGLE-3 head folder, "default" (the shipped head) or null (``spec.mode`` must
+    be "off").
     drafter_reload_every: re-load the head from its folder every n optimizer steps (0 = never).
     drafter_training: train the head with the policy (``OnlineDrafterConfig``; ``every: 0``, the
     default, never does).
@@ -70,7 +85,7 @@ class RolloutSettings:
     shares the trainer's model and reads only ``drafter_weights: int8``, which rounds the head).
     """
 
-    spec: SpecConfig = field(default_factory=lambda: SpecConfig(mode="chain", num_draft_tokens=3))
+    spec: SpecConfig | None = None
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
     drafter: str | None = "default"
     drafter_reload_every: int = 0
@@ -87,6 +102,12 @@ class RolloutSettings:
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
             raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=sorted(BACKENDS))
+        if self.spec is None:
+            object.__setattr__(self, "spec", DEFAULT_SPEC[self.backend])
+        if self.backend == "vllm" and self.spec.auto:
+            raise ConfigError("spec.max_batch", "'auto' is not supported by the vllm backend (vLLM takes a fixed "
+                              "batch-size schedule): give an integer, to draft only in steps with at most that many "
+                              "running requests")
         if self.backend == "vllm" and self.spec.mode == "tree":
             raise ConfigError("spec.mode", "vLLM has no tree drafting; use 'chain' or 'off' with backend vllm")
         check_test(self.spec, self.verifier)
@@ -173,10 +194,13 @@ class SpeculativeRollouts:
         self.last_seconds = 0.0
         self._calls = 0  # generations so far: the next one's seed (kept in checkpoints, ``state_dict``)
         self._pushed_step = -1
+        self.process_index = 0  # this process's rank under torch.distributed (set by ``bind``)
         self._loaded_step = 0
         self.drafter: OnlineDrafter | None = None  # the head trained with the policy (drafter_training)
         self.drafter_metrics: dict[str, float] = {}  # the last round's, for the trainer's log
         self._trained_step = 0
+        self.adapted = None  # the trainer's peft model, where it trains LoRA adapters
+        self.plain = None  # then the rollouts' model of the base architecture with its merged weights
 
     # ------------------------------------------------------------------ set-up
     def bind(self, trainer: Any) -> None:
@@ -184,17 +208,28 @@ class SpeculativeRollouts:
         if self.sampling is not None:
             return
         tokenizer = _tokenizer(trainer)
+        s = self.settings
+        processes = trainer.accelerator.num_processes
+        if s.drafter_training.enabled and processes > 1:
+            raise ConfigError("drafter_training.every", f"trains the head in one process; with {processes} "
+                              "processes each would train its own head and write it to the same folder: set it "
+                              "to 0 (or train in one process)", allowed=[0])
         self.sampling = sampling_from_trl(trainer.args, tokenizer.eos_token_id)
         pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        s = self.settings
+        self.process_index = trainer.accelerator.process_index
+        threads = s.threads if s.threads is not None else local_threads()
         drafter = s.drafter_path() if s.spec.mode != "off" else None
+        policy = trainer.accelerator.unwrap_model(trainer.model)
+        if is_peft_model(policy):  # generate with the merged weights (peft_policy), pushed at every sync
+            check_lora(policy)
+            self.adapted, self.plain = policy, plain_copy(policy)
+            policy = self.plain
         if s.placement == "local" and s.backend != "hf":  # its own weights: pushed in sync()
             self.backend = build_backend(WorkerSpec(
                 target=s.target or TargetConfig(), drafter_path=drafter, sampling=self.sampling, spec=s.spec,
                 verifier=s.verifier, threads=s.threads or 2, backend=s.backend, backend_options=s.backend_options))
         elif s.placement == "local":
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            self.backend = HFBackend.from_model(model, drafter_path=drafter, num_threads=s.threads, pad_id=pad,
+            self.backend = HFBackend.from_model(policy, drafter_path=drafter, num_threads=threads, pad_id=pad,
                                                 **s.backend_options)
         else:
             from rollout.actor_pool import RolloutPool
@@ -208,8 +243,7 @@ class SpeculativeRollouts:
 
             from rollout.models import TargetModel
 
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            self.drafter = OnlineDrafter(s.drafter_training, Path(drafter), TargetModel(model),
+            self.drafter = OnlineDrafter(s.drafter_training, Path(drafter), TargetModel(policy),
                                          Path(trainer.args.output_dir), s.seed)
 
     def close(self) -> None:
@@ -227,13 +261,13 @@ class SpeculativeRollouts:
             self._loaded_step = step
         if step == self._pushed_step:
             return
+        weights = self._policy_weights(trainer)
         if self.backend is not None and self.backend.name == "hf":
             self.backend.set_weights(None, step)  # shared parameters: only the version moves
         elif self.backend is not None:  # a backend with its own copy (vllm): push the weights
-            self.backend.set_weights(trainer.accelerator.unwrap_model(trainer.model).state_dict(), step)
+            self.backend.set_weights(weights, step)
         else:
-            model = trainer.accelerator.unwrap_model(trainer.model)
-            self.pool.set_weights(model.state_dict(), step)
+            self.pool.set_weights(weights, step)
         self._pushed_step = step
         self.train_drafter(step)
 
@@ -246,9 +280,20 @@ class SpeculativeRollouts:
         if self.drafter is None or self.train_batch is None or step < self._trained_step + \
                 self.settings.drafter_training.every:
             return
+        if self.adapted is not None:  # the head learns the policy as it is now
+            self.plain.load_state_dict(merged_state_dict(self.adapted))
         self.drafter_metrics = self.drafter.train_on_batch(step - 1, self.train_batch)
         self._trained_step = step
         self._load_drafter(str(self.drafter.export_path))
+
+    def _policy_weights(self, trainer: Any) -> dict:
+        """The policy's state dict under the base model's names: with LoRA the merged weights
+        (``peft_policy.merged_state_dict``, also loaded into the rollouts' plain model)."""
+        if self.adapted is None:
+            return trainer.accelerator.unwrap_model(trainer.model).state_dict()
+        weights = merged_state_dict(self.adapted)
+        self.plain.load_state_dict(weights)
+        return weights
 
     @property
     def trained_step(self) -> int:
@@ -279,8 +324,15 @@ class SpeculativeRollouts:
             self.pool.load_drafter(path)
 
     # ------------------------------------------------------------------ generation
+    def call_seed(self, call: int) -> int:
+        """The seed of generation ``call`` (0, 1, ...) in this process: process 0 uses ``seed x
+        1000003 + call``, process r that plus r x 2654435761, so that processes given the same
+        prompts (TRL splits a prompt's group over them) sample their own completions. (The offset
+        lies in the low 32 bits: torch's CPU generator keeps only those of a seed.)"""
+        return self.settings.seed * 1_000_003 + call + self.process_index * 2_654_435_761
+
     def generate(self, prompt_ids: list[list[int]]) -> RolloutBatch:
-        seed = self.settings.seed * 1_000_003 + self._calls
+        seed = self.call_seed(self._calls)
         self._calls += 1
         s = self.settings
         if self.backend is not None:
@@ -309,6 +361,32 @@ class SpeculativeRollouts:
             "relaxed_fraction": relaxed.tolist(),
             "verifier": self.settings.verifier.name,
         }
+
+
+def local_threads() -> int | None:
+    """Torch threads of a local backend left unset: None (the engine takes the cores this process
+    may use) in a single process; under a launcher that starts several processes on this machine
+    (``LOCAL_WORLD_SIZE``, set by ``accelerate launch`` and ``torchrun``) each takes its share, so
+    that they do not oversubscribe the cores."""
+    import os
+
+    from rollout.engine import available_cores
+
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return max(1, available_cores() // local) if local > 1 else None
+
+
+def process_mean(accelerator: Any, values: dict[str, float]) -> dict[str, float]:
+    """Each value's mean over the processes (as TRL averages its own metrics before logging them);
+    every process must call this with the same names. In one process: the values as they are."""
+    if accelerator.num_processes == 1 or not values:
+        return dict(values)
+    import torch
+
+    names = sorted(values)
+    local = torch.tensor([[float(values[n]) for n in names]], dtype=torch.float64, device=accelerator.device)
+    mean = accelerator.gather(local).mean(0).tolist()
+    return dict(zip(names, mean))
 
 
 def _tokenizer(trainer: Any) -> Any:

@@ -7,6 +7,14 @@ rollout tokens/s compare. Each logged step goes to ``metrics.jsonl`` under our m
 names, so the summary table and the plots are those of ``make run``; the head's training
 round after step s goes into row s there, as ``make run`` writes it (TRL logs it with the
 next step, or in its final log after the last step).
+
+Under ``accelerate launch --num_processes N -m scripts.train_trl --config ...`` (on a machine
+without CUDA add ``--multi_gpu``, accelerate's torchrun launcher: its ``--cpu`` starts a single
+process unless given an MPI hostfile; the processes then join with gloo) each process generates
+for its share of the step's prompts (TRL splits the prompts_per_step x num_generations
+completions evenly); the logged metrics are means over the processes (TRL's own and ours
+alike), and only the main process writes the run's files (metrics.jsonl, summary, plots) and
+moves an earlier run's aside, before the others start.
 """
 
 from __future__ import annotations
@@ -41,14 +49,17 @@ class TimedGeneration:
     """Mixed into a GRPOTrainer: logs the wall time and tokens/s of each ``_generate`` call."""
 
     def _generate(self, prompts: list):
+        from trainers.trl.rollouts import process_mean
+
         t0 = time.perf_counter()
         out = super()._generate(prompts)
         seconds = time.perf_counter() - t0
         completion_ids = out[1]  # (prompt_ids, completion_ids, ...) in TRL 1.16
         tokens = sum(len(c) for c in completion_ids)
         m = self._metrics["train" if self.model.training else "eval"]
-        m["generation/seconds"].append(seconds)
-        m["generation/tokens_per_s"].append(tokens / max(seconds, 1e-9))
+        values = {"seconds": seconds, "tokens_per_s": tokens / max(seconds, 1e-9)}
+        for key, value in process_mean(self.accelerator, values).items():  # each process's, averaged
+            m[f"generation/{key}"].append(value)
         return out
 
 
@@ -124,7 +135,10 @@ def reward_functions(cfg: TRLConfig) -> tuple[list, list[float]]:
     return [reward, accuracy], [1.0, 0.0]
 
 
-def build_trainer(cfg: TRLConfig, callbacks: list | None = None):
+def build_trainer(cfg: TRLConfig, callbacks: list | None = None, mixins: tuple[type, ...] = ()):
+    """The run's trainer: ``SpeculativeGRPOTrainer`` (generation "ours") or TRL's GRPOTrainer,
+    timing each generation (``TimedGeneration``), with ``mixins`` (classes overriding trainer
+    methods, first in the method order) added."""
     from trl import GRPOTrainer
 
     from rollout.models import load_target
@@ -138,8 +152,8 @@ def build_trainer(cfg: TRLConfig, callbacks: list | None = None):
     common = dict(model=model, reward_funcs=funcs, args=args, train_dataset=build_dataset(cfg),
                   processing_class=tokenizer, callbacks=callbacks)
     if cfg.run.generation == "trl":
-        return type("TimedGRPOTrainer", (TimedGeneration, GRPOTrainer), {})(**common)
-    cls = type("TimedSpeculativeGRPOTrainer", (TimedGeneration, SpeculativeGRPOTrainer), {})
+        return type("TimedGRPOTrainer", (*mixins, TimedGeneration, GRPOTrainer), {})(**common)
+    cls = type("TimedSpeculativeGRPOTrainer", (*mixins, TimedGeneration, SpeculativeGRPOTrainer), {})
     return cls(rollouts=cfg.settings(), correction=cfg.correction, **common)
 
 
@@ -154,21 +168,33 @@ def fence_previous_outputs(out: Path) -> Path | None:
     return fence_previous_run(out, "a new run", extra=tuple(sorted(p for p in out.glob("checkpoint-*") if p.is_dir())))
 
 
-def run(cfg: TRLConfig) -> list[dict]:
+def run(cfg: TRLConfig, mixins: tuple[type, ...] = ()) -> list[dict]:
+    """Train ``cfg`` (``build_trainer``, with ``mixins``) and write the report; returns its rows
+    (in the main process; the others return [])."""
+    from accelerate import PartialState
+
     out = Path(cfg.run.out_dir)
-    fence_previous_outputs(out)  # a TRL run starts over: nothing of an earlier one is overwritten
-    logger = MetricsLogger(out)
-    (out / "metrics.jsonl").write_text("")  # there even if no step gets logged
-    step_log = StepLog(logger, cfg.run.steps)
-    trainer = build_trainer(cfg, callbacks=[step_log])
+    args = cfg.grpo_config()  # sets up torch.distributed under accelerate launch
+    main = args.process_index == 0
+    logger = step_log = None
+    if main:  # only the main process writes the run's files
+        fence_previous_outputs(out)  # a TRL run starts over: nothing of an earlier one is overwritten
+        logger = MetricsLogger(out)
+        (out / "metrics.jsonl").write_text("")  # there even if no step gets logged
+        step_log = StepLog(logger, cfg.run.steps)
+    PartialState().wait_for_everyone()  # the others start once the earlier run's outputs moved aside
+    trainer = build_trainer(cfg, callbacks=[step_log] if main else [], mixins=mixins)
     try:
         trainer.train()
     finally:
-        step_log.close()
-        logger.close()
+        if main:
+            step_log.close()
+            logger.close()
         rollouts = getattr(trainer, "rollouts", None)
         if rollouts is not None:
             rollouts.close()
+    if not main:
+        return []
     rows, table, plots = write_report(out)
     print("\n" + table, flush=True)
     print(f"\noutputs in {out.resolve()}: metrics.jsonl, summary.md, plots/ "

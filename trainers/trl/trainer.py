@@ -29,7 +29,13 @@ training alongside (``RolloutSettings.drafter_training``) also its round's
 checkpoint (``drafter_training.pt``) and back on resume. Each checkpoint also holds the
 rollouts' own state (``speculative_rollouts.json``: the generation count, so a resumed run's
 seeds continue); both files are written, each atomically, before TRL's, so a checkpoint TRL
-completed holds them.
+completed holds them. The head's state is read back with ``torch.load(weights_only=True)``
+(``load_head_state``): a truncated or foreign file stops the resume naming it.
+
+A peft LoRA policy (``peft_config=LoraConfig(...)`` or a ``PeftModel``) is sampled through its
+merged weights (``trainers.trl.peft_policy``), computed out of place at every weight sync. A
+policy sharded over processes (DeepSpeed ZeRO-3, FSDP) is refused when the accelerator is set
+up (``sharded_training``): the rollouts need each process's full weights.
 """
 
 from __future__ import annotations
@@ -45,10 +51,10 @@ from trl import GRPOTrainer
 
 from rollout.config import ConfigError
 from trainers.drift.stats import drift_stats, effective_sample_size
-from trainers.grpo.checkpoint import write_atomic
+from trainers.grpo.checkpoint import load_state, write_atomic
 from trainers.grpo.correction import CorrectionConfig
 from trainers.grpo.online_drafter import STATE_FILE
-from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts
+from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts, process_mean
 
 ROLLOUTS_STATE = "speculative_rollouts.json"  # SpeculativeRollouts.state_dict in each checkpoint
 CORRECTION_TO_TRL = {"token_tis": "token_truncate", "token_mis": "token_mask",
@@ -65,6 +71,25 @@ def trl_correction(cfg: CorrectionConfig) -> dict[str, Any] | None:
     truncate = cfg.mode.endswith("_tis")
     return {"mode": CORRECTION_TO_TRL[cfg.mode], "clip_min": None if truncate else cfg.low,
             "clip_max": cfg.cap if truncate else cfg.high}
+
+
+def load_head_state(path: str | os.PathLike) -> dict:
+    """The trained head's state saved in a checkpoint, read safely (``trainers.grpo.checkpoint.load_state``:
+    ``weights_only=True``); any failure raises ``CheckpointError`` naming the file."""
+    return load_state(path, required=("head", "trained_step"), map_location="cpu",
+                      advice="resume from another checkpoint, or move this file aside to start the head "
+                             "from the configured one")
+
+
+def sharded_training(state: Any) -> str | None:
+    """What shards the policy's parameters over processes in accelerate's ``state`` (DeepSpeed
+    ZeRO-3 or FSDP), None if each process holds them whole (one process, DDP, ZeRO-1/2)."""
+    ds = getattr(state, "deepspeed_plugin", None)
+    if ds is not None and getattr(ds, "zero_stage", None) == 3:
+        return "DeepSpeed ZeRO-3"
+    if getattr(state, "fsdp_plugin", None) is not None:
+        return f"FSDP{getattr(state.fsdp_plugin, 'fsdp_version', '')}"
+    return None
 
 
 class _BackendSync:
@@ -107,6 +132,20 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
             self.vllm_importance_sampling_clip_min = ismap["clip_min"]
             self.vllm_importance_sampling_clip_max = ismap["clip_max"]
 
+    def create_accelerator_and_postprocess(self) -> None:
+        """Transformers' accelerator set-up, then the refusal of a sharded policy: the rollouts
+        generate with (or push) the full weights of the process's own model."""
+        super().create_accelerator_and_postprocess()
+        sharding = sharded_training(self.accelerator.state)
+        if sharding is not None:
+            field = "GRPOConfig.deepspeed" if sharding.startswith("DeepSpeed") else "GRPOConfig.fsdp"
+            raise ConfigError(field, f"{sharding} (from it or accelerate's config) shards the policy's parameters "
+                              "over the processes, "
+                              "and speculative rollouts need each process's full weights: use DDP or DeepSpeed "
+                              "ZeRO-1/2 (each process holds the whole model), a LoRA adapter (peft_config) to fit "
+                              "the memory, or trainers.grpo (scripts.train) for one process",
+                              allowed=["DDP", "ZeRO-1", "ZeRO-2"])
+
     def _generate_and_score_completions(self, inputs):
         if not self.use_vllm:
             self.rollouts.sync(self)  # with the correction off TRL does not call sync_weights
@@ -120,20 +159,19 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
             return
         m = self._metrics["train" if self.model.training else "eval"]
         mask = batch.completion_mask
-        m["speculative/tau"].append(batch.tau)
-        m["speculative/relaxed_fraction"].append(float((batch.relaxed & mask).sum() / mask.sum().clamp(min=1)))
-        m["speculative/rollout_tokens_per_s"].append(batch.timings["tokens"] / max(self.rollouts.last_seconds, 1e-9))
+        values = {"tau": batch.tau, "relaxed_fraction": float((batch.relaxed & mask).sum() / mask.sum().clamp(min=1)),
+                  "rollout_tokens_per_s": batch.timings["tokens"] / max(self.rollouts.last_seconds, 1e-9)}
         self._log_drafter_metrics()  # the head's training round before this batch
         old, sampled = output.get("old_per_token_logps"), output.get("sampling_per_token_logps")
-        if old is None or sampled is None:
-            return
-        valid = output["completion_mask"].bool()
-        stats = drift_stats((old - sampled).float(), valid)
-        m["speculative/kl_k1"].append(stats["kl_k1"])
-        m["speculative/kl_k3"].append(stats["kl_k3"])
-        ratio = self.importance_ratios(output)
-        if ratio is not None:
-            m["speculative/is_ess"].append(effective_sample_size(ratio[valid]))
+        if old is not None and sampled is not None:
+            valid = output["completion_mask"].bool()
+            stats = drift_stats((old - sampled).float(), valid)
+            values.update(kl_k1=stats["kl_k1"], kl_k3=stats["kl_k3"])
+            ratio = self.importance_ratios(output)
+            if ratio is not None:
+                values["is_ess"] = effective_sample_size(ratio[valid])
+        for key, value in process_mean(self.accelerator, values).items():  # over the processes, as TRL's own
+            m[f"speculative/{key}"].append(value)
 
     def _log_drafter_metrics(self) -> None:
         """The head's last training round's metrics into TRL's training log (``speculative/drafter_*``),
@@ -177,7 +215,7 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         path = os.path.join(resume_from_checkpoint, f"{STATE_FILE}.pt")
         drafter, settings = self.rollouts.drafter, self.rollouts.settings
         if drafter is not None and os.path.isfile(path):
-            self.rollouts.restore_drafter(torch.load(path, weights_only=False))
+            self.rollouts.restore_drafter(load_head_state(path))
         elif drafter is not None:
             print(f"warning: {name} holds no trained head ({STATE_FILE}.pt): drafter_training starts again "
                   f"from the configured head ({drafter.head_path})", flush=True)

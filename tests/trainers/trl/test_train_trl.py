@@ -30,14 +30,52 @@ def _config(path, policy, head, out, **sections):
     return path
 
 
-def test_a_policy_trained_in_bf16_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir, capsys, monkeypatch):
+def test_a_float16_policy_is_refused(tmp_path, tiny_policy_dir, tiny_head_dir, capsys, monkeypatch):
     from scripts.train_trl import main
 
     monkeypatch.setattr("rollout.models.load_target", _no_model)
     path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, tmp_path / "out",
-                   model={"target": {"path": str(tiny_policy_dir), "dtype": "bfloat16"}})
+                   model={"target": {"path": str(tiny_policy_dir), "dtype": "float16"}})
     assert main(["--config", str(path)]) == 2
-    assert "config field 'model.target.dtype'" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "config field 'model.target.dtype'" in err and "(allowed: float32, bfloat16)" in err
+
+
+@pytest.mark.parametrize("dtype, trl_args", [("float32", {"bf16": True}), ("bfloat16", {})])
+def test_bf16_trains_one_step(tmp_path, tiny_policy_dir, tiny_head_dir, dtype, trl_args):
+    """Mixed precision over fp32 weights (trl.bf16) and a bf16 policy (warned about: no fp32 master
+    copy) both train, with the lossless verifier, to a finite loss."""
+    import math
+
+    import torch
+
+    from trainers.trl.config import load_trl_config
+    from trainers.trl.run import run
+
+    out = tmp_path / "out"
+    path = _config(tmp_path / "c.yaml", tiny_policy_dir, tiny_head_dir, out,
+                   model={"target": {"path": str(tiny_policy_dir), "dtype": dtype}},
+                   rollout={"verifier": {"name": "lossless", "params": {}}}, trl=trl_args)
+    if dtype == "bfloat16":
+        with pytest.warns(UserWarning, match="no fp32 master copy"):
+            cfg = load_trl_config(path)
+    else:
+        cfg = load_trl_config(path)
+    assert cfg.grpo_config().bf16
+    kept = []
+
+    class Kept:
+        def train(self, *args, **kwargs):
+            kept.append(self)
+            return super().train(*args, **kwargs)
+
+    rows = run(cfg, mixins=(Kept,))
+    assert [r["step"] for r in rows] == [1] and math.isfinite(rows[0]["loss"])
+    (trainer,) = kept
+    assert trainer.args.bf16 and trainer.accelerator.mixed_precision == "bf16"
+    expected = torch.bfloat16 if dtype == "bfloat16" else torch.float32  # the weights the optimizer steps
+    assert {p.dtype for p in trainer.model.parameters()} == {expected}
+    assert abs(rows[0]["is_weight_mean"] - 1) < 0.1  # the rollouts sampled the policy TRL scored
 
 
 @pytest.mark.parametrize("section, values, field", [
@@ -56,7 +94,6 @@ def test_a_policy_trained_in_bf16_is_refused(tmp_path, tiny_policy_dir, tiny_hea
     ("trl", {"max_completion_length": 0}, "trl.max_completion_length"),
     ("trl", {"generation_batch_size": 10}, "trl.generation_batch_size"),
     ("trl", {"lr_scheduler_type": "sometimes"}, "trl.lr_scheduler_type"),
-    ("trl", {"bf16": True}, "trl.bf16"),
     # settings the script would silently override
     ("trl", {"vllm_importance_sampling_correction": False}, "trl.vllm_importance_sampling_correction"),
     ("trl", {"vllm_importance_sampling_cap": 3.0}, "trl.vllm_importance_sampling_cap"),
@@ -81,7 +118,7 @@ def test_bad_config_exits_2_naming_the_field(tmp_path, tiny_policy_dir, tiny_hea
     assert (out / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
-@pytest.mark.parametrize("name, value", [("bf16", True), ("use_cpu", False), ("seed", 1)])
+@pytest.mark.parametrize("name, value", [("use_cpu", False), ("seed", 1)])
 def test_grpo_arguments_the_script_sets_are_refused_as_such(tmp_path, tiny_policy_dir, tiny_head_dir, name, value):
     from rollout.config import ConfigError
     from trainers.trl.config import load_trl_config

@@ -57,7 +57,7 @@ def test_draft_head_trains_with_the_policy_and_resumes(tmp_path, tiny_policy_dir
     logged = [h for h in trainer.state.log_history if "speculative/drafter_est_tau" in h]
     assert len(logged) == 3 and all(h["speculative/drafter_est_tau"] >= 1 for h in logged), trainer.state.log_history
     assert "train_runtime" in logged[-1]  # the last round (at the final checkpoint) in TRL's final log
-    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "drafter_training.pt", weights_only=False)
+    saved = torch.load(tmp_path / "out" / "checkpoint-2" / "drafter_training.pt", weights_only=True)
     assert saved["trained_step"] == 2 and saved["rounds"] == 2
     trainer.rollouts.close()
     resumed = make_trainer(tmp_path / "r", tiny_policy_dir, tiny_head_dir, steps=2, drafter_training=online)
@@ -157,7 +157,7 @@ def test_our_checkpoint_state_is_written_whole_and_before_trls(tmp_path, tiny_po
         trainer.train()
     ckpt = tmp_path / "out" / "checkpoint-1"
     assert sorted(p.name for p in ckpt.iterdir()) == ["drafter_training.pt", "speculative_rollouts.json"]
-    saved = torch.load(ckpt / "drafter_training.pt", weights_only=False)
+    saved = torch.load(ckpt / "drafter_training.pt", weights_only=True)
     assert saved["trained_step"] == 1
 
     def torn(obj, f, *args, **kwargs):
@@ -169,8 +169,33 @@ def test_our_checkpoint_state_is_written_whole_and_before_trls(tmp_path, tiny_po
     with pytest.raises(OSError, match="disk full"):
         trainer._save_checkpoint(trainer.model, None)
     monkeypatch.undo()
-    again = torch.load(ckpt / "drafter_training.pt", weights_only=False)  # the previous file, whole
+    again = torch.load(ckpt / "drafter_training.pt", weights_only=True)  # the previous file, whole
     assert again["trained_step"] == 1 and again["rounds"] == saved["rounds"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "object"])
+def test_a_damaged_head_state_is_reported_naming_the_file(tmp_path, tiny_policy_dir, tiny_head_dir, damage):
+    """drafter_training.pt is read with weights_only=True: a torn or foreign file, or one holding an
+    object (whose loading could run code), stops the resume with an error naming the file."""
+    from pathlib import PurePosixPath
+
+    from trainers.grpo.checkpoint import CheckpointError
+
+    online = {"every": 1, "updates": 1, "batch_size": 4}
+    make_trainer(tmp_path, tiny_policy_dir, tiny_head_dir, steps=1, drafter_training=online, save_strategy="steps",
+                 save_steps=1).train()
+    path = tmp_path / "out" / "checkpoint-1" / "drafter_training.pt"
+    assert torch.load(path, weights_only=True)["trained_step"] == 1  # as saved: tensors and plain containers
+    if damage == "truncated":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"not a checkpoint")
+    else:
+        torch.save({"head": {}, "trained_step": 1, "where": PurePosixPath("x")}, path)
+    resumed = make_trainer(tmp_path / "r", tiny_policy_dir, tiny_head_dir, steps=1, drafter_training=online)
+    with pytest.raises(CheckpointError, match="truncated or corrupt|not a file of tensors and plain containers") as err:
+        resumed.train(resume_from_checkpoint=str(path.parent))
+    assert str(err.value).startswith(f"{path}: ")
 
 
 def test_head_training_and_reloading_are_exclusive():

@@ -32,7 +32,10 @@ class Recording:
 
 
 def make_trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=None, correction=None, steps=2,
-             placement="local", reload_every=0, spec=None, drafter_training=None, eval_prompts=None, **args):
+             placement="local", reload_every=0, spec=None, drafter_training=None, eval_prompts=None,
+             peft_config=None, wrap=None, **args):
+    """The trainer on the tiny policy; ``peft_config`` goes to TRL as it is, ``wrap`` (model -> model,
+    e.g. peft's ``get_peft_model``) is applied to the policy before TRL sees it."""
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import GRPOConfig
@@ -45,6 +48,8 @@ def make_trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=Non
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(str(policy_dir))
     tok = AutoTokenizer.from_pretrained(str(policy_dir))
+    if wrap is not None:
+        model = wrap(model)
     kw = dict(output_dir=str(tmp_path / "out"), use_cpu=True, bf16=False, per_device_train_batch_size=4,
               num_generations=4, max_completion_length=8, max_steps=steps, learning_rate=1e-3, report_to=[],
               logging_steps=1, save_strategy="no", temperature=1.0, seed=0)
@@ -58,4 +63,5 @@ def make_trainer(tmp_path, policy_dir, head_dir, verifier="lossless", params=Non
     return Trainer(model=model, reward_funcs=varied_reward, args=GRPOConfig(**kw),
                    train_dataset=Dataset.from_list([{"prompt": p} for p in PROMPTS]), processing_class=tok,
                    eval_dataset=Dataset.from_list([{"prompt": p} for p in eval_prompts]) if eval_prompts else None,
-                   rollouts=settings, correction=correction or CorrectionConfig(mode="token_tis", cap=2.0))
+                   rollouts=settings, correction=correction or CorrectionConfig(mode="token_tis", cap=2.0),
+                   **({"peft_config": peft_config} if peft_config is not None else {}))
