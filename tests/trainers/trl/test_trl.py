@@ -224,6 +224,7 @@ def test_speculative_metrics_are_kl_of_behaviour_to_policy_and_ess_of_trls_ratio
     trainer.rollouts = SimpleNamespace(last_batch=batch, last_seconds=0.5, drafter_metrics={"drafter_est_tau": 2.5})
     trainer._metrics = {"train": defaultdict(list), "eval": defaultdict(list)}
     trainer.model = SimpleNamespace(training=True)
+    trainer.accelerator = SimpleNamespace(num_processes=1)  # one process: the values as they are
     trainer._log_rollout_metrics({"old_per_token_logps": old, "sampling_per_token_logps": sampled,
                                   "completion_mask": mask.long(), "importance_sampling_ratio": ratio})
     m = trainer._metrics["train"]
