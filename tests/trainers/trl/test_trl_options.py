@@ -34,7 +34,12 @@ OPTIONS = {
 }
 
 
-@pytest.mark.parametrize("name", list(OPTIONS))
+# the default suite runs these (a loss type, both generation schedules, checkpointing and beta with
+# LoRA); make test-slow runs every row
+DEFAULT = ("dapo", "num_iterations", "steps_per_generation", "beta_lora", "gradient_checkpointing_lora")
+
+
+@pytest.mark.parametrize("name", [n if n in DEFAULT else pytest.param(n, marks=pytest.mark.slow) for n in OPTIONS])
 def test_grpo_option_trains_on_our_rollouts(tmp_path, tiny_policy_dir, tiny_head_dir, name):
     args, generations, lora = OPTIONS[name]
     extra = {}
