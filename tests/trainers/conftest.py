@@ -36,3 +36,15 @@ def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield ray
     ray.shutdown()
+
+
+def model_and_optimizer(seed: int = 0):
+    """A tiny linear model and its AdamW optimizer after one step (a state with moments to save)."""
+    import torch
+
+    torch.manual_seed(seed)
+    model = torch.nn.Linear(4, 3)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    return model, opt

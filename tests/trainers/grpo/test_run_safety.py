@@ -14,20 +14,11 @@ import pytest
 import torch
 
 from rollout.config import ConfigError
-from tests.trainers.conftest import write_config
+from tests.trainers.conftest import model_and_optimizer, write_config
 from trainers.grpo import checkpoint as ck
 from trainers.grpo.checkpoint import latest_checkpoint, load_checkpoint, save_checkpoint
 from trainers.grpo.guards import NonFiniteError, check_loss_and_grad, check_weights
 from trainers.grpo.report import MetricsLogger, read_jsonl, read_metrics
-
-
-def _model_and_opt(seed: int = 0):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    return model, opt
 
 
 class Killed(BaseException):
@@ -56,7 +47,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_resumable_folder(point, tmp_path
     head = tmp_path / "head"
     head.mkdir()
     (head / "config.json").write_text("{}")
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     save_checkpoint(tmp_path, 2, model, opt, {"version": 2}, head)
     before = {k: v.clone() for k, v in model.state_dict().items()}
     model(torch.randn(2, 4)).sum().backward()
@@ -68,7 +59,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_resumable_folder(point, tmp_path
             save_checkpoint(tmp_path, 4, model, opt, {"version": 4}, head)
     found = latest_checkpoint(tmp_path)
     assert found is not None and found.name == "step_000002", found  # the .tmp folder is never taken
-    fresh, fresh_opt = _model_and_opt(seed=9)
+    fresh, fresh_opt = model_and_optimizer(seed=9)
     state = load_checkpoint(found, fresh, fresh_opt)
     assert state["step"] == 2 and state["version"] == 2
     for k, v in fresh.state_dict().items():
@@ -79,7 +70,7 @@ def test_a_kill_at_any_point_of_a_save_leaves_a_resumable_folder(point, tmp_path
 
 
 def test_latest_checkpoint_skips_tmp_folders_and_unreadable_states(tmp_path, caplog):
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     for step in (2, 4):
         save_checkpoint(tmp_path, step, model, opt, {"version": step})
     root = tmp_path / "checkpoints"
@@ -129,7 +120,7 @@ def _fake_run(cfg, steps=(1, 2, 3)):
     from trainers.grpo.run_dir import prepare_run_dir
 
     assert prepare_run_dir(cfg) is None
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     for s in steps:
         save_checkpoint(cfg.run.out_dir, s, model, opt, {"version": s})
 
@@ -215,7 +206,7 @@ def test_fresh_fences_off_the_previous_run(tmp_path, tiny_policy_dir, tiny_head_
     assert (run / "notes.txt").read_text() == "the user's"
     assert read_snapshot(fresh.run.out_dir)["run"]["seed"] == 8
     # the new run checkpoints step 1 and is killed; a resume takes its step 1, never the old step 3
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     save_checkpoint(fresh.run.out_dir, 1, model, opt, {"version": 1})
     again = _cfg(tmp_path, tiny_policy_dir, tiny_head_dir, run={"seed": 8})
     assert prepare_run_dir(again).name == "step_000001"
@@ -223,7 +214,7 @@ def test_fresh_fences_off_the_previous_run(tmp_path, tiny_policy_dir, tiny_head_
 
 # ---------------------------------------------------------------------------- non-finite guards
 def test_guards_name_the_step_and_the_quantity():
-    model, _ = _model_and_opt()
+    model, _ = model_and_optimizer()
     check_loss_and_grad(3, 0.5, torch.tensor(1.0))
     check_weights(3, model)
     with pytest.raises(NonFiniteError, match="step 3: loss is not finite"):
@@ -237,11 +228,11 @@ def test_guards_name_the_step_and_the_quantity():
 
 
 def test_a_non_finite_checkpoint_is_refused_on_load(tmp_path):
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     with torch.no_grad():
         model.weight[0, 0] = float("nan")
     path = save_checkpoint(tmp_path, 5, model, opt, {"version": 5})
-    fresh, fresh_opt = _model_and_opt(seed=1)
+    fresh, fresh_opt = model_and_optimizer(seed=1)
     with pytest.raises(NonFiniteError, match="step 5: checkpoint step_000005 is not finite .*weight holds NaN"):
         load_checkpoint(path, fresh, fresh_opt)
 
@@ -311,11 +302,11 @@ def test_resume_restores_policy_optimizer_rng_and_version(tmp_path, tiny_policy_
 def test_a_resume_takes_the_configs_optimizer_settings_and_the_saved_moments(tmp_path, caplog):
     """run_dir lets the optimizer's settings change on resume: the config's lr applies (torch's
     load_state_dict alone would bring back the saved one), the moments are the saved ones."""
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     model(torch.randn(2, 4)).sum().backward()
     opt.step()
     save_checkpoint(tmp_path, 1, model, opt, {"version": 1}, None)
-    fresh = _model_and_opt(seed=9)[0]
+    fresh = model_and_optimizer(seed=9)[0]
     fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-7, weight_decay=0.5)
     with caplog.at_level("WARNING"):
         load_checkpoint(tmp_path / "checkpoints" / "step_000001", fresh, fresh_opt)

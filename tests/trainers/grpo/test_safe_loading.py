@@ -11,7 +11,7 @@ import shutil
 import pytest
 import torch
 
-from tests.trainers.conftest import write_config
+from tests.trainers.conftest import model_and_optimizer, write_config
 from trainers.grpo.checkpoint import CheckpointError, load_checkpoint, load_state, read_policy, save_checkpoint
 
 
@@ -46,15 +46,6 @@ def _refusal(load, marker) -> CheckpointError:
     raise AssertionError("the file was accepted")
 
 
-def _model_and_opt(seed: int = 0):
-    torch.manual_seed(seed)
-    model = torch.nn.Linear(4, 3)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
-    model(torch.randn(2, 4)).sum().backward()
-    opt.step()
-    return model, opt
-
-
 def _truncate(path) -> None:
     data = path.read_bytes()
     path.write_bytes(data[: len(data) // 2])
@@ -62,11 +53,11 @@ def _truncate(path) -> None:
 
 @pytest.mark.parametrize("how", ["zip", "legacy"])
 def test_a_payload_in_place_of_the_optimizer_state_is_refused_and_never_runs(how, tmp_path):
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     path = save_checkpoint(tmp_path, 1, model, opt, {"version": 1})
     marker = tmp_path / "marker"
     _write_payload(path / "optimizer.pt", marker, how)
-    fresh, fresh_opt = _model_and_opt(seed=1)
+    fresh, fresh_opt = model_and_optimizer(seed=1)
     err = _refusal(lambda: load_checkpoint(path, fresh, fresh_opt), marker)
     assert err.path == str(path / "optimizer.pt") and "refused: loading them could run code" in str(err)
     assert "--fresh" in str(err) and "weights_only" not in str(err)  # not torch's advice to load it unsafely
@@ -74,10 +65,10 @@ def test_a_payload_in_place_of_the_optimizer_state_is_refused_and_never_runs(how
 
 @pytest.mark.parametrize("name", ["optimizer.pt", "policy.safetensors", "state.json"])
 def test_a_truncated_checkpoint_file_is_an_error_naming_it(name, tmp_path):
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     path = save_checkpoint(tmp_path, 1, model, opt, {"version": 1})
     _truncate(path / name)
-    fresh, fresh_opt = _model_and_opt(seed=1)
+    fresh, fresh_opt = model_and_optimizer(seed=1)
     with pytest.raises(CheckpointError) as err:
         load_checkpoint(path, fresh, fresh_opt)
     msg = str(err.value)
@@ -111,7 +102,7 @@ def test_the_error_crosses_a_pickle_whole():
 
 
 def test_read_policy_names_a_truncated_weights_file(tmp_path):
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     path = save_checkpoint(tmp_path, 1, model, opt, {"version": 1})
     _truncate(path / "policy.safetensors")
     with pytest.raises(CheckpointError, match=r"policy\.safetensors: is missing, truncated or corrupt"):
@@ -119,11 +110,11 @@ def test_read_policy_names_a_truncated_weights_file(tmp_path):
 
 
 def test_adamw_state_round_trips_through_the_safe_loader(tmp_path):
-    model, opt = _model_and_opt()
+    model, opt = model_and_optimizer()
     path = save_checkpoint(tmp_path, 1, model, opt, {"version": 1})
     raw = load_state(path / "optimizer.pt", required=("state", "param_groups"))
     assert raw["param_groups"][0]["betas"] == opt.param_groups[0]["betas"]
-    fresh, fresh_opt = _model_and_opt(seed=1)
+    fresh, fresh_opt = model_and_optimizer(seed=1)
     load_checkpoint(path, fresh, fresh_opt)
     for a, b in zip(opt.state_dict()["state"].values(), fresh_opt.state_dict()["state"].values()):
         assert torch.equal(a["exp_avg"], b["exp_avg"]) and torch.equal(a["exp_avg_sq"], b["exp_avg_sq"])
