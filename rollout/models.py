@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from rollout import fused_layers, native_layers
-from rollout.architectures import LOGIT_RULES, FAMILIES
+from rollout.architectures import FAMILIES, LOGIT_RULES, Family
 from rollout.config import ConfigError
 
 DTYPES: dict[str, torch.dtype] = {
@@ -158,10 +158,16 @@ class TargetModel(nn.Module):
         return self.model.base_model.layers
 
     @property
+    def family(self) -> Family:
+        """The model's entry in ``rollout.architectures.FAMILIES``; a class not listed there (which
+        the engine refuses) reads as Llama's: final norm ``norm``, plain logits."""
+        name = type(self.model).__name__
+        return FAMILIES.get(name) or Family(name)
+
+    @property
     def final_norm(self) -> nn.Module:
         """The decoder stack's final norm (its output is what the logits are computed from)."""
-        family = FAMILIES.get(type(self.model).__name__)
-        return getattr(self.model.base_model, family.final_norm if family is not None else "norm")
+        return getattr(self.model.base_model, self.family.final_norm)
 
     def logits(self, final: torch.Tensor) -> torch.Tensor:
         """The target's logits ``[..., V]`` (float32) from the final norm's output ``final [..., H]``:
@@ -178,8 +184,7 @@ class TargetModel(nn.Module):
         return self._logit_rule(torch.nn.functional.linear(final.detach(), weight, bias))
 
     def _logit_rule(self, logits: torch.Tensor) -> torch.Tensor:
-        family = FAMILIES.get(type(self.model).__name__)
-        return LOGIT_RULES[family.logits if family is not None else "plain"](logits, self.config)
+        return LOGIT_RULES[self.family.logits](logits, self.config)
 
     def attach_to(self, head) -> None:
         """Give a head in training this target's logits over its draft vocabulary
