@@ -221,7 +221,7 @@ class Engine:
         spec, b = call.spec, len(call.table)
         t0 = time.perf_counter()
         if call.planner is not None:
-            k = call.planner.choose(b)
+            k = call.planner.choose(b, remaining=call.table.max_remaining())
         else:
             k = (spec.num_draft_tokens if spec.mode == "chain" else 1) if spec.drafts_at(b) else 0
         draft_s, counts = self._run_round(call, k, t0)

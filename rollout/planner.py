@@ -36,7 +36,11 @@ in its earlier calls (:meth:`RoundPlanner.new_call`):
   fixed chain ran at 1.4x). From a plain round, a speculative option's cost carries
   ``S(b) / horizon``: the switch is amortised over the ``horizon`` rounds (default 24, the
   re-probe interval) it is expected to run, so a re-probe that barely wins is not made into
-  a loss.
+  a loss; but never over more rounds than the call has left: when the engine passes the
+  largest token budget its live rows have left (``choose(b, remaining=...)``), the option
+  runs at most ``ceil(remaining / E(k))`` rounds, and the catch-up is spread over those (late in
+  a call, as rows finish and the batch drops to sizes where drafting pays, a switch after a
+  long run of plain rounds catches up over every skipped pair for the few rounds that are left).
 - **acceptance**: for chains, the conditional acceptance rate at each draft depth j,
   alpha_j = P(draft j accepted | drafts 1..j-1 accepted), pooled over rows and rounds; a
   chain of k then emits E(k) = 1 + sum_{i<=k} prod_{j<=i} alpha_j tokens per row. Depths
@@ -104,6 +108,7 @@ learns).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 from rollout.planner_costs import Recent, covers, pooled_curve, read_curve
@@ -152,6 +157,7 @@ class RoundPlanner:
     _round: int = 0
     _curve_memo: tuple | None = None  # (_curve(),) until the next observed round
     _calls: int = 0  # calls started (new_call)
+    _remaining: int | None = None  # the largest token budget a live row has left (choose's remaining)
     trace: list[dict] | None = None  # when a list: a record per round (see the module docstring)
 
     def __post_init__(self) -> None:
@@ -226,8 +232,15 @@ class RoundPlanner:
         if r is None or not k:
             return r
         d, sw = self._nearest(self._draft_cost, bucket(b)), self._nearest(self._switch_cost, bucket(b))
-        extra = sw.value / self.horizon if switching and sw is not None else 0.0
+        extra = sw.value / self.switch_rounds(k) if switching and sw is not None else 0.0
         return r + (self.draft_steps[k] * d.value if d is not None else 0.0) + extra
+
+    def switch_rounds(self, k: int) -> int:
+        """Rounds over which a switch to option k is amortised: ``horizon``, or fewer when the
+        call's live rows have fewer tokens left than k's expected rounds would emit in them."""
+        if self._remaining is None:
+            return self.horizon
+        return max(1, min(self.horizon, math.ceil(self._remaining / self.expected_tokens(k))))
 
     # ------------------------------------------------------------------ decide / learn
     def rates(self, b: int, switching: bool | None = None) -> dict[int, float]:
@@ -248,9 +261,11 @@ class RoundPlanner:
                 out[k] = self.expected_tokens(k) / c
         return out
 
-    def choose(self, b: int) -> int:
-        """Draft length of the next round over ``b`` live rows (0 = plain)."""
+    def choose(self, b: int, remaining: int | None = None) -> int:
+        """Draft length of the next round over ``b`` live rows (0 = plain); ``remaining``: the
+        largest token budget a live row has left (None: unknown; see ``switch_rounds``)."""
         self._round += 1
+        self._remaining = remaining
         k, why, rates = self._choose(b)
         if self.trace is not None:
             record_choice(self.trace, self._calls, self._round, b, k, why, rates)

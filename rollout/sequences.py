@@ -115,6 +115,11 @@ class SequenceTable:
         """Tokens emitted so far by each live row."""
         return [len(self.sequences[i].completion_ids) for i in self.live]
 
+    def max_remaining(self) -> int:
+        """The largest token budget a live row has left (0 when none is live)."""
+        return max((self.sequences[i].max_new_tokens - len(self.sequences[i].completion_ids) for i in self.live),
+                   default=0)
+
     def completions(self) -> list[Completion]:
         return [s.to_completion() for s in self.sequences]
 

@@ -14,7 +14,9 @@ params when it is MARS) with the config's speculation (``_spec``: with ``max_bat
 the engine decides per round whether to draft) and with a chain drafting every round
 (``_chain``: ``max_batch: null``, no adaptive K). Reports median tokens/s, the ratios to
 TRL's own generation and to our plain decoding (the median of the per-round ratios, each
-measured side by side), tau and the share of rounds that drafted.
+measured side by side, with its 90% bootstrap interval from 5 rounds on), tau and the share of
+rounds that drafted. ``--trace FILE`` keeps the round planner's records of the ``max_batch: auto``
+columns (why each round drafted or not, the rates it compared, what the round took).
 """
 
 from __future__ import annotations
@@ -52,6 +54,17 @@ def configs(settings) -> dict:
     }
 
 
+def median_interval(values: list[float], level: float = 0.9, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """A bootstrap interval (percentile, ``level``) of the median of ``values``: resampled with
+    replacement ``draws`` times from a seeded generator."""
+    import random
+
+    rng = random.Random(seed)
+    meds = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(draws))
+    tail = (1.0 - level) / 2
+    return meds[int(tail * draws)], meds[min(draws - 1, int((1.0 - tail) * draws))]
+
+
 def time_generate(trainer, prompts) -> tuple[float, int]:
     t0 = time.perf_counter()
     out = trainer._generate(prompts)
@@ -68,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-trl-own", action="store_true", help="leave out TRL's own generation (the slowest column)")
     ap.add_argument("--columns", help="comma-separated columns to run (default: all)")
     ap.add_argument("--json", help="write the per-round timings here")
+    ap.add_argument("--trace", help="write the round planner's records (choice, reason, rates compared, "
+                    "measured seconds) of the max_batch: auto columns here, as JSON")
     args = ap.parse_args(argv)
     from trainers.trl.config import load_trl_config
 
@@ -100,6 +115,8 @@ def main(argv: list[str] | None = None) -> int:
     n_gen = ours.num_generations
     prompts = [rows[i // n_gen]["prompt"] for i in range(trl_cfg.task.prompts_per_step * n_gen)]
     results: dict[str, list[dict]] = {name: [] for name in columns}
+    if args.trace:
+        ours.rollouts.backend.engine.trace_plans(True)
     names = list(columns)
     for r in range(args.rounds):
         for name in names[r % len(names):] + names[:r % len(names)]:  # each column in each position in turn
@@ -121,7 +138,11 @@ def main(argv: list[str] | None = None) -> int:
     def ratio(name: str, base: str) -> str:  # the median of the rounds' ratios, each measured side by side
         if base not in results:
             return "-"
-        return f"{statistics.median(x['tok_per_s'] / b['tok_per_s'] for x, b in zip(results[name], results[base])):.2f}"
+        ratios = [x["tok_per_s"] / b["tok_per_s"] for x, b in zip(results[name], results[base])]
+        if name == base or len(ratios) < 5:
+            return f"{statistics.median(ratios):.2f}"
+        lo, hi = median_interval(ratios)
+        return f"{statistics.median(ratios):.2f} [{lo:.2f}-{hi:.2f}]"
 
     print(f"\n{len(prompts)} completions per call, max {trl_cfg.trl.get('max_completion_length')} tokens, "
           f"T = {trl_cfg.trl.get('temperature', 1.0)}, {args.rounds} interleaved rounds (medians), "
@@ -137,7 +158,23 @@ def main(argv: list[str] | None = None) -> int:
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)
+    if args.trace:
+        write_traces(args.trace, ours, columns)
     return 0
+
+def write_traces(path: str, ours, columns: dict) -> None:
+    """The planner records of each column that plans its rounds, and their summary per column."""
+    from rollout.planner_trace import trace_summary
+
+    engine = ours.rollouts.backend.engine
+    traces = {name: engine.plan_trace(s.spec, s.verifier, ours.rollouts.sampling) for name, s in columns.items()
+              if s is not None and s.spec.auto}
+    traces = {name: t for name, t in traces.items() if t is not None}
+    for name, trace in traces.items():
+        print(f"planner, {name}: {trace_summary(trace)}", flush=True)
+    with open(path, "w") as f:
+        json.dump(traces, f)
+
 
 if __name__ == "__main__":
     sys.exit(main())

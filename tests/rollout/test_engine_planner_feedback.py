@@ -1,6 +1,7 @@
 """What the engine tells the planner of ``max_batch: auto`` (``RoundPlanner.observe``): each
 round's choice, and whether its draft caught up on skipped pairs (the call's first draft, and
-the first draft after plain rounds); the planner keeps catch-ups out of the typical draft cost."""
+the first draft after plain rounds); the planner keeps catch-ups out of the typical draft cost.
+And what it tells ``choose``: the largest token budget a live row has left."""
 
 from __future__ import annotations
 
@@ -21,11 +22,12 @@ def models(single_thread):
 def test_the_planner_is_told_which_drafts_caught_up(models, monkeypatch):
     target, head = models
     script = [2, 2, 0, 0, 1, 3, 0, 2, 1, 0, 0, 0, 3, 3]  # draft lengths (0: a plain round), then cycled
-    chosen, seen = [], []
+    chosen, seen, remaining_ = [], [], []
 
-    def choose(self, b):
+    def choose(self, b, remaining=None):
         k = script[len(chosen) % len(script)]
         chosen.append(k)
+        remaining_.append(remaining)
         return k
 
     def observe(self, b, k, round_s, draft_s, emitted, catch_up=False):
@@ -44,3 +46,6 @@ def test_the_planner_is_told_which_drafts_caught_up(models, monkeypatch):
         else:
             assert emitted == [1] * len(emitted)
     assert res.timings.plain_rounds == chosen.count(0)
+    # before round i the longest-running live row has 20 tokens less what the rows have emitted
+    assert remaining_[0] == 20 - 1  # the prefill emitted one token per row
+    assert all(0 < r <= 20 for r in remaining_) and remaining_ == sorted(remaining_, reverse=True)

@@ -4,6 +4,8 @@ discounted), and new batch buckets (their own rounds, deferred probes, the cost 
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from rollout.params import SpecConfig
@@ -182,3 +184,37 @@ def test_a_new_bucket_reads_the_cost_curve_instead_of_probing():
         else:  # (12% behind: re-run after reprobe_interval rounds, as if measured at the bucket's start)
             wait = int(planner.reprobe_interval(0.88))
             assert chosen[1:wait] == [0] * (wait - 1) and chosen.count(1) <= 2, chosen
+
+
+def test_a_switch_is_amortised_over_the_rounds_the_call_has_left():
+    """Late in a call a catch-up cannot be spread over ``horizon`` rounds that will not run: with
+    the live rows' largest remaining budget passed in, a speculative option after plain rounds
+    carries S / ceil(remaining / E(k)), and a switch that only pays over 24 rounds is not made for
+    the last few tokens (the plain round is chosen), while with budget to spare it is."""
+    planner = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=1, max_batch="auto"))
+    for _ in range(3):
+        planner.observe(8, 0, 1.0, 0.0, [1] * 8)
+    planner.observe(8, 1, 1.0, 0.1, [2] * 8)  # a chain of one accepted every time: E(1) near 2
+    planner.observe(8, 1, 1.0, 2.5, [2] * 8, catch_up=True)  # switch cost 2.4 s
+    planner._drafting = False
+    e = planner.expected_tokens(1)
+    assert planner.switch_rounds(1) == planner.horizon  # nothing known of the call's end
+    planner.choose(8, remaining=4)
+    assert planner.switch_rounds(1) == math.ceil(4 / e)
+    assert planner.cost(8, 1, switching=True) == pytest.approx(1.1 + 2.4 / math.ceil(4 / e))
+    planner.choose(8, remaining=1000)
+    assert planner.switch_rounds(1) == planner.horizon
+
+    def choice(remaining):
+        p = RoundPlanner.for_spec(SpecConfig(mode="chain", num_draft_tokens=1, max_batch="auto"))
+        for _ in range(3):
+            p.observe(8, 0, 1.0, 0.0, [1] * 8)
+        p.observe(8, 1, 1.0, 0.1, [2] * 8)
+        p.observe(8, 1, 1.0, 2.5, [2] * 8, catch_up=True)
+        p._last_run = {(bucket(8), 0): 0, (bucket(8), 1): 0}
+        p._bucket_rounds = {bucket(8): 1}
+        p._drafting = False
+        return p.choose(8, remaining=remaining)
+
+    assert choice(1000) == 1  # E(1) / (1.1 + 0.1) >> 1: drafting pays
+    assert choice(3) == 0  # over 2 rounds the 2.4 s catch-up costs more than drafting gains
