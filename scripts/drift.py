@@ -10,7 +10,9 @@ Settings come from the defaults of ``trainers.drift.study.DriftConfig``, then ``
 ``configs/drift_quick.yaml`` with ``--quick``, then the flags. Writes ``drift.json``,
 ``drift.md`` and PNG plots to the output directory (see ``trainers.drift``). ``--from-run``
 instead reads a training run's ``rollouts.jsonl`` and plots drift and importance-weight
-statistics over the steps. A bad setting exits with status 2 and names the field.
+statistics over the steps. A bad setting exits with status 2 and names the field, and so does
+an output directory another command writes (one writer per folder: a run holds
+``<out>/.lock`` while it runs, ``trainers.grpo.run_lock``; ``--from-run`` takes none).
 """
 
 from __future__ import annotations
@@ -91,6 +93,18 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    from trainers.grpo.run_lock import RunLock, RunLockedError
+
+    try:
+        with RunLock(cfg.out, "scripts.drift"):
+            return study(cfg, args)
+    except RunLockedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def study(cfg, args: argparse.Namespace) -> int:
+    """Run every configuration, then write and print the report (the output folder's lock held)."""
     import dataclasses
 
     from trainers.drift.report import build_report, markdown_table, write_outputs

@@ -12,7 +12,9 @@ run folder whose last checkpoint reached ``run.steps`` is reported complete (its
 without starting Ray or a model. Without a cluster (no
 RAY_ADDRESS, ``ray.address: null``) a local Ray is started and stopped by this process.
 Under ``ray job submit --working-dir`` the job runs in a temporary copy that Ray deletes: a
-relative out_dir is refused there.
+relative out_dir is refused there. One writer per run folder: the run holds ``<out_dir>/.lock``
+from before Ray starts to its end (``trainers.grpo.run_lock``), and a second command writing the
+same folder (another ``make run``, the same ``ray job submit`` twice) is refused naming the holder.
 """
 
 from __future__ import annotations
@@ -30,9 +32,19 @@ from pathlib import Path  # noqa: E402
 
 from rollout.config import ConfigError  # noqa: E402
 
+EXIT_CODES = """exit status:
+  0  trained (or the run folder was already complete)
+  2  a bad config field, a resume that does not belong to this config, a damaged checkpoint file,
+     or a run folder another writer holds (one line: error: ...)
+  3  a non-finite loss, gradient or weight (stopped before it was broadcast or saved)
+  4  a checkpoint could not be written (out of disk space: the folder, bytes needed and free and
+     the last good checkpoint are named; the partial one is removed, earlier ones and the logs
+     are intact: make space and rerun the same command to resume)"""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], epilog=EXIT_CODES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="training YAML (configs/default.yaml is the embedded default)")
     ap.add_argument("--steps", type=int, help="override run.steps")
     ap.add_argument("--out-dir", help="override run.out_dir")
@@ -47,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from rollout.allocator import tune_malloc
     from rollout.models import resolve_device
-    from trainers.grpo.run_dir import resume_point
     from trainers.grpo.config import load_train_config
     from trainers.grpo.preflight import check_local_ray_fits
+    from trainers.grpo.run_lock import RunLock, RunLockedError
 
     tune_malloc()  # the driver computes the GRPO loss over vocabulary-sized logits
 
@@ -60,11 +72,27 @@ def main(argv: list[str] | None = None) -> int:
         run_over["allow_config_change"] = True
     try:
         cfg = load_train_config(args.config, {"run": run_over} if run_over else None)
-        ckpt = resume_point(cfg)  # a resume that does not belong to this config is refused here
         check_job_out_dir(cfg.run.out_dir)
         resolve_device(cfg.run.device, "run.device")  # the trainer runs in this process: 'cuda' needs a GPU here
         if cfg.ray.address is None and "RAY_ADDRESS" not in os.environ:
             check_local_ray_fits(cfg)  # the local Ray started below
+    except ConfigError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    try:
+        with RunLock(cfg.run.out_dir, "scripts.train"):  # before Ray: a second writer starts nothing
+            return train(cfg)
+    except RunLockedError as err:
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+
+
+def train(cfg) -> int:
+    """Resume check, Ray, the training, and the exit status (the run folder's lock held)."""
+    from trainers.grpo.run_dir import resume_point
+
+    try:
+        ckpt = resume_point(cfg)  # a resume that does not belong to this config is refused here
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
@@ -73,7 +101,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     import ray
 
-    from trainers.grpo.checkpoint import CheckpointError
+    from trainers.grpo.checkpoint import CheckpointError, CheckpointWriteError
     from trainers.grpo.guards import NonFiniteError
     from trainers.grpo.loop import GRPOTrainer
 
@@ -89,6 +117,9 @@ def main(argv: list[str] | None = None) -> int:
     except CheckpointError as err:  # a damaged or refused file of the checkpoint resumed from
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as err:  # out of disk space (DiskFullError) or another failed write
+        print(f"error: {err}", file=sys.stderr)
+        return 4
     finally:
         ray.shutdown()
     return 0

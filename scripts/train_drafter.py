@@ -16,12 +16,15 @@ features once and cache them; pick the draft vocabulary by response-token freque
 trained head, ``init: head``, and keep its vocabulary); train with
 training-time test (checkpoints in ``out_dir``, resumed automatically); report held-out
 teacher-forced acceptance; calibrate the draft temperature on the held-out set
-(``draft_logit_scale``); export the head in the EAGLE format (``--export``).
+(``draft_logit_scale``); export the head in the EAGLE format (``--export``). One writer per
+``out_dir``: the training holds ``<out_dir>/.lock`` (``trainers.grpo.run_lock``), and a second one
+is refused naming it (exit 2).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -40,6 +43,7 @@ from scripts.cli import positive_int
 from trainers.drafter.train import DrafterConfig, calibrate_logit_scale, evaluate, init_from_target, train_drafter
 from trainers.drafter.data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset, stop_ids
 from trainers.drafter.prompts import PromptFileError, read_prompt_file, split_records
+from trainers.grpo.run_lock import RunLock, RunLockedError
 from trainers.tasks.general import general_prompts, heldout_prompts
 from trainers.tasks.arithmetic import make_problems
 
@@ -128,6 +132,17 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = with_overrides(from_dict(DrafterConfig, load_yaml(args.config)), args)
     except ConfigError as err:
         ap.exit(2, f"error: {err}\n")
+    # one writer per out_dir (its checkpoints): a second training of it is refused naming the first
+    lock = contextlib.nullcontext() if args.data_only else RunLock(cfg.out_dir, "scripts.train_drafter")
+    try:
+        with lock:
+            return run(cfg, args, ap)
+    except RunLockedError as err:
+        ap.exit(2, f"error: {err}\n")
+
+
+def run(cfg: DrafterConfig, args: argparse.Namespace, ap: argparse.ArgumentParser) -> dict:
+    """Data, head, training, calibration and export (``out_dir``'s lock held unless --data-only)."""
     tune_malloc()
     if args.threads or cfg.threads:
         torch.set_num_threads(args.threads or cfg.threads)

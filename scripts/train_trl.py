@@ -14,7 +14,9 @@ else a new local one). ``--generation trl`` trains the same job with TRL's own g
 ``--verifier lossless`` / ``--spec-mode off`` give the other columns of a side-by-side run.
 ``--spec-mode tree`` drafts top-k trees, whose candidates are not sampled from q: with
 ``configs/trl.yaml``'s MARS ``test: law`` it is refused (say ``verifier.test: rule``, or
-``spec.tree_candidates: sampled``).
+``spec.tree_candidates: sampled``). One writer per run folder: the main process holds
+``<out_dir>/.lock`` for the run (``trainers.grpo.run_lock``); a second command writing the same
+folder is refused naming the holder.
 """
 
 from __future__ import annotations
@@ -29,9 +31,17 @@ import sys  # noqa: E402
 
 from rollout.config import ConfigError  # noqa: E402
 
+EXIT_CODES = """exit status:
+  0  trained
+  2  a bad config field (trl arguments included, checked before any model loads), or a run
+     folder another writer holds (one line: error: ...)
+  4  a checkpoint could not be written (out of disk space: the folder, bytes needed and free and
+     the last complete checkpoint are named; the partial checkpoint-N is removed)"""
+
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[1], epilog=EXIT_CODES,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", required=True, help="TRL run YAML (configs/trl.yaml)")
     ap.add_argument("--steps", type=int, help="override run.steps")
     ap.add_argument("--out-dir", help="override run.out_dir")
@@ -63,13 +73,22 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as err:
         print(f"error: {err}", file=sys.stderr)
         return 2
+    import contextlib
+
+    from trainers.grpo.checkpoint import CheckpointWriteError
+    from trainers.grpo.run_lock import RunLock
     from trainers.trl.run import run
 
+    main_process = os.environ.get("RANK", "0") == "0"  # under accelerate launch only the main process writes
     try:
-        run(cfg)
-    except ConfigError as err:  # a setting TRL cannot honour, found once TRL's config exists
+        with RunLock(cfg.run.out_dir, "scripts.train_trl") if main_process else contextlib.nullcontext():
+            run(cfg)
+    except ConfigError as err:  # the folder held by another writer (RunLockedError), or a setting TRL cannot honour
         print(f"error: {err}", file=sys.stderr)
         return 2
+    except CheckpointWriteError as err:  # out of disk space (DiskFullError) or another failed write
+        print(f"error: {err}", file=sys.stderr)
+        return 4
     return 0
 
 

@@ -14,9 +14,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rollout.backend import check_backend_options
-from rollout.config import ConfigError, check_int, check_number, from_dict, is_number, load_yaml
+from rollout.config import ConfigError, check_int, check_number, from_dict, is_int, is_number, load_yaml
 from rollout.models import TargetConfig
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning
+from rollout.params import (TRUNCATION_RULES, SamplingParams, SpecConfig, TruncationSamplingConfig, VerifierConfig,
+                            check_test, drift_warning)
 from trainers.grpo.correction import CorrectionConfig
 from trainers.grpo.loss import GRPOConfig
 from trainers.grpo.online_drafter import OnlineDrafterConfig
@@ -33,6 +34,9 @@ class RunConfig:
     """out_dir: where metrics, TensorBoard events, checkpoints and plots go.
     steps: optimizer steps. seed: seeds prompts, rollouts and the trainer.
     checkpoint_every: save every n steps (and at the end); 0 = only at the end.
+    keep_checkpoints: the newest n complete checkpoints stay, older ones are removed once a newer
+        one is complete (trainers/grpo/checkpoint.py); null = keep all. A checkpoint of the
+        embedded SmolLM2-135M holds its fp32 weights and AdamW's two moments (see configs/default.yaml).
     resume: continue from the newest checkpoint in out_dir when there is one; false (the
         CLI's --fresh) moves the old checkpoints aside (run_dir.py) and starts at step 0.
     device: where the trainer's policy lives: "cpu", "cuda" or "auto" (cuda when present).
@@ -43,6 +47,7 @@ class RunConfig:
     steps: int = 8
     seed: int = 0
     checkpoint_every: int = 2
+    keep_checkpoints: int | None = 2
     resume: bool = True
     device: str = "cpu"
     allow_config_change: bool = False
@@ -56,6 +61,9 @@ class RunConfig:
         check_int("steps", self.steps)
         check_int("seed", self.seed, 0)
         check_int("checkpoint_every", self.checkpoint_every, 0)
+        if self.keep_checkpoints is not None and (not is_int(self.keep_checkpoints) or self.keep_checkpoints < 1):
+            raise ConfigError("keep_checkpoints", f"must be an integer >= 1 (the newest checkpoints kept) or null "
+                              f"(keep all), got {self.keep_checkpoints!r}")
         if self.device not in DEVICES:
             raise ConfigError("device", f"unknown device {self.device!r}", allowed=DEVICES)
         if not isinstance(self.resume, bool):
@@ -99,7 +107,11 @@ class RolloutConfig:
     num_gpus_per_actor: GPUs Ray reserves for each actor; > 0 runs its engine on cuda.
     max_restarts: how often a dead actor is restarted within one step before giving up.
     actor_timeout_s: a generate or set_weights call that has not returned after this long
-        counts as a hung actor: it is killed and replaced like a dead one."""
+        counts as a hung actor: it is killed and replaced like a dead one.
+    truncation_sampling: true runs the verifier's matched baseline instead of the verifier: no
+        speculation (spec.mode 'off'), every token sampled from p restricted to the truncation set
+        A of ``verifier`` (typical or min_p; ``rollout.params.TruncationSamplingConfig``), its
+        behaviour log-prob log p(y) - log p(A) exact; hf backend only (vLLM samples plain tokens from p)."""
 
     backend: str = "hf"
     backend_options: dict = field(default_factory=dict)
@@ -111,6 +123,7 @@ class RolloutConfig:
     sampling: SamplingParams = field(default_factory=SamplingParams)
     spec: SpecConfig = field(default_factory=SpecConfig)
     verifier: VerifierConfig = field(default_factory=VerifierConfig)
+    truncation_sampling: bool = False
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -128,6 +141,25 @@ class RolloutConfig:
         check_int("max_restarts", self.max_restarts, 0)
         check_number("actor_timeout_s", self.actor_timeout_s, 0, low_open=True, finite=True)
         check_number("num_gpus_per_actor", self.num_gpus_per_actor, 0, finite=True)
+        if not isinstance(self.truncation_sampling, bool):
+            raise ConfigError("truncation_sampling", f"must be true or false, got {self.truncation_sampling!r}")
+        if self.truncation_sampling:
+            if self.verifier.name not in TRUNCATION_RULES:
+                raise ConfigError("verifier.name", f"truncation_sampling samples from the truncation set of the "
+                                  f"verifier's rule; {self.verifier.name!r} has none", allowed=TRUNCATION_RULES)
+            if self.spec.mode != "off":
+                raise ConfigError("spec.mode", "truncation_sampling samples without speculation",
+                                  allowed=["off"])
+            if self.backend != "hf":
+                raise ConfigError("backend", "truncation_sampling needs our engine (vLLM samples plain tokens "
+                                  "from p)", allowed=["hf"])
+
+    @property
+    def behaviour_verifier(self) -> VerifierConfig:
+        """The verifier the rollout actors run: ``verifier``, or its truncation baseline."""
+        if self.truncation_sampling:
+            return TruncationSamplingConfig(self.verifier.name, dict(self.verifier.params))
+        return self.verifier
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ import dataclasses
 import logging
 import random
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,6 +50,8 @@ from trainers.tasks.problems import Problem, load_jsonl
 from trainers.tasks.rewards import answer_reward, exact_match_reward
 
 log = logging.getLogger(__name__)
+
+StepHook = Callable[["GRPOTrainer", int], None]  # GRPOTrainer.run's after_step
 
 
 class ProblemSource:
@@ -109,7 +112,7 @@ class GRPOTrainer:
             print(f"note: {ckpt.name} holds the head trained so far ({ckpt / 'drafter'}); with "
                   f"drafter_training.every 0 the actors draft with model.drafter ({drafter}) instead", flush=True)
         spec = WorkerSpec(target=self.cfg.model.target, drafter_path=str(drafter) if drafter else None,
-                          sampling=sampling, spec=r.spec, verifier=r.verifier, threads=r.threads_per_actor,
+                          sampling=sampling, spec=r.spec, verifier=r.behaviour_verifier, threads=r.threads_per_actor,
                           device="cuda" if r.num_gpus_per_actor > 0 else "cpu", backend=r.backend,
                           backend_options=dict(r.backend_options))
         self.pool = RolloutPool(spec, r.num_actors, num_cpus_per_actor=r.threads_per_actor,
@@ -223,10 +226,19 @@ class GRPOTrainer:
         return torch.nn.functional.pad(logp, (0, width - logp.shape[1]))
 
     # ------------------------------------------------------------------ the run
-    def run(self) -> list[dict]:
+    def run(self, after_step: StepHook | None = None) -> list[dict]:
+        """Train from the start step to ``run.steps``; returns the metrics rows (``finish``).
+
+        ``after_step(trainer, step)``, when given, is called once the run has started (``step`` =
+        the step it starts from: 0, or the resumed checkpoint's) and after each step's metrics are
+        logged, before that step's checkpoint: a step whose checkpoint exists has had its call.
+        It sees the policy in memory (e.g. the study's held-out evaluation, ``trainers.study``);
+        what it raises stops the run there."""
         self.start()
         steps = self.cfg.run.steps
         try:
+            if after_step is not None:
+                after_step(self, self.start_step)
             for step in range(self.start_step, steps):
                 m = self.step(step)
                 self.logger.log(step + 1, m)
@@ -237,6 +249,8 @@ class GRPOTrainer:
                 print(f"step {step + 1}/{steps}  reward {m['reward_mean']:.3f}  acc {m['accuracy']:.2f}  "
                       f"tau {m['tau']:.2f}  tok/s {m['rollout_tokens_per_s']:.1f}  relaxed {m['relaxed_frac']:.2f}  "
                       f"KL k1 {m['kl_k1']:.2e} k3 {m['kl_k3']:.2e}  ESS {m['is_ess']:.3f}  {m['step_s']:.1f}s{head}", flush=True)
+                if after_step is not None:
+                    after_step(self, step + 1)
                 every = self.cfg.run.checkpoint_every
                 if (every and (step + 1) % every == 0) or step + 1 == steps:
                     self.save(step + 1)
@@ -247,12 +261,13 @@ class GRPOTrainer:
         return self.finish()
 
     def save(self, step: int) -> None:
-        state = {"version": self.version, "seed": self.cfg.run.seed}
+        state, keep = {"version": self.version, "seed": self.cfg.run.seed}, self.cfg.run.keep_checkpoints
         if self.drafter is None:
-            save_checkpoint(self.out_dir, step, self.policy, self.optimizer, state, self.cfg.model.drafter_path())
+            save_checkpoint(self.out_dir, step, self.policy, self.optimizer, state, self.cfg.model.drafter_path(),
+                            keep=keep)
             return
         save_checkpoint(self.out_dir, step, self.policy, self.optimizer, state, self.drafter.export(),
-                        extra={STATE_FILE: self.drafter.state_dict()})
+                        extra={STATE_FILE: self.drafter.state_dict()}, keep=keep)
 
     def finish(self) -> list[dict]:
         rows, table, plots = write_report(self.out_dir)

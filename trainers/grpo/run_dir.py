@@ -2,8 +2,8 @@
 
 - **snapshot**: ``<out_dir>/config.json``, the validated config of the run that wrote the
   folder's checkpoints (written when a run starts from step 0, kept on resume).
-- **resume check**: a resume whose seed, model, sampling, verifier, task, GRPO, correction
-  or reward settings differ from the snapshot is refused with the list of differences
+- **resume check**: a resume whose seed, model, sampling, verifier (or its truncation baseline),
+  task, GRPO, correction or reward settings differ from the snapshot is refused with the list of differences
   (``run.allow_config_change`` / ``--allow-config-change`` accepts them and rewrites the
   snapshot), and so is one that changes the law the rollouts come from otherwise: the rollout
   copy's rounding (``backend_options.weights``) and, for a lossy verifier, what it verifies
@@ -14,7 +14,7 @@
   not change what the checkpoints mean.
 - **fencing**: a run that does not resume (``run.resume: false``, ``--fresh``) moves the
   previous run's outputs (``checkpoints/``, the snapshot, ``metrics.jsonl``, ``rollouts.jsonl``,
-  ``tb/``, ``summary.md``, ``plots/``) to ``superseded/<UTC time>/`` and says so: a later resume
+  ``tb/``, ``summary.md``, ``plots/``, a study's ``eval.jsonl``) to ``superseded/<UTC time>/`` and says so: a later resume
   cannot pick up the old run's higher step, nothing of the old run is overwritten, and
   TensorBoard does not show the two runs' events as one.
 
@@ -36,7 +36,8 @@ from trainers.grpo.checkpoint import latest_checkpoint, write_atomic
 log = logging.getLogger(__name__)
 
 SNAPSHOT = "config.json"
-COMPARED = ("run.seed", "model", "rollout.sampling", "rollout.verifier", "task", "grpo", "correction", "reward")
+COMPARED = ("run.seed", "model", "rollout.sampling", "rollout.verifier", "rollout.truncation_sampling", "task",
+            "grpo", "correction", "reward")
 
 
 def config_dict(cfg) -> dict:
@@ -130,8 +131,9 @@ def resume_point(cfg) -> Path | None:
     return ckpt
 
 
-# what a run writes in its folder (checkpoints, snapshot, logs, TensorBoard events, summary, figures)
-RUN_OUTPUTS = ("checkpoints", SNAPSHOT, "metrics.jsonl", "rollouts.jsonl", "tb", "summary.md", "plots")
+# what a run writes in its folder (checkpoints, snapshot, logs, TensorBoard events, summary, figures,
+# and the held-out evaluations of a study run, trainers.study.evaluate)
+RUN_OUTPUTS = ("checkpoints", SNAPSHOT, "metrics.jsonl", "rollouts.jsonl", "tb", "summary.md", "plots", "eval.jsonl")
 
 
 def fence_previous_run(out_dir: str | Path, why: str = "--fresh", extra: tuple[Path, ...] = ()) -> Path | None:

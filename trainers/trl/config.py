@@ -20,11 +20,13 @@ from rollout.config import ConfigError, check_int, check_leaf, from_dict, load_y
 from trainers.grpo.config import ModelConfig, TaskConfig
 from trainers.grpo.correction import CorrectionConfig
 from trainers.tasks.rewards import RewardConfig
+from trainers.trl.arg_ranges import check_ranges
 from trainers.trl.rollouts import RolloutSettings
 
 GENERATIONS = ("ours", "trl")
-#: GRPOConfig fields the script sets from the other sections
-OWNED = ("output_dir", "max_steps", "per_device_train_batch_size", "seed", "use_vllm", "use_cpu")
+#: GRPOConfig fields the script sets from the other sections (reward_weights: the answer reward 1,
+#: the logged accuracy 0, ``trainers.trl.run.reward_functions``)
+OWNED = ("output_dir", "max_steps", "per_device_train_batch_size", "seed", "use_vllm", "use_cpu", "reward_weights")
 #: policy dtypes TRL trains (float16 would need a loss scaler, which CPUs do not run)
 POLICY_DTYPES = ("float32", "bfloat16")
 #: GRPOConfig fields of TRL's importance-sampling correction (with vLLM only): our correction section's
@@ -143,9 +145,10 @@ def _grpo_fields() -> dict[str, Any]:
 
 def _check_trl_args(cfg: TRLConfig) -> None:
     """The trl section as TRL will take it, each failure named ``trl.<argument>``: unknown
-    arguments, values of the wrong kind (a string learning rate, 3.5 tokens), GRPOConfig's own
-    checks with the arguments the script adds, and the sampling settings our rollouts cannot
-    honour."""
+    arguments, values of the wrong kind (a string learning rate, 3.5 tokens), each numeric
+    argument's range (``trainers.trl.arg_ranges``: TRL's, transformers' and torch's bounds, some
+    of which they check only once training starts), GRPOConfig's own checks with the arguments the
+    script adds, and the sampling settings our rollouts cannot honour."""
     import warnings
 
     from trainers.trl.rollouts import sampling_from_trl
@@ -156,6 +159,7 @@ def _check_trl_args(cfg: TRLConfig) -> None:
         raise ConfigError(f"trl.{unknown[0]}", "is not a GRPOConfig argument (TRL 1.16)")
     for name, value in cfg.trl.items():
         check_leaf(f"trl.{name}", fields[name].type, value)  # float / int / str / bool fields
+    check_ranges(cfg.trl, fields)  # each numeric argument's range, before TRL or torch meet it
     n_gen = cfg.trl.get("num_generations", fields["num_generations"].default)
     check_int("trl.num_generations", n_gen, 2)
     if (cfg.task.prompts_per_step * n_gen) % launch_processes():

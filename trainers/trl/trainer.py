@@ -29,8 +29,14 @@ training alongside (``RolloutSettings.drafter_training``) also its round's
 checkpoint (``drafter_training.pt``) and back on resume. Each checkpoint also holds the
 rollouts' own state (``speculative_rollouts.json``: the generation count, so a resumed run's
 seeds continue); both files are written, each atomically, before TRL's, so a checkpoint TRL
-completed holds them. The head's state is read back with ``torch.load(weights_only=True)``
-(``load_head_state``): a truncated or foreign file stops the resume naming it.
+completed holds them, and TRL's ``save_total_limit`` rotates them with its folders. Before a
+checkpoint the free disk space is checked against its estimated size (the policy's and the
+optimizer state's tensors), and a checkpoint whose write fails (out of space, or another write
+error) is removed whole (unless its folder was there before this save):
+``trainers.grpo.checkpoint.DiskFullError`` / ``CheckpointWriteError`` name the folder and the
+last complete checkpoint (``scripts.train_trl`` exits 4). The head's state is read back with
+``torch.load(weights_only=True)`` (``load_head_state``): a truncated or foreign file stops the
+resume naming it.
 
 A peft LoRA policy (``peft_config=LoraConfig(...)`` or a ``PeftModel``) is sampled through its
 merged weights (``trainers.trl.peft_policy``), computed out of place at every weight sync. A
@@ -51,9 +57,11 @@ from trl import GRPOTrainer
 
 from rollout.config import ConfigError
 from trainers.drift.stats import drift_stats, effective_sample_size
-from trainers.grpo.checkpoint import load_state, write_atomic
+from trainers.grpo.checkpoint import (failed_write, is_write_failure, load_state, require_space, tensor_bytes,
+                                      with_margin, write_atomic)
 from trainers.grpo.correction import CorrectionConfig
 from trainers.grpo.online_drafter import STATE_FILE
+from trainers.trl.peft_policy import is_peft_model
 from trainers.trl.rollouts import RolloutSettings, SpeculativeRollouts, process_mean
 
 ROLLOUTS_STATE = "speculative_rollouts.json"  # SpeculativeRollouts.state_dict in each checkpoint
@@ -79,6 +87,16 @@ def load_head_state(path: str | os.PathLike) -> dict:
     return load_state(path, required=("head", "trained_step"), map_location="cpu",
                       advice="resume from another checkpoint, or move this file aside to start the head "
                              "from the configured one")
+
+
+def _last_complete(run_dir: Path, failed: Path) -> tuple[str, Path | None]:
+    """The newest complete TRL checkpoint before ``failed`` (its ``trainer_state.json`` written last), said."""
+    done = [p for p in run_dir.glob("checkpoint-*") if p != failed and p.name.split("-")[-1].isdigit()
+            and (p / "trainer_state.json").is_file()]
+    if not done:
+        return "there is no earlier complete checkpoint; the logs are intact", None
+    last = max(done, key=lambda p: int(p.name.split("-")[-1]))
+    return f"the last complete checkpoint is {last}; it, the earlier ones and the logs are intact", last
 
 
 def sharded_training(state: Any) -> str | None:
@@ -188,16 +206,30 @@ class SpeculativeGRPOTrainer(GRPOTrainer):
         this step first, where one is due)."""
         self.rollouts.train_drafter(int(self.state.global_step))
         self._log_drafter_metrics()
-        if self.args.should_save:
-            folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
-            os.makedirs(folder, exist_ok=True)
-            write_atomic(Path(folder) / ROLLOUTS_STATE, json.dumps(self.rollouts.state_dict()))
+        if not self.args.should_save:
+            super()._save_checkpoint(model, trial)
+            return
+        run_dir = Path(self._get_output_dir(trial=trial))
+        folder = run_dir / f"checkpoint-{self.state.global_step}"
+        what, advice = f"checkpoint {folder.name}", lambda: _last_complete(run_dir, folder)
+        policy = self.accelerator.unwrap_model(model)  # a peft model saves its adapter only: the trained tensors
+        weights = [p for p in policy.parameters() if p.requires_grad] if is_peft_model(policy) else policy.state_dict()
+        needed = with_margin(tensor_bytes(weights) + tensor_bytes(self.optimizer.state_dict()))
+        require_space(run_dir, needed, what, advice)
+        new = not folder.exists()  # a folder from before (a save of this step cut short) is not ours to remove
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            write_atomic(folder / ROLLOUTS_STATE, json.dumps(self.rollouts.state_dict()))
             drafter = self.rollouts.drafter
             if drafter is not None:
                 head = io.BytesIO()
                 torch.save(drafter.state_dict() | {"trained_step": self.rollouts.trained_step}, head)
-                write_atomic(Path(folder) / f"{STATE_FILE}.pt", head.getvalue())
-        super()._save_checkpoint(model, trial)
+                write_atomic(folder / f"{STATE_FILE}.pt", head.getvalue())
+            super()._save_checkpoint(model, trial)
+        except Exception as err:  # a write that failed: the partial checkpoint-N is removed whole
+            if not is_write_failure(err):
+                raise
+            raise failed_write(err, folder, run_dir, what, needed, advice, remove=new) from None
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
         """TRL's resume, plus the rollouts' state and the trained head's (the backend or every
