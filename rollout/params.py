@@ -216,6 +216,27 @@ class VerifierConfig:
             raise ConfigError(f"params.{named.group(1)}" if named else "params", str(err)) from None
 
 
+TRUNCATION_RULES = ("min_p", "typical")  # the rules with a truncation set A = {p >= thr}
+
+
+@dataclass(frozen=True)
+class TruncationSamplingConfig(VerifierConfig):
+    """A VerifierConfig whose rule is :class:`verifiers.TruncationSampling` over the named
+    truncation rule: sampling from p restricted to the rule's set A, the rule's matched baseline.
+    With ``spec.mode: off`` every token has P = p_A / p(A), recorded exactly as its behaviour
+    log-prob (the drift study's baselines; the GRPO job's ``rollout.truncation_sampling``)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in TRUNCATION_RULES:
+            raise ConfigError("name", f"{self.name!r} has no truncation set", allowed=TRUNCATION_RULES)
+        super().__post_init__()
+
+    def rule(self):
+        from verifiers import TruncationSampling
+
+        return TruncationSampling(super().rule())
+
+
 def check_test(spec: SpecConfig, verifier: VerifierConfig, temperature: float | None = None) -> None:
     """Refuse ``verifier.test: law`` and ``block`` where the drafts have no q to verify with:
     greedy chains and top-k trees (deterministic candidates); unless ``temperature`` is 0 (every

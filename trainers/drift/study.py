@@ -32,13 +32,12 @@ from pathlib import Path
 from typing import Any
 
 from rollout.config import ConfigError, check_int
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
-from verifiers import TruncationSampling
+from rollout.params import (TRUNCATION_RULES, SamplingParams, SpecConfig, TruncationSamplingConfig, VerifierConfig,
+                            check_test)
 
 SOURCES = ("tasks", "jsonl", "general")
 MODES = ("chain", "tree")
 SPEED_BASES = ("wall", "cpu")
-TRUNCATION_RULES = ("min_p", "typical")
 DEFAULT_VERIFIERS = ("lossless", "mars:theta=0.9", "mars:theta=0.7", "overshoot:lenience=0.5",
                      "overshoot:lenience=0.5,min_p=0.1", "typical:epsilon=0.3,delta=0.9", "min_p:p_base=0.1")
 PLAIN = "plain"
@@ -208,19 +207,6 @@ class DriftConfig:
 
 
 # ----------------------------------------------------------------------------- matched baselines
-@dataclass(frozen=True)
-class TruncationSamplingConfig(VerifierConfig):
-    """A VerifierConfig whose rule is :class:`verifiers.TruncationSampling` over the named truncation rule."""
-
-    def __post_init__(self) -> None:
-        if self.name not in TRUNCATION_RULES:
-            raise ConfigError("name", f"{self.name!r} has no truncation set", allowed=TRUNCATION_RULES)
-        super().__post_init__()
-
-    def rule(self):
-        return TruncationSampling(super().rule())
-
-
 def baseline_key(v: VerifierConfig) -> str:
     """The matched baseline of verifier ``v``: ``plain`` or ``sampling[<truncation rule spec>]``."""
     return f"sampling[{verifier_label(v)}]" if v.name in TRUNCATION_RULES else PLAIN
