@@ -61,7 +61,7 @@ test-slow: $(VENV)/.installed
 		VLLM_CPU_NUM_OF_RESERVED_CPU=0 $(VBIN)/python -m pytest -q -m "slow and vllm" tests; fi
 
 bench: $(VENV)/.installed
-	$(BIN)/python -m scripts.bench_verifiers
+	$(BIN)/python -m scripts.research.bench_verifiers
 
 CONFIG ?= configs/default.yaml
 run: $(VENV)/.installed

@@ -2,7 +2,7 @@
 
 The engine does not run a target through ``model.generate``: it feeds the model its own masks
 (per-row lengths, draft blocks, trees), its own cache and its own attention function
-(``rollout.attention``), and takes the prefill's logits from the final hidden state. A family
+(``rollout.engine.attention``), and takes the prefill's logits from the final hidden state. A family
 is **accepted** when the engine's forwards reproduce the model's own cache-free forward for it:
 greedy speculation equals greedy decoding and every behaviour log-prob equals a cache-free
 forward's log-softmax (fp32, within 1e-4). ``tests/rollout/test_architectures.py`` shows that
@@ -20,7 +20,7 @@ What each entry states is what the engine needs beyond the model's own modules:
 
 Everything else (grouped-query attention, rope variants, biases, q/k norms, scaled embeddings,
 tied or untied embeddings, MLP and norm shapes) is the model's own code, run as it is. Attention
-sliding windows and soft-capping are applied by ``rollout.attention``.
+sliding windows and soft-capping are applied by ``rollout.engine.attention``.
 
 **Refused** (:class:`UnsupportedModelError`, when the engine is built, before the first token):
 a causal LM class not in :data:`FAMILIES` (its attention, cache or logits may hold something the

@@ -23,14 +23,18 @@ import tempfile
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
-from rollout import fused_layers, native_layers
 from rollout.architectures import FAMILIES, LOGIT_RULES, Family
 from rollout.config import ConfigError
+
+#: a fast forward of a decoder stack: ``stack(base_model)`` gives ``run(input_ids, position_ids,
+#: mask, cache, keep=aux_layer_ids) -> (final hidden, {layer: its input})``, or None where it does
+#: not apply (the engine's is ``rollout.kernels.fused_layers.stack_forward`` with its layer kernel)
+StackKernel = Callable[[nn.Module], Callable | None]
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -208,6 +212,7 @@ class TargetModel(nn.Module):
         cache: Any = None,
         use_cache: bool = True,
         final: bool = False,
+        stack: StackKernel | None = None,
     ) -> TargetOutput:
         """Run the target on ``input_ids [B, T]`` and capture the aux-layer inputs.
 
@@ -216,13 +221,14 @@ class TargetModel(nn.Module):
             (bool, True = may attend: tree or custom masks).
         cache: a transformers ``Cache`` (e.g. ``DynamicCache``) extended in place.
         final: also return the final norm's output (``TargetOutput.final``).
+        stack: a fast forward of the decoder stack (see :meth:`body`), or None for the model's own.
         """
         assert input_ids.dim() == 2, f"input_ids must be [B, T], got {tuple(input_ids.shape)}"
         if position_ids is not None:
             assert position_ids.shape == input_ids.shape, (
                 f"position_ids {tuple(position_ids.shape)} != input_ids {tuple(input_ids.shape)}"
             )
-        lean = self.body(input_ids, position_ids, attention_mask, cache) if use_cache else None
+        lean = self.body(input_ids, position_ids, attention_mask, cache, stack) if use_cache else None
         if lean is not None:
             hidden, cap = lean
             return TargetOutput(logits=self.logits(hidden), features=cap.features(),
@@ -234,15 +240,17 @@ class TargetModel(nn.Module):
                             final=cap.final())
 
     def body(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None, attention_mask: torch.Tensor | None,
-             cache: Any) -> tuple[torch.Tensor, FeatureCapture] | None:
-        """The decoder stack alone through ``rollout.fused_layers.stack_forward`` (inside an engine
-        call: the same bits as the model's own forward, with less overhead): the final norm's
-        output ``[B, T, H]`` and the captured features; None where that does not apply (no 4D
-        bool mask, positions or cache given; a model it does not know; hooks; autograd)."""
-        if (position_ids is None or cache is None or attention_mask is None or attention_mask.dim() != 4
-                or attention_mask.dtype != torch.bool or self.model.base_model is self.model):
+             cache: Any, stack: StackKernel | None) -> tuple[torch.Tensor, FeatureCapture] | None:
+        """The decoder stack alone through ``stack``, the kernels the caller passes in (the engine
+        passes ``rollout.kernels.fused_layers.stack_forward``'s: the same bits as the model's own
+        forward, with less overhead): the final norm's output ``[B, T, H]`` and the captured
+        features; None where that does not apply (no kernels, no 4D bool mask, positions or cache
+        given; a model the kernels do not know; hooks; autograd)."""
+        if (stack is None or position_ids is None or cache is None or attention_mask is None
+                or attention_mask.dim() != 4 or attention_mask.dtype != torch.bool
+                or self.model.base_model is self.model):
             return None
-        run = fused_layers.stack_forward(self.model.base_model, native_layers.run)
+        run = stack(self.model.base_model)
         if run is None:
             return None
         hidden, inputs = run(input_ids, position_ids, attention_mask, cache, keep=self.aux_layer_ids)
@@ -287,7 +295,7 @@ def round_weights_(model: nn.Module, to: str = "bfloat16", seed: int = 0) -> int
     float32: the arithmetic stays fp32. Returns how many parameters it rounded.
 
     A rollout copy with bf16-valued weights streams half the bytes per step: the linear kernel
-    packs such weights as bf16 panels (``rollout.native_linear``, compact panels) and widens
+    packs such weights as bf16 panels (``rollout.kernels.native_linear``, compact panels) and widens
     each value exactly, so the logits are those of fp32 arithmetic on the rounded weights. It is
     another model than the policy: the behaviour log-probs are the rounded model's (the law the
     rollouts are drawn from), and the trainer's importance weights (pi_old from its own fp32
@@ -298,7 +306,7 @@ def round_weights_(model: nn.Module, to: str = "bfloat16", seed: int = 0) -> int
     copy). ``bfloat16_nearest`` rounds to the nearest value; it lags the policy: an optimizer
     step moves most weights by far less than half a bf16 step (2e-5 against ~1e-4 for a weight
     of 0.05), so most rounded values stay where they were and the copy keeps the policy's older
-    function (measured in scripts/MEASUREMENTS.md, session 29). ``exact`` rounds nothing."""
+    function (measured 2026-12-04, commit 56c1c93; docs/measurements/). ``exact`` rounds nothing."""
     if to not in WEIGHT_ROUNDINGS:
         raise ConfigError("weights", f"unknown weight rounding {to!r}", allowed=WEIGHT_ROUNDINGS)
     if to == "exact":

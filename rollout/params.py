@@ -80,7 +80,7 @@ class SpecConfig:
     tree_candidates: a tree node's children are the head's ``top_k`` tokens (deterministic
         candidates, any verifier; the EAGLE-2 dynamic tree) or ``sampled`` from q without
         replacement (a shape of ``total_tokens`` nodes, at most ``depth`` deep and ``top_k`` wide,
-        re-planned during a call from the acceptance it measured, ``rollout.sampled_tree``; any
+        re-planned during a call from the acceptance it measured, ``rollout.engine.sampled_tree``; any
         verifier: a lossy one verifies towards its chain law, so each position's law is that of
         its sampled chain). At T = 0 a sampled tree drafts the top-k tree instead.
     max_batch: draft only in rounds with at most this many unfinished rows; rounds over
@@ -88,7 +88,7 @@ class SpecConfig:
         when drafting resumes). On a CPU a forward's cost grows with its tokens once the
         batch has a few rows, so verifying K+1 tokens per row pays only in the small-batch
         tail of a call. None: draft in every round. ``auto``: decide every round from the
-        step costs and acceptance measured in the call (``rollout.planner``): draft only
+        step costs and acceptance measured in the call (``rollout.engine.planner``): draft only
         when it is expected to emit more tokens per second than a plain round.
     adaptive_k: with ``max_batch: auto`` and a chain, each round also picks its chain
         length in 1..num_draft_tokens (the most tokens per second under the measured
@@ -278,7 +278,7 @@ def drift_warning(spec: SpecConfig, verifier: VerifierConfig) -> str | None:
 
     MARS over deterministic candidates (tree nodes, greedy chain drafts) emits the target's top-1
     or top-2 outright wherever it relaxes (most positions of SmolLM2 at T = 1 with theta 0.9):
-    near-greedy rollouts. Measured on held-out arithmetic (scripts/MEASUREMENTS.md, session 17): tree
+    near-greedy rollouts. Measured on held-out arithmetic (2026-12-03, commit 4de53bf; docs/measurements/): tree
     completions a third shorter than plain sampling's, 4.4x the per-token KL of MARS on sampled
     chains, a sequence importance-weight ESS of 0.05."""
     deterministic = (spec.mode == "tree" and not spec.sampled_tree

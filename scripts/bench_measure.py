@@ -4,7 +4,7 @@ point; its docstring defines the columns): per batch size, every configuration r
 each batch after its runs, and the rows assembled from the sums. A *call* is one generate of one
 row on one batch of prompts; a row's *totals* are its calls' figures summed (tokens, seconds,
 emitted and kept tokens, row rounds, the engine's timings); *step costs* are T(n), T_draft and T_chain(K)
-(``rollout.timing.step_costs``), keyed by the block size n, ``draft`` and ``chainK``.
+(``rollout.engine.timing.step_costs``), keyed by the block size n, ``draft`` and ``chainK``.
 """
 
 from __future__ import annotations
@@ -19,12 +19,13 @@ import time
 
 import torch
 
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
+from rollout.options import EngineOptions
 from rollout.outputs import tau_with_error
 from rollout.params import SamplingParams, SpecConfig
-from rollout.planner import trace_summary
-from rollout.timing import chain_key, cost_label, step_costs
-from scripts.bench_rows import SWITCHES, header, plan_line, print_row, row_configs, switched_off, widths
+from rollout.engine.planner import trace_summary
+from rollout.engine.timing import chain_key, cost_label, step_costs
+from scripts.bench_rows import engine_with, header, plan_line, print_row, row_configs, widths
 from verifiers import native
 
 
@@ -87,9 +88,8 @@ def run_config(config: tuple, target, engine: Engine, group: list[list[int]], sa
         return run_hf(target.model, group, sampling, pad_id, seed)
     if isinstance(backend, Engine):  # a row on another engine
         return run_ours(backend, group, sampling, spec, verifier, seed)
-    if backend in SWITCHES:  # the default engine with one of its switches off
-        with switched_off(*SWITCHES[backend]):
-            return run_ours(engine, group, sampling, spec, verifier, seed)
+    if isinstance(backend, EngineOptions):  # the default engine's target and head under other options
+        return run_ours(engine_with(engine, backend), group, sampling, spec, verifier, seed)
     return run_ours(engine, group, sampling, spec, verifier, seed, backend)
 
 
@@ -235,7 +235,7 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
         own = costs_of.get(id(backend)) if isinstance(backend, Engine) else costs  # --torch-linear's: not timed
         row["step_costs_ms"] = {str(k): v * 1000 for k, v in (own or {}).items()}
         row["bound"] = bound(spec, row["tau_kept"], own, min(size, len(prompts)), steps, costs.get(1)) \
-            if own and backend not in SWITCHES else None
+            if own and not isinstance(backend, EngineOptions) else None
         row["of_bound"] = row["speedup_vs_ar"] / row["bound"] if row["bound"] else None
         mine = decode.get((mode, vname))
         row["decode_tokens_per_s"] = mine
@@ -250,10 +250,11 @@ def size_rows(args, size: int, configs: list[tuple], totals: list[dict], calls: 
 
 
 def plan_marks(engine: Engine, configs: list[tuple], sampling) -> dict[int, int]:
-    """For each ``max_batch: auto`` row on the default engine: where its planner's records of the
-    coming runs begin (0 while the planner is not made: its first call makes it)."""
+    """For each ``max_batch: auto`` row on the default engine (not another engine, nor other
+    options): where its planner's records of the coming runs begin (0 while the planner is not
+    made: its first call makes it)."""
     out = {}
     for c, (_, _, spec, verifier, backend) in enumerate(configs):
-        if spec is not None and spec.auto and not isinstance(backend, Engine):
+        if spec is not None and spec.auto and not isinstance(backend, (Engine, EngineOptions)):
             out[c] = len(engine.plan_trace(spec, verifier, sampling) or [])
     return out

@@ -13,7 +13,7 @@ gap between bar and grey tick is the engine's distance from its own cost model o
 the line at 1.0 is our autoregressive mode.
 
 A planner trace: one panel per auto row and batch size; each round a dot at its draft length
-(0: plain), coloured by the reason (``rollout.planner.REASONS``), a dotted line where a call
+(0: plain), coloured by the reason (``rollout.engine.planner.REASONS``), a dotted line where a call
 begins, and on the right axis the tokens each row emitted, averaged over 8 rounds.
 """
 
@@ -23,7 +23,7 @@ import argparse
 import json
 from pathlib import Path
 
-from rollout.planner import BEST, NEW_BUCKET, NO_CLEAR_GAIN, REPROBE
+from rollout.engine.planner import BEST, NEW_BUCKET, NO_CLEAR_GAIN, REPROBE
 from trainers.drift.plots import _plt, _save
 
 

@@ -1,18 +1,21 @@
 """Rollout throughput: our engine (autoregressive, chain, tree; several verifiers) against
 Hugging Face ``generate``, side by side on the same prompts and sampling settings.
-The engine's linear layers run on ``rollout.native_linear``'s kernel where it is available
-(its default), with the leaner Llama layer forwards of ``rollout.fused_layers``;
+The engine's linear layers run on ``rollout.kernels.native_linear``'s kernel where it is available
+(its default), with the leaner Llama layer forwards of ``rollout.kernels.fused_layers``;
 ``--torch-linear`` adds the autoregressive mode on torch's GEMM as a row, ``--python-layers`` each
 configuration with the decoder layers run from Python instead of ``csrc/layer.cpp``, ``--python-draft``
 each speculative configuration with the draft head's forwards run from Python instead of one C++ call
-each (``rollout.native_draft``), ``--draft-steps`` each with a sampled chain's drafting one C++ call
-per step instead of one call for the whole chain (``native_draft.chains``), ``--unfused`` the
+each (``rollout.kernels.native_draft``), ``--draft-steps`` each with a sampled chain's drafting one C++ call
+per step instead of one call for the whole chain (``EngineOptions(draft_chains=False)``), ``--unfused`` the
 autoregressive mode with the modules' own forwards (kernel still on), ``--fp32-head`` each
 speculative configuration with the draft head's weights packed as fp32 panels (the default
 packs the shipped bf16-valued head as bf16 panels: the same draft logits, half the bytes;
-``native_linear.compact``). ``--int8-head`` adds each speculative configuration on a second engine
+``EngineOptions(compact_panels=False)``). These rows run the default engine's target and head on an
+engine built with those ``rollout.options.EngineOptions`` off, and their labels name them
+(``off [fused off]``, ``chain K=3 sampled [native_layers off]``). ``--int8-head`` adds each
+speculative configuration on a second engine
 over the same target whose head copy is rounded to int8 weights (the hf backend's
-``drafter_weights: int8``, ``rollout.quantize``: a quarter of fp32's bytes per draft step, exact
+``drafter_weights: int8``, ``rollout.kernels.quantize``: a quarter of fp32's bytes per draft step, exact
 rollouts; its own tau, step costs and bounds). ``--bf16-weights`` adds the autoregressive mode and each speculative
 configuration on a second engine whose target copy has its weights rounded to bf16 values (the hf
 backend's ``weights: bfloat16``: another model, half the bytes per step; its own step costs and
@@ -94,7 +97,7 @@ batch 1; above it an estimate, as the bound).
 round's acceptance depends on its row (``rollout.outputs.tau_with_error``). Two heads or rules
 whose tau differ by less than about twice the larger one are not told apart by this run: at 32
 prompts of 96 tokens at batch 1 it is 0.09-0.11, 4% of a tau of 2.6 (lossless block K = 6, the
-shipped head, session 38), so session 37's tuned head (tau 2.48-2.57 against 2.52-2.61) was not
+shipped head, 2026-12-06), so a tuned head of that date (tau 2.48-2.57 against 2.52-2.61) was not
 told apart here; 96 prompts and two seeds per row put its gain on these prompts at +0.7%.
 """
 
@@ -111,7 +114,7 @@ from pathlib import Path  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
-from rollout.engine import Engine, available_cores  # noqa: E402
+from rollout.engine.engine import Engine, available_cores  # noqa: E402
 from rollout.models import load_embedded_target  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from scripts.bench_measure import measure, peak_rss_mb, rss_mb  # noqa: E402
@@ -167,23 +170,24 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                     help="add a row: our autoregressive mode with every row prefilled on its own")
     ap.add_argument("--unfused", action="store_true",
                     help="add our autoregressive mode with every module's own forward (no "
-                         "rollout.fused_layers; the linear kernel still on) as a row")
+                         "rollout.kernels.fused_layers; the linear kernel still on) as a row")
     ap.add_argument("--python-layers", action="store_true",
                     help="add our autoregressive mode and each speculative configuration with the decoder "
-                         "layers run one by one from Python (native_layers.enabled off, not csrc/layer.cpp) "
+                         "layers run one by one from Python (EngineOptions(native_layers=False), not csrc/layer.cpp) "
                          "as rows (no bound: the step costs use the C++ layers)")
     ap.add_argument("--python-draft", action="store_true",
                     help="add each speculative configuration with the draft head's forwards run from Python "
-                         "(native_draft.enabled off) as a row (no bound: the step costs use the C++ draft)")
+                         "(EngineOptions(native_draft=False)) as a row (no bound: the step costs use the C++ draft)")
     ap.add_argument("--draft-steps", action="store_true",
                     help="add each speculative configuration with a sampled chain's steps drafted one C++ call "
-                         "each (native_draft.chains off, not one hr_draft_chain call) as a row (no bound)")
+                         "each (EngineOptions(draft_chains=False), not one hr_draft_chain call) as a row (no bound)")
     ap.add_argument("--fp32-head", action="store_true",
                     help="add each speculative configuration with the head packed as fp32 panels "
-                         "(native_linear.compact off) as a row (no bound: the step costs use compact panels)")
+                         "(EngineOptions(compact_panels=False)) as a row (no bound: the step costs use compact panels)")
     ap.add_argument("--no-amx", action="store_true",
-                    help="add each speculative configuration with AMX tiles off (native_linear.amx: the bf16 head as "
-                         "compact panels, where the CPU has AMX) as a row (no bound: the step costs use the tiles)")
+                    help="add each speculative configuration with AMX tiles off (EngineOptions(amx=False): the bf16 "
+                         "head as compact panels, where the CPU has AMX) as a row (no bound: the step costs use the "
+                         "tiles)")
     ap.add_argument("--int8-head", action="store_true",
                     help="add each speculative configuration on a head copy rounded to int8 weights (the hf "
                          "backend's drafter_weights: int8) as rows, with their own step costs and bounds")

@@ -1,26 +1,38 @@
 """The rows of ``scripts/bench_rollout.py`` (a helper module of that script, not an entry point):
 which configurations a run measures, how each row is labelled and printed, and the engine
-switches that some rows turn off. A row is ``(mode label, verifier label, spec, verifier, backend)``: spec None
+options that some rows turn off. A row is ``(mode label, verifier label, spec, verifier, backend)``: spec None
 is HF ``generate``; backend None the default engine, an ``Engine`` another one, ``native`` /
-``torch`` a pinned verifier backend, a :data:`SWITCHES` key the default engine with that switch off.
+``torch`` a pinned verifier backend, an :class:`~rollout.options.EngineOptions` the default
+engine's target and head under those options (:func:`engine_with`; the row's label names the
+options off, ``EngineOptions.describe``).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
+import weakref
 
 import torch
 
-from rollout import fused_layers, native_draft, native_layers, native_linear
 from rollout.config import ConfigError
 from rollout.eagle3 import default_head_path, load_eagle3
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
+from rollout.options import EngineOptions
 from rollout.models import load_embedded_target, round_weights_
 from rollout.params import SpecConfig, VerifierConfig, tree_spec
-from rollout.quantize import quantize_int8_
-from rollout.runner import ModelRunner
+from rollout.kernels.quantize import quantize_int8_
 from trainers.drift.study import parse_verifier, verifier_label
+
+# the rows' engine options, by the flag of bench_rollout.parse_args that adds them
+OPTION_ROWS = {
+    "unshared_prefill": EngineOptions(share_prompts=False),  # every row prefilled on its own
+    "unfused": EngineOptions(fused=False),  # every module's own forward (the kernel still on)
+    "python_layers": EngineOptions(native_layers=False),  # the layers from Python, not csrc/layer.cpp
+    "python_draft": EngineOptions(native_draft=False),  # the draft head's forwards from Python
+    "draft_steps": EngineOptions(draft_chains=False),  # a sampled chain's steps one C++ call each, not one call
+    "fp32_head": EngineOptions(compact_panels=False),  # the weights packed as fp32 panels (the head's were bf16)
+    "no_amx": EngineOptions(amx=False),  # bf16-valued weights as compact panels, not AMX tiles
+}
 
 
 def row_configs(args, target, engine: Engine) -> list[tuple]:
@@ -31,10 +43,10 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
     if args.torch_linear:  # the same target and head, linear layers on torch's GEMM
         gemm = Engine(target, engine.head, num_threads=torch.get_num_threads(), linear="torch")
         rows.append(("off [torch linear]", "lossless", off, lossless, gemm))
-    if args.unshared_prefill:
-        rows.append(("off [unshared prefill]", "lossless", off, lossless, "unshared"))
-    if args.unfused:
-        rows.append(("off [unfused layers]", "lossless", off, lossless, "unfused"))
+    for flag in ("unshared_prefill", "unfused"):  # the autoregressive mode under other options
+        if getattr(args, flag):
+            options = OPTION_ROWS[flag]
+            rows.append((f"off [{options.describe()}]", "lossless", off, lossless, options))
     backends = [b.strip() for b in (args.verifier_backend or "").split(",") if b.strip()] or [None]
     if set(backends) - {None, "native", "torch"}:
         raise SystemExit(f"--verifier-backend: a comma list of native, torch; got {args.verifier_backend!r}")
@@ -48,15 +60,31 @@ def row_configs(args, target, engine: Engine) -> list[tuple]:
     if args.int8 is not None:  # bench_rollout.int8_engine (--int8-head)
         rows += [(f"{describe(spec)} [int8 head]", verifier_label(v), spec, v, args.int8) for spec, v in pairs]
     if args.python_layers:
-        rows.append(("off [python layers]", "lossless", off, lossless, "python-layers"))
-    for flag, switch, label in ((args.python_layers, "python-layers", "python layers"),
-                                (args.python_draft, "python-draft", "python draft"),
-                                (args.draft_steps, "draft-steps", "draft steps"),
-                                (args.fp32_head, "fp32-head", "fp32 head"),
-                                (args.no_amx, "no-amx", "no AMX")):
-        if flag:
-            rows += [(f"{describe(spec)} [{label}]", verifier_label(v), spec, v, switch) for spec, v in pairs]
+        rows.append((f"off [{OPTION_ROWS['python_layers'].describe()}]", "lossless", off, lossless,
+                     OPTION_ROWS["python_layers"]))
+    for flag in ("python_layers", "python_draft", "draft_steps", "fp32_head", "no_amx"):
+        if getattr(args, flag):  # each speculative configuration under other options
+            options = OPTION_ROWS[flag]
+            rows += [(f"{describe(spec)} [{options.describe()}]", verifier_label(v), spec, v, options)
+                     for spec, v in pairs]
     return rows
+
+
+_variants: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # engine -> {options: its engine}
+
+
+def engine_with(engine: Engine, options: EngineOptions) -> Engine:
+    """An engine over ``engine``'s target and head (the same weights and packed copies) with
+    ``options``: made at the first row that asks, then kept with ``engine`` (its planners learn
+    across batch sizes, as the default engine's do). The default options: ``engine`` itself."""
+    if options == engine.options:
+        return engine
+    kept = _variants.setdefault(engine, {})
+    if options not in kept:
+        kept[options] = Engine(engine.target, engine.head, num_threads=torch.get_num_threads(),
+                               prefill_tokens=engine.prefill_tokens,
+                               linear="native" if engine.use_native_linear else "torch", options=options)
+    return kept[options]
 
 
 def rounded_engine(args, threads: int) -> Engine:
@@ -69,7 +97,7 @@ def rounded_engine(args, threads: int) -> Engine:
 
 def int8_engine(args, target, threads: int) -> Engine:
     """``--int8-head``'s engine: the same target with a second copy of the head, its linear layers
-    rounded to int8 weights (the hf backend's ``drafter_weights: int8``, ``rollout.quantize``)."""
+    rounded to int8 weights (the hf backend's ``drafter_weights: int8``, ``rollout.kernels.quantize``)."""
     head = load_eagle3(args.head or default_head_path(), target)
     quantize_int8_(head)
     return Engine(target, head, num_threads=threads)
@@ -128,27 +156,6 @@ def describe(spec: SpecConfig) -> str:
         return f"tree d={spec.depth} k={spec.top_k} n={spec.total_tokens}{kind}{cap}"
     return "off"
 
-
-# rows run on the default engine with one switch off: (owner, attribute)
-SWITCHES = {
-    "unfused": (fused_layers, "enabled"),  # every module's own forward (the kernel still on)
-    "fp32-head": (native_linear, "compact"),  # the head's weights packed as fp32 panels
-    "no-amx": (native_linear, "amx"),  # bf16-valued weights as compact panels, not AMX tiles
-    "python-layers": (native_layers, "enabled"),  # the layers from Python, not csrc/layer.cpp
-    "python-draft": (native_draft, "enabled"),  # the draft head's forwards from Python
-    "draft-steps": (native_draft, "chains"),  # a sampled chain's steps one C++ call each, not one call
-    "unshared": (ModelRunner, "share_prompts"),  # every row prefilled on its own
-}
-
-
-@contextlib.contextmanager
-def switched_off(owner, name: str):
-    """``owner.name`` is False inside the block, True after it."""
-    setattr(owner, name, False)
-    try:
-        yield
-    finally:
-        setattr(owner, name, True)
 
 
 def plan_line(row: dict) -> str:

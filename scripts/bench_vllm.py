@@ -141,9 +141,9 @@ def build(args):
                 runs[f"vllm-eagle3-{rule}-mb{args.max_batch}"] = vllm_runner(eagle_capped, capped, rule)
     if args.hf_only or not (args.no_hf or args.hf_python):
         from rollout.eagle3 import load_eagle3
-        from rollout.engine import Engine
+        from rollout.engine.engine import Engine
         from rollout.models import load_embedded_target
-        from rollout.quantize import quantize_int8_
+        from rollout.kernels.quantize import quantize_int8_
         from scripts.bench_rows import parse_cap, parse_verifiers, verifier_texts
 
         verifiers, texts = parse_verifiers(args.hf_rules), verifier_texts(args.hf_rules)

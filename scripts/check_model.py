@@ -33,7 +33,7 @@ import torch
 
 from rollout.architectures import UnsupportedModelError, family_of
 from rollout.eagle3 import Eagle3Config, Eagle3Head, load_eagle3
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.models import TargetConfig, TargetModel, load_target
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from verifiers import induced_candidates, induced_chain

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The prepared GPU check: every `gpu`-marked test, in one command, on a lent GPU machine.
+# The prepared GPU check: every `gpu`-marked test, in one command, on a GPU machine.
 #
 #   bash scripts/gpu_check.sh        (from the repository root, with the ignored .whl/ folder beside it)
 #
@@ -18,7 +18,7 @@ GPU_TESTS=(
     tests/verifiers/test_truncation_sampling.py
     tests/verifiers/test_verifiers_cuda.py
     tests/verifiers/test_block_tree_backends.py
-    tests/rollout/test_engine_cuda.py
+    tests/rollout/engine/test_engine_cuda.py
     tests/trainers/drafter/test_drafter_data.py
 )
 PY=${PYTHON:-python3}

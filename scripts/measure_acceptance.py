@@ -1,4 +1,4 @@
-"""Measure a draft head's acceptance length tau on the engine (``rollout.engine``).
+"""Measure a draft head's acceptance length tau on the engine (``rollout.engine.engine``).
 
     python -m scripts.measure_acceptance [--head rollout/heads/smollm2-135m-eagle3] [--n-arith 16] [--n-general 8]
         [--tree "s6,3,10;6,2,10"] [--temperatures 1,0]
@@ -6,23 +6,23 @@
 tau = tokens emitted per row per verifying target forward (accepted drafts + the recovered
 or bonus token; the engine's ``Timings.tau``: ``emitted / row_rounds``, reported as
 ``emitted`` and ``forwards``, with its standard error ``tau_se`` over the ``rows``: compare two
-heads by it, as a few percent of tau is within one sitting's noise at small prompt counts),
+heads by it, as a few percent of tau is within one run's noise at small prompt counts),
 chain of K drafts, lossless verification (``--verifier``: another rule). Modes: sampled drafts
 at T = 1 (x ~ q) and greedy drafts at T = 0 (``--temperatures``: which of them, or other
 temperatures; drafts are greedy at T = 0 and sampled above). A set of 0 prompts
 (``--n-general 0``) is left out of the report. The same engine runs the trivial
 drafter (repeat the last token, q one-hot) for comparison, and the script times one draft
-step against one target decoding step at batch 1 (``rollout.timing``).
+step against one target decoding step at batch 1 (``rollout.engine.timing``).
 
 ``--tree`` adds trees on the same prompts (``depth,top_k,total_tokens``; an ``s`` in front
-drafts sampled candidates, ``rollout.sampled_tree``, measured at the temperatures above 0 only;
+drafts sampled candidates, ``rollout.engine.sampled_tree``, measured at the temperatures above 0 only;
 top-k trees at every one), on the same prompts and seeds as the chain (``--seeds N``: N calls per set
 and mode, seeds ``--seed`` onwards, counters summed): their tau next to the chain's.
 ``--verifier`` verifies every chain and tree with another rule (``name`` or
 ``name:key=value,...``, e.g. ``overshoot:lenience=0.5``, or ``mars:theta=0.9,test=law`` for the
 law's test on sampled chains, ``VerifierConfig.test``; default lossless); the trivial drafter
 stays lossless. ``--drafter-weights int8`` rounds the head to int8 weights first (the hf backend's
-``drafter_weights: int8``, ``rollout.quantize``): its tau next to the stored head's in another run.
+``drafter_weights: int8``, ``rollout.kernels.quantize``): its tau next to the stored head's in another run.
 
 ``--policy runs/NAME/checkpoints/step_N`` measures on a training checkpoint's policy instead of
 the embedded model as shipped, and ``--baseline-head DIR`` measures a second head on the same
@@ -49,12 +49,12 @@ from torch import nn
 from rollout.chat import chat_ids
 from rollout.config import ConfigError
 from rollout.eagle3 import DraftOutput, default_head_path, load_eagle3
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.models import load_embedded_target
 from rollout.outputs import GenerationResult, tau_with_error
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, tree_spec
-from rollout.quantize import DRAFTER_WEIGHTS, quantize_int8_
-from rollout.timing import step_costs
+from rollout.kernels.quantize import DRAFTER_WEIGHTS, quantize_int8_
+from rollout.engine.timing import step_costs
 from scripts.cli import checkpoint_folder, head_folder
 from trainers.drift.study import parse_verifier
 from trainers.grpo.checkpoint import read_policy
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
                     help="the rule chains and trees are verified with: name or name:key=value,... "
                          "(test=law: rejection towards the rule's law on sampled chains)")
     ap.add_argument("--drafter-weights", default="stored", choices=DRAFTER_WEIGHTS,
-                    help="int8: round the head's linear layers to int8 weights first (rollout.quantize)")
+                    help="int8: round the head's linear layers to int8 weights first (rollout.kernels.quantize)")
     ap.add_argument("--policy", default=None, type=checkpoint_folder, metavar="CHECKPOINT",
                     help="measure on a training checkpoint's policy (runs/NAME/checkpoints/step_N; default: the "
                          "embedded model as shipped)")

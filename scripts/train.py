@@ -57,7 +57,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from rollout.allocator import tune_malloc
+    from rollout.engine.allocator import tune_malloc
     from rollout.models import resolve_device
     from trainers.grpo.config import load_train_config
     from trainers.grpo.preflight import check_local_ray_fits

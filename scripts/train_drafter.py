@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.allocator import tune_malloc
+from rollout.engine.allocator import tune_malloc
 from rollout.chat import chat_ids
 from rollout.config import ConfigError, from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, default_head_path, load_eagle3, save_eagle3

@@ -64,7 +64,7 @@ def overrides(args: argparse.Namespace) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from rollout.allocator import tune_malloc
+    from rollout.engine.allocator import tune_malloc
     from trainers.trl.config import load_trl_config
 
     tune_malloc()

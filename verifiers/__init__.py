@@ -16,6 +16,10 @@ Entry points: :func:`get_rule` (registry :data:`RULES`, a new rule added with :f
 baseline. The math contract is verifiers/README.md.
 """
 
+from .name_clash import check_import_names as _check_import_names
+
+_check_import_names()  # another distribution's 'verifiers' (or 'rollout', 'scripts') here: refused (name_clash.py)
+
 from .candidates import verify_candidates
 from .chain import verify_chain
 from .induced import distribution_metrics, induced_candidates, induced_chain

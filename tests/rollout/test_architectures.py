@@ -25,7 +25,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from rollout.architectures import FAMILIES, UnsupportedModelError
 from rollout.eagle3 import Eagle3Head
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.models import TargetModel
 from rollout.params import SamplingParams, SpecConfig
 from scripts import check_model

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from rollout.backend import BACKENDS, HFBackend, RolloutBackend, WorkerSpec, build_backend
+from rollout.backend import BACKENDS, RolloutBackend, WorkerSpec, build_backend
+from rollout.engine.backend import HFBackend
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig

@@ -192,7 +192,7 @@ def test_measured_drafters_are_lossless_at_t0(use_head):
     """measure_acceptance's drafters (the head, or the repeat-last-token drafter) on the engine
     reproduce plain greedy decoding; the trivial drafter proposes the pending token K times;
     ``measure`` reports the engine's counters at both temperatures."""
-    from rollout.engine import Engine
+    from rollout.engine.engine import Engine
     from rollout.params import SamplingParams, SpecConfig
     from rollout.outputs import tau_with_error
     from scripts.measure_acceptance import RepeatLastDraft, measure

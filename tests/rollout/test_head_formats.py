@@ -15,7 +15,7 @@ from safetensors.torch import save_file
 from test_engine_utils import PROMPTS, _ttt_loss, assert_speculative_greedy_equals_plain, single_thread  # noqa: F401
 
 from rollout.eagle3 import Eagle3Config, Eagle3Head, HeadMismatchError, causal_mask, load_eagle3, save_eagle3
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.models import TargetConfig, load_target
 from rollout.params import SamplingParams, SpecConfig
 from tests.trainers.drafter.qwen_target import HIDDEN, LAYERS, VOCAB, save_tiny_qwen2

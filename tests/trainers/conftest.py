@@ -9,6 +9,15 @@ import pytest
 import yaml
 
 
+def dump_merged(path: Path, cfg: dict, sections: dict) -> Path:
+    """Write ``cfg`` as YAML to ``path``, each of ``sections`` ({section: {field: value}}) merged
+    over the section of that name."""
+    for name, values in sections.items():
+        cfg[name] = {**cfg.get(name, {}), **values}
+    path.write_text(yaml.safe_dump(cfg))
+    return path
+
+
 def write_config(path: Path, policy: Path, head: Path | None, out_dir: Path, **sections) -> Path:
     cfg = {
         "run": {"out_dir": str(out_dir), "steps": 2, "seed": 3, "checkpoint_every": 1},
@@ -23,10 +32,7 @@ def write_config(path: Path, policy: Path, head: Path | None, out_dir: Path, **s
         "optim": {"lr": 1e-3, "micro_batch": 4},
         "ray": {"num_cpus": 2},
     }
-    for name, values in sections.items():
-        cfg[name] = {**cfg.get(name, {}), **values}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return dump_merged(path, cfg, sections)
 
 
 @pytest.fixture(scope="module")

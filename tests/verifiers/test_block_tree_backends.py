@@ -76,7 +76,7 @@ def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k, device):
     """``walk_rows`` (the rows grouped by the node their walk starts at; the walk other devices
     take) on ``device`` against ``walk_row`` on the CPU, the plain loop of the module docstring,
     on the same uniforms: the same tokens, kinds and paths."""
-    from rollout.sampled_tree import sampled_shape
+    from rollout.engine.sampled_tree import sampled_shape
     from verifiers.block_tree import walk_rows
     from verifiers.sampled import draw_without_replacement
 
@@ -113,7 +113,7 @@ def test_batched_walk_equals_the_row_by_row_walk(total, depth, top_k, device):
 def test_the_cpp_walk_equals_the_pytorch_walk(b, v, temperature, top_p):
     """The fused walk (``csrc/block_tree.cpp``) and the PyTorch one on the same uniforms: the same
     tokens, kinds and paths, log-probs to float32 rounding; at the shipped vocabulary size too."""
-    from rollout.sampled_tree import sampled_shape
+    from rollout.engine.sampled_tree import sampled_shape
     from verifiers import native
     from verifiers.sampled import draw_without_replacement
 

@@ -360,7 +360,7 @@ def test_the_block_tree_walk_is_float32_under_a_float64_default_dtype():
     """The block-tree walk under torch.set_default_dtype(torch.float64): the C++ walk returns float32
     log-probs that agree with the PyTorch walk's (its output buffer once followed the default dtype,
     so the kernel's floats were read back as doubles)."""
-    from rollout.sampled_tree import sampled_shape
+    from rollout.engine.sampled_tree import sampled_shape
     from verifiers import native
     from verifiers.block_tree import verify_block_tree
 

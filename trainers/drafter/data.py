@@ -10,7 +10,7 @@ Vocabulary:
   ``final[k] @ embed.T`` (tied embeddings); ``argmax[k]`` and ``lse[k]`` (log-sum-exp)
   of those logits. The last position has no successor: its features are zero.
 - **dataset**: records concatenated flat (``offsets`` delimit samples), fp16 for the
-  wide tensors. ``rollout.engine`` generates them with feature capture on (plain
+  wide tensors. ``rollout.engine.engine`` generates them with feature capture on (plain
   decoding), so no second target pass is needed.
 - **lossable** position k: ``argmax/final[k]`` predicts a response token, i.e.
   ``prompt_len - 1 <= k <= L - 2``.
@@ -29,7 +29,7 @@ import torch
 from tqdm import tqdm
 
 from rollout.config import ConfigError, check_int, check_number
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.models import TargetModel
 from rollout.outputs import Capture
 from rollout.params import SamplingParams
@@ -139,7 +139,7 @@ def generate_batch(
     eos_id: int | tuple[int, ...],
     gen: torch.Generator,
 ) -> list[dict[str, torch.Tensor]]:
-    """Answer a batch of tokenised prompts with ``rollout.engine`` (plain decoding, feature
+    """Answer a batch of tokenised prompts with ``rollout.engine.engine`` (plain decoding, feature
     capture on); return one record dict per prompt (see module doc). Greedy rows run at
     T = 0, the others at T = 1 with one seed drawn from ``gen`` (a generator on any device)."""
     engine = Engine(target, num_threads=torch.get_num_threads())

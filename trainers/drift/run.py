@@ -171,7 +171,7 @@ def run_all(cfg: DriftConfig, target, head, tokenizer, *, progress: bool = True)
     """
     from tqdm import tqdm
 
-    from rollout.engine import Engine
+    from rollout.engine.engine import Engine
 
     items = build_prompts(cfg, tokenizer)
     runs = [RunData(spec) for spec in plan_runs(cfg)]

@@ -13,7 +13,7 @@ import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from rollout.backend import check_backend_options
+from rollout.backend import BACKENDS, check_backend_options
 from rollout.config import ConfigError, check_int, check_number, from_dict, is_int, is_number, load_yaml
 from rollout.models import TargetConfig
 from rollout.params import (TRUNCATION_RULES, SamplingParams, SpecConfig, TruncationSamplingConfig, VerifierConfig,
@@ -24,7 +24,6 @@ from trainers.grpo.online_drafter import OnlineDrafterConfig
 from trainers.tasks.arithmetic import DIFFICULTIES
 from trainers.tasks.rewards import RewardConfig
 
-BACKENDS = ("hf", "vllm")
 TASK_SOURCES = ("arithmetic", "jsonl")
 DEVICES = ("cpu", "cuda", "auto")
 
@@ -101,7 +100,7 @@ class ModelConfig:
 class RolloutConfig:
     """backend: "hf" (our engine) or "vllm" (vLLM with our verifier, ``rollout.vllm``; chain or
     off only). backend_options: options only that backend reads (hf: linear, weights (exact or
-    bfloat16, see rollout.backend.HFBackend); vllm: kv_cache_memory_bytes,
+    bfloat16, see rollout.engine.backend.HFBackend); vllm: kv_cache_memory_bytes,
     enforce_eager, max_model_len, max_num_seqs, ... see ``rollout.vllm.backend``).
     num_actors: Ray rollout actors; threads_per_actor: torch threads in each.
     num_gpus_per_actor: GPUs Ray reserves for each actor; > 0 runs its engine on cuda.
@@ -127,7 +126,7 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
-            raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=BACKENDS)
+            raise ConfigError("backend", f"unknown backend {self.backend!r}", allowed=tuple(BACKENDS))
         if not isinstance(self.backend_options, dict):
             raise ConfigError("backend_options", f"must be a mapping, got {self.backend_options!r}")
         check_backend_options(self.backend, self.backend_options)  # here, not first in a Ray actor

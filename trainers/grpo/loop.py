@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rollout.actor_pool import RolloutPool
+from rollout.ray.actor_pool import RolloutPool
 from rollout.chat import chat_ids
 from rollout.backend import WorkerSpec
 from rollout.outputs import RolloutBatch

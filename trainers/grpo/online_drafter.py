@@ -44,7 +44,7 @@ from pathlib import Path
 
 import torch
 
-from rollout import native_linear
+from rollout.kernels import native_linear
 from rollout.config import ConfigError, check_int, check_number, is_number
 from rollout.eagle3 import Eagle3Head, load_eagle3, save_eagle3
 from rollout.models import TargetModel

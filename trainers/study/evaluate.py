@@ -173,7 +173,7 @@ class PolicyEvaluator:
 
     def __call__(self, trainer, step: int) -> None:
         if self.engine is None:
-            from rollout.engine import Engine
+            from rollout.engine.engine import Engine
 
             self.log.truncate_after(step)
             self.engine = Engine(trainer.policy_target, None)  # the trainer's own model object
@@ -189,7 +189,7 @@ class PolicyEvaluator:
 def evaluate_checkpoint(ckpt: str | Path, cfg: EvalConfig, train) -> list[dict]:
     """The held-out evaluation of a saved policy (``<run>/checkpoints/step_N``), as the run's own
     evaluation of step N would have recorded it."""
-    from rollout.engine import Engine
+    from rollout.engine.engine import Engine
     from rollout.models import load_target, resolve_device
     from trainers.grpo.checkpoint import read_policy
 

@@ -7,7 +7,7 @@ functions. :class:`SpeculativeRollouts` is such a callable:
 
 - **placement** ``"local"``: an ``hf`` backend in this process over the trainer's own
   model object (shared parameters: the rollouts always use the current weights, nothing is
-  copied); ``"ray"``: our Ray actor pool (``rollout.actor_pool``), which gets the
+  copied); ``"ray"``: our Ray actor pool (``rollout.ray.actor_pool``), which gets the
   trainer's weights pushed whenever TRL's optimizer step moved since the last push. With a
   peft LoRA policy the rollouts hold a plain model of the base architecture instead, loaded
   with the merged weights (``trainers.trl.peft_policy``) at each push, which are also what the
@@ -41,7 +41,8 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from rollout.backend import BACKENDS, HFBackend, RolloutBackend, WorkerSpec, build_backend, check_backend_options
+from rollout.backend import BACKENDS, RolloutBackend, WorkerSpec, build_backend, check_backend_options
+from rollout.engine.backend import HFBackend
 from rollout.config import ConfigError
 from rollout.chat import chat_ids
 from rollout.config import check_int
@@ -55,7 +56,7 @@ PLACEMENTS = ("local", "ray")
 #: the speculation the plug-in uses unless told otherwise (``RolloutSettings.spec``), per backend.
 #: hf: the engine's planner decides per round whether a chain pays (``max_batch: auto``). vllm takes
 #: a fixed schedule only: chains in steps with at most 4 running requests (on the 2-core CPU a
-#: chain of 3 ran at 1.75x vLLM's plain decoding at 1 request and 0.78x at 8, scripts/MEASUREMENTS.md)
+#: chain of 3 ran at 1.75x vLLM's plain decoding at 1 request and 0.78x at 8; measured 2026-12-07, commit 4fb48c3)
 DEFAULT_SPEC = {"hf": SpecConfig(mode="chain", num_draft_tokens=3, max_batch="auto"),
                 "vllm": SpecConfig(mode="chain", num_draft_tokens=3, max_batch=4)}
 
@@ -232,7 +233,7 @@ class SpeculativeRollouts:
             self.backend = HFBackend.from_model(policy, drafter_path=drafter, num_threads=threads, pad_id=pad,
                                                 **s.backend_options)
         else:
-            from rollout.actor_pool import RolloutPool
+            from rollout.ray.actor_pool import RolloutPool
 
             spec = WorkerSpec(target=s.target, drafter_path=drafter, sampling=self.sampling, spec=s.spec,
                               verifier=s.verifier, threads=s.threads_per_actor, backend=s.backend,
@@ -370,7 +371,7 @@ def local_threads() -> int | None:
     that they do not oversubscribe the cores."""
     import os
 
-    from rollout.engine import available_cores
+    from rollout.engine.engine import available_cores
 
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     return max(1, available_cores() // local) if local > 1 else None

@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from rollout.eagle3 import load_eagle3, read_eagle3_config
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.models import TargetConfig, load_target
 from rollout.params import SamplingParams, SpecConfig
 from tests.trainers.drafter.qwen_target import HIDDEN, LAYERS, VOCAB, save_tiny_qwen2

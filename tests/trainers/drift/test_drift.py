@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from rollout.config import ConfigError, from_dict
-from rollout.engine import Engine
+from rollout.engine.engine import Engine
 from rollout.outputs import DebugRecord
 from rollout.params import SamplingParams, SpecConfig
 from trainers.drift.report import build_report, write_outputs

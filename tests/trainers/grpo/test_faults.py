@@ -13,7 +13,7 @@ import signal
 import pytest
 import torch
 
-from rollout.actor_pool import RolloutPool
+from rollout.ray.actor_pool import RolloutPool
 from tests.trainers.conftest import write_config
 from trainers.grpo.config import load_train_config
 
@@ -67,9 +67,9 @@ def test_actor_killed_in_set_weights_and_in_generate(tmp_path, tiny_policy_dir, 
     reference.run()
     monkeypatch.setattr("trainers.grpo.loop.RolloutPool", KillingPool)
     faulty = _trainer(tmp_path, tiny_policy_dir, tiny_head_dir, "faulty")
-    with caplog.at_level(logging.WARNING, logger="rollout.actor_pool"):
+    with caplog.at_level(logging.WARNING, logger="rollout.ray.actor_pool"):
         rows = faulty.run()
-    said = [r.getMessage() for r in caplog.records if r.name == "rollout.actor_pool"]
+    said = [r.getMessage() for r in caplog.records if r.name == "rollout.ray.actor_pool"]
     assert [m.split(" (")[0] for m in said] == ["rollout actor 0 died during set_weights",
                                                "rollout actor 0 died during generate"], said
     pool = faulty.pool
@@ -89,7 +89,7 @@ def test_actor_killed_in_set_weights_and_in_generate(tmp_path, tiny_policy_dir, 
 
 @pytest.mark.slow  # waits out a 30 s timeout (a healthy shard takes seconds on a loaded 2-core machine)
 def test_hung_actor_is_replaced_after_the_timeout(tiny_policy_dir, tiny_head_dir, local_ray):
-    from rollout.actor import WorkerSpec
+    from rollout.ray.actor import WorkerSpec
     from rollout.models import TargetConfig
     from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 

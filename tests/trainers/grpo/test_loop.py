@@ -115,8 +115,8 @@ def test_lossy_rollouts_are_off_policy_and_logged(tmp_path, tiny_policy_dir, tin
 
 
 def test_killed_actor_loses_no_rollout(tiny_policy_dir, tiny_head_dir, local_ray):
-    from rollout.actor import WorkerSpec
-    from rollout.actor_pool import RolloutPool
+    from rollout.ray.actor import WorkerSpec
+    from rollout.ray.actor_pool import RolloutPool
     from rollout.models import TargetConfig
     from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 

@@ -27,7 +27,7 @@ def _sequences(target, n=6, new=10, seed=0):
     """Prompts of different lengths, the first two each answered twice more (groups that share a
     prompt), and their completions, sampled by the engine (plain decoding, features captured),
     and those captures."""
-    from rollout.engine import Engine
+    from rollout.engine.engine import Engine
     from rollout.params import SamplingParams
 
     g = torch.Generator().manual_seed(seed)
@@ -69,7 +69,7 @@ def test_records_match_the_engines_capture(target, shared, monkeypatch):
 
 
 def test_the_feature_pass_leaves_no_packed_copy_of_the_policy(target):
-    from rollout import native_linear
+    from rollout.kernels import native_linear
 
     if not native_linear.available():
         pytest.skip("the native kernel is unavailable here: nothing is packed")
@@ -127,7 +127,7 @@ def test_a_round_trains_the_head_and_not_the_policy(trainable, tiny_head_dir, tm
 def test_train_on_batch_is_the_round_on_each_rows_prompt_and_completion(target, tiny_head_dir, tmp_path):
     """The loop and the TRL plug-in hand a generation over as it is: padded prompts of several
     lengths; the features are taken in eval mode and the policy's mode is restored."""
-    from rollout.engine import Engine
+    from rollout.engine.engine import Engine
     from rollout.params import SamplingParams
 
     g = torch.Generator().manual_seed(3)
@@ -357,8 +357,8 @@ def test_the_pool_ships_the_head_files_so_actors_need_no_shared_folder(target, t
     after that still drafts with the shipped head, not the spec's."""
     import shutil
 
-    from rollout.actor import read_head_files
-    from rollout.actor_pool import RolloutPool
+    from rollout.ray.actor import read_head_files
+    from rollout.ray.actor_pool import RolloutPool
     from rollout.backend import WorkerSpec
     from rollout.eagle3 import save_eagle3
     from rollout.params import SamplingParams, SpecConfig, VerifierConfig

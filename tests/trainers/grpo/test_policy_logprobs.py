@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from scripts.bench_train_step import AllPositions  # a forward that takes no logits_to_keep
+from scripts.research.bench_train_step import AllPositions  # a forward that takes no logits_to_keep
 from trainers.grpo.policy import completion_logprobs, forward_paths
 from verifiers import process_logits
 

@@ -32,7 +32,7 @@ def _growth(series: list[float], warm: int) -> float:
 
 def test_fifty_engine_calls_keep_rss_flat(tiny_policy_dir, tiny_head_dir):
     from rollout.eagle3 import load_eagle3
-    from rollout.engine import Engine
+    from rollout.engine.engine import Engine
     from rollout.models import TargetConfig, load_target
     from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import yaml
+from tests.trainers.conftest import dump_merged
 
 
 def write_study(path: Path, policy: Path, head: Path | None, out_dir: Path, settings: dict | None = None,
@@ -32,7 +32,4 @@ def write_study(path: Path, policy: Path, head: Path | None, out_dir: Path, sett
             "ray": {"num_cpus": 2},
         },
     }
-    for name, values in sections.items():
-        cfg[name] = {**cfg.get(name, {}), **values}
-    path.write_text(yaml.safe_dump(cfg))
-    return path
+    return dump_merged(path, cfg, sections)

@@ -21,7 +21,7 @@ CFG = EvalConfig(every=2, difficulties=(1, 2), problems_per_difficulty=3, temper
 @pytest.fixture(scope="module")
 def policy(tiny_policy_dir, tiny_head_dir):
     from rollout.eagle3 import load_eagle3
-    from rollout.engine import Engine
+    from rollout.engine.engine import Engine
     from rollout.models import TargetConfig, load_target
 
     target, tokenizer = load_target(TargetConfig(path=str(tiny_policy_dir)))

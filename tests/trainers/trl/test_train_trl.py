@@ -251,7 +251,7 @@ def test_the_heads_training_rounds_reach_the_metrics_and_the_summary(tmp_path, t
 
 def test_one_step_with_placement_ray(tmp_path, tiny_policy_dir, tiny_head_dir, local_ray, monkeypatch):
     """The CLI's rollouts come from the Ray pool, whose actor loads model.target."""
-    from rollout.actor_pool import RolloutPool
+    from rollout.ray.actor_pool import RolloutPool
     from scripts.train_trl import main
 
     specs = []

@@ -19,7 +19,7 @@ trl = pytest.importorskip("trl")
 
 
 def test_draft_head_is_reloaded_between_steps(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
-    from rollout.backend import HFBackend
+    from rollout.engine.backend import HFBackend
 
     loads = []
     original = HFBackend.load_drafter
@@ -33,7 +33,7 @@ def test_draft_head_is_reloaded_between_steps(tmp_path, tiny_policy_dir, tiny_he
 
 
 def test_draft_head_trains_with_the_policy_and_resumes(tmp_path, tiny_policy_dir, tiny_head_dir, monkeypatch):
-    from rollout.backend import HFBackend
+    from rollout.engine.backend import HFBackend
     from rollout.eagle3 import load_eagle3
 
     loads = []
@@ -101,7 +101,7 @@ def test_generation_seeds_continue_after_a_resume(tmp_path, tiny_policy_dir, tin
     draws the seeds the uninterrupted one drew, not its first steps' again."""
     import json
 
-    from rollout.backend import HFBackend
+    from rollout.engine.backend import HFBackend
 
     seeds = []
     original = HFBackend.generate

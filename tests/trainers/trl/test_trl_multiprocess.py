@@ -93,7 +93,7 @@ def test_processes_sample_their_own_completions(launched):
         assert a["seed"] != b["seed"]
         assert a["completion_ids"] != b["completion_ids"], f"step {a['step']}: both sampled the same completions"
     # the plug-in gives each of the 2 processes its share of the cores
-    from rollout.engine import available_cores
+    from rollout.engine.engine import available_cores
 
     assert [r["torch_threads"] for r in records] == [max(1, available_cores() // 2)] * 2
 
@@ -174,7 +174,7 @@ def test_each_process_draws_its_own_random_stream():
 
 
 def test_local_threads_share_the_cores(monkeypatch):
-    from rollout.engine import available_cores
+    from rollout.engine.engine import available_cores
     from trainers.trl.rollouts import local_threads
 
     monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)

@@ -1,0 +1,1 @@
+"""One-off research and measurement tools (``python -m scripts.research.X``)."""
