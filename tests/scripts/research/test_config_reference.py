@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from scripts.research import config_reference as ref
+from scripts.research.config_reference.markdown import _default, _yaml, section
 from trainers.tasks.rewards import RewardConfig
 
 
@@ -70,11 +71,11 @@ def test_a_refusal_that_depends_on_another_field_is_not_an_allowed_set(rendered)
 def _leaves(cls: type, prefix: str = ""):
     hints = typing.get_type_hints(cls)
     for f in dataclasses.fields(cls):
-        sub = ref._section(hints[f.name])
+        sub = section(hints[f.name])
         if sub is not None:
             yield from _leaves(sub, f"{prefix}{f.name}.")
         else:
-            yield f"{prefix}{f.name}", ref._default(f)
+            yield f"{prefix}{f.name}", _default(f)
 
 
 def test_every_default_reads_back_as_yaml():
@@ -84,4 +85,4 @@ def test_every_default_reads_back_as_yaml():
                     dataclasses.is_dataclass(v) for v in default.values())):
                 continue
             expected = list(default) if isinstance(default, tuple) else default
-            assert yaml.safe_load(f"x: {ref._yaml(default)}")["x"] == expected, (kind.title, key)
+            assert yaml.safe_load(f"x: {_yaml(default)}")["x"] == expected, (kind.title, key)
