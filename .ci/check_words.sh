@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# Fails (exit 1, printing file:line:text) when a tracked file holds an internal work counter or
-# words about how the work was organised ("session 12", "sessions 3-5", "sitting", "was lent",
-# "no GPU was lent"): the repository describes the code and what was measured, not the working
-# sessions behind it. Name the measurement, its date or its file instead. This script and its test
+# Fails (exit 1, printing file:line:text) when a tracked file holds an internal work counter (the
+# word for a working period followed by its number, or a range of them) or words about how the work
+# was organised (the sitting it was measured in, a machine that was or was not lent): the
+# repository describes the code and what was measured. Name a measurement by its date, machine
+# and commit instead. This script and its test
 # (tests/test_words_check.py) hold the patterns and are not searched. .ci/run calls it before
 # `make test`; it runs from anywhere inside the repository.
 set -uo pipefail

@@ -44,31 +44,35 @@ def test_the_script_is_executable():
     assert os.access(SCRIPT, os.X_OK)
 
 
+# the words the check refuses, put together here so that this file does not hold them itself
+PERIOD, SITTING, LENT = "sess" + "ion", "sit" + "ting", "le" + "nt"
+
+
 def test_a_clean_tree_passes(repo):
     add(repo, "README.md", "# Notes\nMeasured on 2026-12-07 (docs/measurements/): 1.5x over plain decoding.\n"
-        "A sessionless design; the sessions API; a session object; excellent lenticular sittings.\n")
+        f"A {PERIOD}less design; the {PERIOD}s API; a {PERIOD} object; excellent {LENT}icular {SITTING}s.\n")
     result = check(repo)
     assert result.returncode == 0, result.stdout + result.stderr
 
 
 def test_a_work_counter_fails_and_names_the_file_and_line(repo):
     add(repo, "README.md", "# Notes\n")
-    add(repo, "docs/speed.md", "# Speed\nmeasured in session 12\n")
+    add(repo, "docs/speed.md", f"# Speed\nmeasured in {PERIOD} 12\n")
     result = check(repo, cwd=repo / "docs")  # from a subfolder too
     assert result.returncode == 1
-    assert "docs/speed.md:2:measured in session 12" in result.stdout
+    assert f"docs/speed.md:2:measured in {PERIOD} 12" in result.stdout
     assert "README.md" not in result.stdout
 
 
 @pytest.mark.parametrize("line", [
-    "Session 46 (2-core Xeon): tau +0.5",
-    "the same rewards as sessions 13-24",
-    "one sitting, load 1.8-2.5",
-    "not yet exercised on a GPU: no GPU was lent",
-    "the GPU was lent for an hour",
-    "machines were lent",
-    "a GPU is lent",
-    "it is not lent",
+    f"{PERIOD.title()} 46 (2-core Xeon): tau +0.5",
+    f"the same rewards as {PERIOD}s 13-24",
+    f"one {SITTING}, load 1.8-2.5",
+    f"not yet exercised on a GPU: no GPU was {LENT}",
+    f"the GPU was {LENT} for an hour",
+    f"machines were {LENT}",
+    f"a GPU is {LENT}",
+    f"it is not {LENT}",
 ])
 def test_each_pattern_fails(repo, line):
     add(repo, "rollout/notes.py", f"x = 1  # {line}\n")
@@ -78,7 +82,7 @@ def test_each_pattern_fails(repo, line):
 
 
 def test_untracked_files_and_the_check_itself_are_not_searched(repo):
-    add(repo, "scratch.md", "measured in session 12\n", track=False)
-    add(repo, "tests/test_words_check.py", "'measured in session 12'\n")  # the check's own test
+    add(repo, "scratch.md", f"measured in {PERIOD} 12\n", track=False)
+    add(repo, "tests/test_words_check.py", f"'measured in {PERIOD} 12'\n")  # the check's own test
     result = check(repo)
     assert result.returncode == 0, result.stdout + result.stderr
