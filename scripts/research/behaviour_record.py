@@ -25,7 +25,8 @@ import torch
 HEAD = str(Path(__file__).resolve().parents[2] / "rollout" / "heads" / "smollm2-135m-eagle3")
 # a key with one of these words (split at "_") names a duration, a speed, a memory figure or a host
 TIME_WORDS = frozenset({"time", "times", "timings", "s", "sec", "seconds", "ms", "wall", "elapsed", "speed",
-                        "throughput", "rss", "mb", "gb", "date", "host", "hostname", "pid", "started", "finished"})
+                        "throughput", "speedup", "rss", "mb", "gb", "date", "host", "hostname", "pid", "started", "finished",
+                        "out", "dir"})  # (and the output folder, which differs between two records)
 
 
 def digest(*tensors) -> str:
