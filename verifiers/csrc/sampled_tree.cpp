@@ -1,4 +1,4 @@
-// hr_walk_sampled: the whole walk over a sampled tree on the CPU (rollout/sampled_tree.py's
+// hr_walk_sampled: the whole walk over a sampled tree on the CPU (rollout/engine/sampled_tree.py's
 // walk_sampled is the contract; verifiers/sampled.py walks a chain verified towards the law as a
 // tree), the same node step (sampled.h's verify_node) at each node. One task per row; a row's
 // sums accumulate in float64 on one thread.
@@ -12,7 +12,7 @@
 
 extern "C" {
 
-// The walk over a sampled tree for every row at once (rollout/sampled_tree.py, walk_sampled):
+// The walk over a sampled tree for every row at once (rollout/engine/sampled_tree.py, walk_sampled):
 // target [B, N+1, V] float32 logits (row of node i = the target's prediction after node i; already
 // truncated), draft [B, ND, Vd] the draft logits each node's children were drawn from (row i: node i;
 // ND >= every node with children, N+1 for a tree, K for a chain whose last node is a leaf), draft_ids

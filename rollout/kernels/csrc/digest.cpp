@@ -1,4 +1,4 @@
-// A 64-bit digest of a weight's bytes, read at memory bandwidth: rollout/native_linear.py keeps
+// A 64-bit digest of a weight's bytes, read at memory bandwidth: rollout/kernels/native_linear.py keeps
 // a weight's packed panels across calls while the weight's digest is unchanged (a weight can be
 // written without moving its version counter, e.g. through ``.data``, so only its bytes tell).
 //

@@ -4,7 +4,7 @@
 // kernel on the Intel Xeon this was measured on (about 40 torch ops and the Python between them
 // per layer: the rotary embedding, the cache write, the residual adds, the activation, and the
 // calls into the kernels). This file runs a layer's whole sequence from C++, with the same
-// arithmetic in the same order as ``rollout.fused_layers``' Python forwards (the same bits):
+// arithmetic in the same order as ``rollout.kernels.fused_layers``' Python forwards (the same bits):
 //
 //   x = rms_norm(h, w_in)                     hr_rms_norm (csrc/norm.cpp)
 //   qkv = x [Wq; Wk; Wv]^T                    hr_linear / hr_linear16 (csrc/linear.cpp), hr_linear_amx
@@ -186,7 +186,7 @@ int64_t hr_decoder_stack(float* h, int64_t B, int64_t T, int64_t H, int64_t n, c
 
 // One speculative step of the EAGLE-3 head's layer (rollout.eagle3_head.DraftLayer) and, when
 // p_lm is given, its logits, with the arithmetic of the head's forward inside
-// native_linear.routed (rollout.fused_layers' draft attention and MLP):
+// native_linear.routed (rollout.kernels.fused_layers' draft attention and MLP):
 //
 //   x = [rms_norm(emb, w_in), rms_norm(hid, w_hid)]      [R, 2H]
 //   h = hid + attention(x) Wo^T                           q/k/v, rotation, cache write, hr_attend
@@ -255,11 +255,11 @@ static int64_t inverse_cdf_pick(const float* q, int64_t V, double u) {
   return V - 1;
 }
 
-// A chain of k sampled (or greedy) drafts after the root (rollout.engine's _draft_chain with the steps of
-// rollout.native_draft), from one call: at batch 1 the ~40 torch ops and the Python around each
+// A chain of k sampled (or greedy) drafts after the root (rollout.engine.engine's _draft_chain with the steps of
+// rollout.kernels.native_draft), from one call: at batch 1 the ~40 torch ops and the Python around each
 // draft step (the mask, positions, embedding, the sampling) had cost about as much as the step's
 // own C++ layer call. Step s (0-based) draws draft s from the logits ``logits[:, s]`` as
-// rollout.draft_sampling.sample_draft does (z = logits / T in float32, q = ATen's softmax of z, the
+// rollout.engine.draft_sampling.sample_draft does (z = logits / T in float32, q = ATen's softmax of z, the
 // first id whose float64 running sum of q exceeds u[s, b] times the row's total, the target kept
 // below the total), then, unless s = k - 1, maps it to its target id (``draft_ids``), takes that id's
 // row of ``emb_table`` [Vt, H] and runs hr_draft_layer on it and ``hidden`` [B, H] (written back

@@ -5,7 +5,7 @@
 // torch's fp32 GEMM reaches about 12 GB/s there on this project's 2-core CPU; streaming the
 // packed panels reaches 25-30 GB/s at M = 1-8. At larger M (verify blocks of a batch, prefill)
 // the work is FMAs, and the register tiles below keep ahead of torch's GEMM at every M measured
-// (1-2048; see rollout/native_linear.py for the figures, scripts/profile_step.py to measure).
+// (1-2048; see rollout/kernels/native_linear.py for the figures, scripts/research/profile_step.py to measure).
 //
 // The panels (fp32, compact bf16 or int8) are laid out as panels.h describes and packed by
 // pack.cpp; this file is the kernel that streams them. Work units are kUnit adjacent

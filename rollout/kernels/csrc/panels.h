@@ -11,7 +11,7 @@
 // are the bits of the fp32 panels. The pack refuses (returns 1) a weight with any other value.
 //
 // Int8 panels: a weight whose row n is s[n] times integers in [-127, 127] (every value the float
-// product fl(q s[n]): ``rollout.quantize`` makes the EAGLE-3 head so on request) can be packed as
+// product fl(q s[n]): ``rollout.kernels.quantize`` makes the EAGLE-3 head so on request) can be packed as
 // the integers, a quarter of the bytes, with the panel's 16 scales after its K rows (panel stride
 // K x 16 + 64 bytes). The kernel widens each integer to a float and multiplies it by its column's
 // scale, the product the weight holds, before the same FMAs: again the bits of the fp32 panels.

@@ -1,4 +1,4 @@
-"""scripts/bench_train_step on the tiny policy: the four variants run, compute the same
+"""scripts/research/bench_train_step on the tiny policy: the four variants run, compute the same
 log-probs, and bad input exits with status 2 naming it."""
 
 from __future__ import annotations
