@@ -20,11 +20,11 @@ import time
 import torch
 
 from rollout.engine.engine import Engine
+from rollout.engine.planner import trace_summary
+from rollout.engine.timing import chain_key, cost_label, step_costs
 from rollout.options import EngineOptions
 from rollout.outputs import tau_with_error
 from rollout.params import SamplingParams, SpecConfig
-from rollout.engine.planner import trace_summary
-from rollout.engine.timing import chain_key, cost_label, step_costs
 from scripts.bench_rows import engine_with, header, plan_line, print_row, row_configs, widths
 from verifiers import native
 

@@ -17,10 +17,10 @@ import torch
 from rollout.config import ConfigError
 from rollout.eagle3 import default_head_path, load_eagle3
 from rollout.engine.engine import Engine
-from rollout.options import EngineOptions
-from rollout.models import load_embedded_target, round_weights_
-from rollout.params import SpecConfig, VerifierConfig, tree_spec
 from rollout.kernels.quantize import quantize_int8_
+from rollout.models import load_embedded_target, round_weights_
+from rollout.options import EngineOptions
+from rollout.params import SpecConfig, VerifierConfig, tree_spec
 from trainers.drift.study import parse_verifier, verifier_label
 
 # the rows' engine options, by the flag of bench_rollout.parse_args that adds them

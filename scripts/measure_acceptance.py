@@ -50,11 +50,11 @@ from rollout.chat import chat_ids
 from rollout.config import ConfigError
 from rollout.eagle3 import DraftOutput, default_head_path, load_eagle3
 from rollout.engine.engine import Engine
+from rollout.engine.timing import step_costs
+from rollout.kernels.quantize import DRAFTER_WEIGHTS, quantize_int8_
 from rollout.models import load_embedded_target
 from rollout.outputs import GenerationResult, tau_with_error
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, tree_spec
-from rollout.kernels.quantize import DRAFTER_WEIGHTS, quantize_int8_
-from rollout.engine.timing import step_costs
 from scripts.cli import checkpoint_folder, head_folder
 from trainers.drift.study import parse_verifier
 from trainers.grpo.checkpoint import read_policy

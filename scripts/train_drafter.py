@@ -34,18 +34,18 @@ from pathlib import Path
 
 import torch
 
-from rollout.engine.allocator import tune_malloc
 from rollout.chat import chat_ids
 from rollout.config import ConfigError, from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, default_head_path, load_eagle3, save_eagle3
+from rollout.engine.allocator import tune_malloc
 from rollout.models import DTYPES, load_target, resolve_device
 from scripts.cli import positive_int
-from trainers.drafter.train import DrafterConfig, calibrate_logit_scale, evaluate, init_from_target, train_drafter
 from trainers.drafter.data import DrafterData, DrafterDataConfig, draft_vocab, generate_dataset, stop_ids
 from trainers.drafter.prompts import PromptFileError, read_prompt_file, split_records
+from trainers.drafter.train import DrafterConfig, calibrate_logit_scale, evaluate, init_from_target, train_drafter
 from trainers.grpo.run_lock import RunLock, RunLockedError
-from trainers.tasks.general import general_prompts, heldout_prompts
 from trainers.tasks.arithmetic import make_problems
+from trainers.tasks.general import general_prompts, heldout_prompts
 
 
 def prompt_sets(d: DrafterDataConfig) -> dict[str, tuple[list[str | list[dict]], list[str]]]:

@@ -10,10 +10,10 @@ import torch
 from rollout.backend import WorkerSpec
 from rollout.config import ConfigError
 from rollout.engine.engine import Engine
-from rollout.options import EngineOptions
 from rollout.kernels import native_linear
 from rollout.kernels.quantize import check_drafter_weights, quantize_int8_
 from rollout.models import WEIGHT_ROUNDINGS, TargetModel, load_target, round_weights_
+from rollout.options import EngineOptions
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 

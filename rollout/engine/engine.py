@@ -36,17 +36,17 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.kernels import native_linear
-from rollout.engine.allocator import tune_malloc
 from rollout.architectures import family_of
-from rollout.engine.draft_sampling import sample_draft
 from rollout.eagle3_io import check_head_fits
+from rollout.engine.allocator import tune_malloc
+from rollout.engine.draft_sampling import sample_draft
 from rollout.engine.kv_cache import fill_from_tail
+from rollout.engine.planner import RoundPlanner
+from rollout.engine.runner import ModelRunner
+from rollout.kernels import native_linear
 from rollout.options import EngineOptions
 from rollout.outputs import Capture, DebugRecord, GenerationResult, Timings
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test
-from rollout.engine.planner import RoundPlanner
-from rollout.engine.runner import ModelRunner
 from rollout.engine.sampled_tree import (ShapePlanner, draft_sampled_tree, draft_steps, fused_walk_usable, walk_block,
                                   walk_sampled)
 from rollout.engine.sequences import RoundOutput, SequenceTable, prompt_budgets

@@ -37,12 +37,12 @@ from contextlib import nullcontext
 
 import torch
 
-from rollout.options import EngineOptions
-from rollout.kernels import fused_layers, native_draft, native_layers
+from rollout.eagle3_head import DraftOutput
 from rollout.engine.attention import Positions, engine_attention, key_positions
 from rollout.engine.chunking import prefill_chunks
-from rollout.eagle3_head import DraftOutput
 from rollout.engine.kv_cache import RowKVCache
+from rollout.kernels import fused_layers, native_draft, native_layers
+from rollout.options import EngineOptions
 
 DRAFT_POSITION_OFFSET = 0  # draft pair j sits at RoPE position j + this offset
 

@@ -43,9 +43,9 @@ import weakref
 
 import torch
 
-from rollout.options import EngineOptions
-from rollout.kernels import fused_layers, native_lib, native_linear
 from rollout.eagle3_head import DraftLayer, Eagle3Head
+from rollout.kernels import fused_layers, native_lib, native_linear
+from rollout.options import EngineOptions
 
 DEFAULTS = EngineOptions()
 

@@ -24,8 +24,8 @@ import weakref
 import torch
 from torch import nn
 
-from rollout.options import EngineOptions
 from rollout.kernels import fused_layers, native_lib, native_linear
+from rollout.options import EngineOptions
 
 DEFAULTS = EngineOptions()
 _plans: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # base -> (native_linear.epoch, layer arguments)

@@ -76,9 +76,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from rollout.options import EngineOptions
 from rollout.kernels import fused_layers, native_lib, native_ops, weight_check
 from rollout.kernels.native_lib import available
+from rollout.options import EngineOptions
 
 SOURCES = native_lib.SOURCES  # the library's files (its build key)
 MODES = ("auto", "native", "torch")  # the engine's ``linear`` option

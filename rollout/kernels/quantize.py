@@ -23,8 +23,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from rollout.kernels import native_linear
 from rollout.config import ConfigError
+from rollout.kernels import native_linear
 
 DRAFTER_WEIGHTS = ("stored", "int8")  # the hf backend's ``drafter_weights`` option
 LEVELS = 127  # integers in [-LEVELS, LEVELS]

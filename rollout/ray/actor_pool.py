@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from rollout.ray.actor import Shard, ShardResult, WorkerSpec, read_head_files, remote_actor_class
 from rollout.outputs import RolloutBatch
+from rollout.ray.actor import Shard, ShardResult, WorkerSpec, read_head_files, remote_actor_class
 
 log = logging.getLogger(__name__)
 

@@ -36,10 +36,10 @@ import torch  # noqa: E402
 
 from rollout.eagle3 import default_head_path, load_eagle3  # noqa: E402
 from rollout.engine.engine import Engine  # noqa: E402
+from rollout.engine.timing import step_costs  # noqa: E402
 from rollout.kernels import native_linear  # noqa: E402
 from rollout.models import load_embedded_target, round_weights_  # noqa: E402
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig  # noqa: E402
-from rollout.engine.timing import step_costs  # noqa: E402
 from scripts.cli import positive_int, positive_ints  # noqa: E402
 from trainers.tasks.general import benchmark_prompts  # noqa: E402
 

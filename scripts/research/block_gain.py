@@ -21,9 +21,9 @@ import json
 
 import torch
 
-import rollout.engine.engine as engine_module
 from rollout.chat import chat_ids
 from rollout.eagle3 import default_head_path, load_eagle3
+import rollout.engine.engine as engine_module
 from rollout.engine.engine import Engine
 from rollout.models import load_embedded_target
 from rollout.params import SamplingParams, SpecConfig

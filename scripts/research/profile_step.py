@@ -47,11 +47,11 @@ import time  # noqa: E402
 import torch  # noqa: E402
 
 from rollout.engine.engine import Engine  # noqa: E402
-from rollout.options import EngineOptions  # noqa: E402
-from rollout.kernels import native_linear  # noqa: E402
-from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from rollout.engine.runner import ModelRunner  # noqa: E402
 from rollout.engine.timing import step_costs, upper_median  # noqa: E402
+from rollout.kernels import native_linear  # noqa: E402
+from rollout.options import EngineOptions  # noqa: E402
+from rollout.params import SamplingParams, SpecConfig  # noqa: E402
 from scripts.cli import positive_int  # noqa: E402
 
 MATMUL = {"mm", "addmm", "bmm", "matmul", "linear", "hr_linear"}

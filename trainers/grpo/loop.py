@@ -29,11 +29,11 @@ from pathlib import Path
 
 import torch
 
-from rollout.ray.actor_pool import RolloutPool
-from rollout.chat import chat_ids
 from rollout.backend import WorkerSpec
-from rollout.outputs import RolloutBatch
+from rollout.chat import chat_ids
 from rollout.models import load_target, resolve_device
+from rollout.outputs import RolloutBatch
+from rollout.ray.actor_pool import RolloutPool
 from trainers.grpo.checkpoint import load_checkpoint, load_state, save_checkpoint
 from trainers.grpo.config import TrainConfig
 from trainers.grpo.correction import importance_weights

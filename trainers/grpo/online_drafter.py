@@ -44,9 +44,9 @@ from pathlib import Path
 
 import torch
 
-from rollout.kernels import native_linear
 from rollout.config import ConfigError, check_int, check_number, is_number
 from rollout.eagle3 import Eagle3Head, load_eagle3, save_eagle3
+from rollout.kernels import native_linear
 from rollout.models import TargetModel
 from rollout.outputs import RolloutBatch
 from trainers.drafter.data import DrafterData, collate, make_record, records_to_data

@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from rollout.backend import BACKENDS, RolloutBackend, WorkerSpec, build_backend, check_backend_options
-from rollout.engine.backend import HFBackend
-from rollout.config import ConfigError
 from rollout.chat import chat_ids
+from rollout.config import ConfigError
 from rollout.config import check_int
+from rollout.engine.backend import HFBackend
 from rollout.models import TargetConfig
 from rollout.outputs import RolloutBatch
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig, check_test, drift_warning

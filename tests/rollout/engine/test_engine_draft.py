@@ -8,9 +8,9 @@ import torch
 from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head  # noqa: F401
 
 from rollout.engine.engine import Engine
-from rollout.params import SamplingParams, SpecConfig
 from rollout.engine.runner import ModelRunner
 from rollout.engine.tree import draft_tree
+from rollout.params import SamplingParams, SpecConfig
 
 
 @pytest.fixture(scope="module")

@@ -9,8 +9,8 @@ from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head 
 
 from rollout.config import ConfigError
 from rollout.engine.engine import Engine
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.engine.runner import ModelRunner
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 
 
 @pytest.fixture(scope="module")

@@ -19,9 +19,9 @@ from rollout.config import ConfigError
 from rollout.engine import timing
 from rollout.engine.backend import HFBackend
 from rollout.engine.engine import Engine
-from rollout.options import EngineOptions
 from rollout.engine.runner import ModelRunner
 from rollout.kernels import fused_layers, native_draft, native_layers, native_lib, native_linear, native_ops
+from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
 

@@ -9,8 +9,8 @@ import pytest
 from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head  # noqa: F401
 
 from rollout.engine.engine import Engine
-from rollout.params import SamplingParams, SpecConfig
 from rollout.engine.planner import RoundPlanner
+from rollout.params import SamplingParams, SpecConfig
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ from test_engine_utils import (PROMPTS, assert_first_tokens_follow_the_target, c
                                exact_three_token_law, induced_logprob, single_thread, tiny_target, trained_head)
 
 from rollout.engine.engine import Engine
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from rollout.kernels.quantize import quantize_int8_
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from verifiers import TokenKind, target_logprobs
 
 SPECS = {

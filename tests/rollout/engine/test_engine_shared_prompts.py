@@ -9,10 +9,10 @@ import pytest
 from test_engine_utils import PROMPTS, single_thread, tiny_target, trained_head  # noqa: F401
 
 from rollout.engine.engine import Engine
+from rollout.engine.runner import ModelRunner
 from rollout.kernels import native_linear
 from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from rollout.engine.runner import ModelRunner
 
 GROUPED = [PROMPTS[2], PROMPTS[0], PROMPTS[2], PROMPTS[2], PROMPTS[0], PROMPTS[1], PROMPTS[1]]
 

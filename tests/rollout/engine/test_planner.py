@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.params import SpecConfig
 from rollout.engine.planner import REPROBE, RoundPlanner, bucket
 from rollout.engine.planner_costs import Recent
+from rollout.params import SpecConfig
 from tests.rollout.engine.planner_sim import cpu_like, kernel_like, simulate
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.params import SpecConfig
 from rollout.engine.planner import RoundPlanner, bucket
 from rollout.engine.planner_costs import Recent, read_curve
+from rollout.params import SpecConfig
 
 
 def test_round_cost_interpolates_between_measured_blocks():

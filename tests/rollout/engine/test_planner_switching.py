@@ -8,8 +8,8 @@ import math
 
 import pytest
 
-from rollout.params import SpecConfig
 from rollout.engine.planner import RoundPlanner, bucket
+from rollout.params import SpecConfig
 from tests.rollout.engine.planner_sim import cpu_like, kernel_like, simulate, spent
 
 

@@ -4,8 +4,8 @@ switch (it catches up on the prompt)."""
 
 from __future__ import annotations
 
-from rollout.params import SpecConfig
 from rollout.engine.planner import BEST, NO_CLEAR_GAIN, REPROBE, RoundPlanner
+from rollout.params import SpecConfig
 from tests.rollout.engine.planner_sim import simulate
 
 

@@ -14,9 +14,9 @@ from test_engine_utils import single_thread, tiny_target, trained_head  # noqa: 
 
 from rollout.engine.chunking import by_length, in_order, padded_tokens, prefill_chunks
 from rollout.engine.engine import Engine
+from rollout.engine.runner import ModelRunner
 from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig
-from rollout.engine.runner import ModelRunner
 
 # lengths 3..24, out of order, two prompts repeated (GRPO groups)
 LENGTHS = [9, 24, 3, 17, 5, 24, 12, 3, 20, 7]

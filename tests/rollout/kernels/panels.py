@@ -6,8 +6,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from rollout.options import EngineOptions
 from rollout.kernels import native_linear
+from rollout.options import EngineOptions
 
 
 def pack_without(weight: torch.Tensor, option: str) -> torch.Tensor:

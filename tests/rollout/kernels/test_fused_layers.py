@@ -9,8 +9,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.kernels import fused_layers, native_layers, native_linear, native_ops
 from rollout.engine.engine import Engine
+from rollout.kernels import fused_layers, native_layers, native_linear, native_ops
 from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target

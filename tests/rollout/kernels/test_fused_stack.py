@@ -9,12 +9,12 @@ import functools
 import pytest
 import torch
 
-from rollout.kernels import fused_layers, native_layers, native_lib, native_linear
 from rollout.engine.engine import Engine
 from rollout.engine.kv_cache import RowKVCache
+from rollout.engine.runner import ModelRunner
+from rollout.kernels import fused_layers, native_layers, native_lib, native_linear
 from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from rollout.engine.runner import ModelRunner
 from tests.models import copy_head, tiny_target
 
 pytestmark = pytest.mark.skipif(not native_linear.available(),

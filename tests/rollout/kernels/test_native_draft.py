@@ -12,12 +12,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from rollout.kernels import native_draft, native_layers, native_linear
 from rollout.engine.engine import Engine
+from rollout.engine.runner import ModelRunner
+from rollout.kernels import native_draft, native_layers, native_linear
+from rollout.kernels.quantize import quantize_int8_
 from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from rollout.kernels.quantize import quantize_int8_
-from rollout.engine.runner import ModelRunner
 from tests.models import copy_head, tiny_target
 
 pytestmark = pytest.mark.skipif(not native_linear.available(),

@@ -12,13 +12,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.kernels import native_lib, native_linear, weight_check
 from rollout.backend import WorkerSpec
-from rollout.engine.backend import HFBackend
 from rollout.config import ConfigError
+from rollout.engine.backend import HFBackend
 from rollout.engine.engine import Engine
-from rollout.options import EngineOptions
+from rollout.kernels import native_lib, native_linear, weight_check
 from rollout.models import TargetConfig
+from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
 from verifiers import cbuild

@@ -12,8 +12,8 @@ import math
 import pytest
 import torch
 
-from rollout.kernels import native_linear
 from rollout.engine.engine import Engine
+from rollout.kernels import native_linear
 from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target

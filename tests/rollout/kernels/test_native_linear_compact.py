@@ -11,11 +11,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.kernels import native_linear
 from rollout.engine.engine import Engine
+from rollout.kernels import native_linear
+from rollout.kernels.quantize import quantize_int8_
 from rollout.options import EngineOptions
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
-from rollout.kernels.quantize import quantize_int8_
 from tests.models import copy_head, tiny_target
 from tests.rollout.kernels.panels import assert_fp32_bits, fp32_pack
 

@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.kernels import native_linear, weight_check
 from rollout.engine.engine import Engine
+from rollout.kernels import native_linear, weight_check
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.models import copy_head, tiny_target
 

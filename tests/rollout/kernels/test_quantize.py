@@ -10,13 +10,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rollout.kernels import native_linear
 from rollout.backend import WorkerSpec, build_backend
 from rollout.config import ConfigError
-from rollout.options import EngineOptions
-from rollout.models import TargetConfig
-from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.kernels import native_linear
 from rollout.kernels.quantize import int8_rows, quantize_int8_
+from rollout.models import TargetConfig
+from rollout.options import EngineOptions
+from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 from tests.rollout.kernels.panels import assert_fp32_bits, fp32_pack
 
 native = pytest.mark.skipif(not native_linear.available(),

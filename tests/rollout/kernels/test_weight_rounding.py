@@ -10,9 +10,9 @@ import copy
 import pytest
 import torch
 
-from rollout.kernels import native_linear
 from rollout.backend import WorkerSpec, build_backend
 from rollout.config import ConfigError
+from rollout.kernels import native_linear
 from rollout.models import TargetConfig, load_target, round_weights_
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
 

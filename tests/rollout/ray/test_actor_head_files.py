@@ -16,13 +16,13 @@ import torch
 from safetensors.torch import save_file
 from test_actor_pool_faults import fake_pool, write_head
 
-from rollout.ray.actor import RolloutWorker, check_head_folder, read_head_files
-from rollout.ray.actor_pool import RolloutPool
 from rollout.backend import WorkerSpec
 from rollout.config import ConfigError
 from rollout.eagle3 import HeadMismatchError, default_head_path
 from rollout.models import TargetConfig
 from rollout.params import SamplingParams, SpecConfig, VerifierConfig
+from rollout.ray.actor import RolloutWorker, check_head_folder, read_head_files
+from rollout.ray.actor_pool import RolloutPool
 from rollout.vllm.head import check_head
 
 HEAD = default_head_path()

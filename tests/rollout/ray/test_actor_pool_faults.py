@@ -14,9 +14,9 @@ import ray
 import torch
 from safetensors.torch import save_file
 
+from rollout.outputs import Completion, RolloutBatch, Timings
 from rollout.ray.actor import Shard, ShardResult, read_head_files
 from rollout.ray.actor_pool import RolloutPool, is_actor_death
-from rollout.outputs import Completion, RolloutBatch, Timings
 
 EX = ray.exceptions
 HANG = object()  # a call that never finishes

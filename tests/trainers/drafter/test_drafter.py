@@ -9,9 +9,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 from rollout.config import from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head, causal_mask
 from rollout.models import TargetModel
+from trainers.drafter.data import DrafterData, collate, draft_vocab, generate_batch, records_to_data
 from trainers.drafter.train import DrafterConfig, epoch_batches, init_from_target, lr_at, train_drafter
 from trainers.drafter.ttt import estimated_tau, ttt_entropy_floor, ttt_forward, ttt_loss, ttt_mask
-from trainers.drafter.data import DrafterData, collate, draft_vocab, generate_batch, records_to_data
 from trainers.tasks.general import general_prompts
 
 V = 300

@@ -9,8 +9,8 @@ from test_drafter import V, tiny_target
 
 from rollout.config import ConfigError, from_dict, load_yaml
 from rollout.eagle3 import Eagle3Config, Eagle3Head
-from trainers.drafter.train import DrafterConfig, train_drafter
 from trainers.drafter.data import DrafterDataConfig, draft_vocab, generate_batch, generate_dataset
+from trainers.drafter.train import DrafterConfig, train_drafter
 
 PROMPTS = [[5, 17, 40, 8], [9, 33, 101, 7, 12], [44, 3, 250]]
 

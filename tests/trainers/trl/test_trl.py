@@ -15,8 +15,8 @@ import torch
 from rollout.config import ConfigError
 from rollout.outputs import RolloutBatch
 from rollout.params import SpecConfig, VerifierConfig
-from trainers.grpo.correction import CorrectionConfig
 from tests.trainers.trl.trl_fixtures import PROMPTS, make_trainer
+from trainers.grpo.correction import CorrectionConfig
 
 os.environ.setdefault("TRL_EXPERIMENTAL_SILENCE", "1")
 trl = pytest.importorskip("trl")
