@@ -112,8 +112,11 @@ def test_cpp_and_torch_agree_on_the_same_uniforms(rule):
         a, c = out[True], out[False]
         assert torch.equal(a.tokens, c.tokens) and torch.equal(a.num_emitted, c.num_emitted)
         assert torch.equal(a.kinds, c.kinds) and torch.equal(a.relaxed, c.relaxed)
-        torch.testing.assert_close(a.behaviour_logprobs, c.behaviour_logprobs, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(a.target_logprobs, c.target_logprobs, atol=1e-5, rtol=1e-5)
+        # the backends sum the V = 49152 exponentials of log Z in different orders (the C++ in its
+        # SIMD width's partial sums: 16 lanes with AVX-512, 8 with AVX2), so the log-probs agree to
+        # float32 rounding of that sum: up to 1.8e-5 measured on an AVX2 build, within 1e-5 on AVX-512
+        torch.testing.assert_close(a.behaviour_logprobs, c.behaviour_logprobs, atol=5e-5, rtol=5e-5)
+        torch.testing.assert_close(a.target_logprobs, c.target_logprobs, atol=5e-5, rtol=5e-5)
         assert 1 < a.num_emitted.double().mean() < k + 1, "accepts, rejections and bonus tokens all occur"
 
 

@@ -243,8 +243,11 @@ def test_cpp_and_torch_agree_on_the_same_uniforms(rule):
         (c1, r1), (c0, r0) = out[True], out[False]
         assert torch.equal(c1, c0)
         assert torch.equal(r1.tokens, r0.tokens) and torch.equal(r1.accepted_index, r0.accepted_index)
-        torch.testing.assert_close(r1.behaviour_logprobs, r0.behaviour_logprobs, atol=1e-5, rtol=1e-5)
-        torch.testing.assert_close(r1.target_logprobs, r0.target_logprobs, atol=1e-5, rtol=1e-5)
+        # the backends sum the V = 49152 exponentials of log Z in different orders (the C++ in its
+        # SIMD width's partial sums: 16 lanes with AVX-512, 8 with AVX2), so the log-probs agree to
+        # float32 rounding of that sum: up to 1.8e-5 measured on an AVX2 build, within 1e-5 on AVX-512
+        torch.testing.assert_close(r1.behaviour_logprobs, r0.behaviour_logprobs, atol=5e-5, rtol=5e-5)
+        torch.testing.assert_close(r1.target_logprobs, r0.target_logprobs, atol=5e-5, rtol=5e-5)
         assert torch.equal(r1.relaxed, r0.relaxed) and (rule is LOSSLESS) == (not r1.relaxed.any())
         accepted = (r1.accepted_index >= 0).float().mean()
         assert 0.05 < accepted < 0.95, "both branches (accept, fallback) are exercised"
